@@ -1,0 +1,264 @@
+"""The driver service of one job: registration, rank assignment, rendezvous, results, failures.
+
+Each Spark task registers (partition index, host, host hash, pid, GPUs, a free port). When all
+``num_proc`` tasks have registered, ranks are assigned so that the ranks of one host hash are
+contiguous, and every task receives its settings. The rank processes then fetch the function,
+stream output and events, and report a result or a failure. The first failure sets the abort
+flag, which every task watches, so the whole job stops within a second or two.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from spark_estimators.driver.rpc import Connection, RpcServer
+from spark_estimators.errors import RemoteError
+
+logger = logging.getLogger(__name__)
+
+OutputSink = Callable[[int, str, list[str]], None]
+EventSink = Callable[[int, str, Any], None]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a Spark task told the driver about itself."""
+
+    index: int
+    host: str
+    host_hash: str
+    pid: int
+    address: str
+    port: int
+    gpus: tuple[str, ...] = ()
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """What the driver tells a task: its place in the job and the rendezvous point."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    master_addr: str
+    master_port: int
+    host_hash: str
+
+
+def assign_ranks(regs: list[Registration]) -> dict[int, RankSettings]:
+    """Map task index -> settings; ranks of one host hash are contiguous, in task-index order.
+
+    Hosts are ordered by their lowest task index, so task 0's host holds rank 0.
+    ``cross_rank`` / ``cross_size`` follow Horovod: the rank among the processes that share a
+    ``local_rank`` across hosts, and how many such processes there are.
+    """
+    by_host: dict[str, list[Registration]] = {}
+    for reg in sorted(regs, key=lambda r: r.index):
+        by_host.setdefault(reg.host_hash, []).append(reg)
+    hosts = list(by_host)  # insertion order = lowest task index first
+    ordered = [reg for h in hosts for reg in by_host[h]]
+    master = ordered[0]
+    out: dict[int, RankSettings] = {}
+    for rank, reg in enumerate(ordered):
+        peers = by_host[reg.host_hash]
+        local_rank = peers.index(reg)
+        same_slot = [h for h in hosts if len(by_host[h]) > local_rank]
+        out[reg.index] = RankSettings(
+            rank=rank,
+            size=len(ordered),
+            local_rank=local_rank,
+            local_size=len(peers),
+            cross_rank=same_slot.index(reg.host_hash),
+            cross_size=len(same_slot),
+            master_addr=master.address,
+            master_port=master.port,
+            host_hash=reg.host_hash,
+        )
+    return out
+
+
+@dataclass
+class JobState:
+    num_proc: int
+    payload: bytes
+    env: dict[str, str]
+    registrations: dict[int, Registration] = field(default_factory=dict)
+    settings: dict[int, RankSettings] = field(default_factory=dict)
+    results: dict[int, bytes] = field(default_factory=dict)
+    failures: dict[int, RemoteError] = field(default_factory=dict)
+    finished_tasks: set[int] = field(default_factory=set)
+    abort_reason: str | None = None
+
+
+class DriverService:
+    """Serves one job over :class:`RpcServer`; the runner waits on it.
+
+    Parameters
+    ----------
+    num_proc
+        Number of tasks that must register.
+    secret
+        Per-job HMAC key.
+    payload
+        cloudpickle of ``(fn, args, kwargs)``, handed to each rank process.
+    env
+        Extra environment for the rank processes.
+    host
+        Address to bind (the driver's address as executors see it).
+    output
+        ``output(rank, stream, lines)`` receives each rank's stdout/stderr lines.
+    events
+        ``events(rank, kind, data)`` receives events sent by rank code (metrics, progress).
+    """
+
+    def __init__(
+        self,
+        num_proc: int,
+        secret: bytes,
+        payload: bytes,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        output: OutputSink | None = None,
+        events: EventSink | None = None,
+        extra_handlers: dict[str, Callable[[Any, Connection], Any]] | None = None,
+    ):
+        self.state = JobState(num_proc=num_proc, payload=payload, env=dict(env or {}))
+        self._cond = threading.Condition()
+        self._output = output
+        self._events = events
+        self._extra = dict(extra_handlers or {})
+        self.server = RpcServer(secret, self._handle, host=host, on_disconnect=self._disconnected)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    # -- handlers --------------------------------------------------------------------------------
+    def _handle(self, kind: str, data: Any, conn: Connection) -> Any:
+        method = getattr(self, "_on_" + kind, None)
+        if method is not None:
+            return method(data, conn)
+        if kind in self._extra:
+            return self._extra[kind](data, conn)
+        raise ValueError(f"unknown request {kind!r}")
+
+    def _on_register(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        reg = Registration(**data)
+        with self._cond:
+            if reg.index in self.state.registrations and self.state.settings:
+                raise RuntimeError(f"task {reg.index} registered twice")
+            self.state.registrations[reg.index] = reg
+            conn.attrs["task_index"] = reg.index
+            if len(self.state.registrations) == self.state.num_proc:
+                self.state.settings = assign_ranks(list(self.state.registrations.values()))
+                self._cond.notify_all()
+            while not self.state.settings and self.state.abort_reason is None:
+                self._cond.wait()
+            if self.state.abort_reason is not None:
+                raise RuntimeError(f"job aborted before start: {self.state.abort_reason}")
+            settings = self.state.settings[reg.index]
+            conn.attrs["rank"] = settings.rank
+        return {"settings": settings, "env": self.state.env}
+
+    def _on_fetch_fn(self, data: Any, conn: Connection) -> bytes:
+        conn.attrs["rank"] = int(data)
+        conn.attrs["child"] = True
+        return self.state.payload
+
+    def _on_result(self, data: dict[str, Any], conn: Connection) -> None:
+        with self._cond:
+            self.state.results[int(data["rank"])] = data["value"]
+            self._cond.notify_all()
+
+    def _on_failure(self, data: dict[str, Any], conn: Connection) -> None:
+        self.record_failure(RemoteError(**data))
+
+    def _on_task_done(self, data: Any, conn: Connection) -> None:
+        with self._cond:
+            self.state.finished_tasks.add(int(data))
+            self._cond.notify_all()
+
+    def _on_log(self, data: dict[str, Any], conn: Connection) -> None:
+        if self._output is not None:
+            self._output(int(data["rank"]), data["stream"], data["lines"])
+
+    def _on_event(self, data: dict[str, Any], conn: Connection) -> None:
+        if self._events is not None:
+            self._events(int(data["rank"]), data["kind"], data["data"])
+
+    def _on_watch(self, data: Any, conn: Connection) -> dict[str, Any]:
+        """Long poll: answer when the job is aborted or after ``data`` seconds."""
+        timeout = float(data or 1.0)
+        with self._cond:
+            self._cond.wait_for(lambda: self.state.abort_reason is not None, timeout=timeout)
+            return {"abort": self.state.abort_reason}
+
+    def _disconnected(self, conn: Connection) -> None:
+        index = conn.attrs.get("task_index")
+        if index is None:
+            return
+        with self._cond:
+            if index in self.state.finished_tasks or self.state.abort_reason is not None:
+                return
+            settings = self.state.settings.get(index)
+            if settings is None:
+                # Lost before the rendezvous completed: Spark will report the task failure.
+                return
+            rank = settings.rank
+            reg = self.state.registrations[index]
+        if rank not in self.state.results:
+            self.record_failure(
+                RemoteError(
+                    rank=rank,
+                    host=reg.host,
+                    message="the Spark task lost its connection to the driver "
+                    "(its Python worker or executor died)",
+                )
+            )
+
+    # -- used by the runner ----------------------------------------------------------------------
+    def record_failure(self, failure: RemoteError) -> None:
+        with self._cond:
+            # Keep the first report of a rank: it carries the traceback.
+            self.state.failures.setdefault(failure.rank, failure)
+            if self.state.abort_reason is None:
+                self.state.abort_reason = f"rank {failure.rank} failed"
+            self._cond.notify_all()
+
+    def abort(self, reason: str) -> None:
+        with self._cond:
+            if self.state.abort_reason is None:
+                self.state.abort_reason = reason
+            self._cond.notify_all()
+
+    def wait(self, predicate: Callable[[JobState], bool], timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.state), timeout=timeout)
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def registered_summary(self) -> str:
+        regs = sorted(self.state.registrations.values(), key=lambda r: r.index)
+        if not regs:
+            return "no task registered"
+        return ", ".join(f"task {r.index} on {r.host} (pid {r.pid})" for r in regs)
+
+    def close(self) -> None:
+        self.abort("driver service closed")
+        self.server.close()
+
+
+def wait_until(deadline: float) -> float:
+    """Seconds left until ``deadline`` (monotonic), never negative."""
+    return max(0.0, deadline - time.monotonic())

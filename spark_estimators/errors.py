@@ -1,0 +1,112 @@
+"""The error hierarchy of spark_estimators.
+
+Every error that can cross a process boundary (rank child -> Spark task -> driver) defines
+``__reduce__`` so it survives pickling with its fields intact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+class SparkEstimatorsError(Exception):
+    """Base class of every error raised by spark_estimators."""
+
+
+class ConfigurationError(SparkEstimatorsError, ValueError):
+    """Bad input detected in the driver before any Spark job starts."""
+
+
+class StoreError(SparkEstimatorsError):
+    """A Store could not read, write or list a path."""
+
+
+class CollectiveError(SparkEstimatorsError, RuntimeError):
+    """A collective operation failed: not initialised, mismatched tensors, a peer died, timeout."""
+
+
+class RpcError(SparkEstimatorsError):
+    """A frame of the driver protocol was refused (bad signature, replay, oversized, truncated)."""
+
+
+class RendezvousTimeoutError(SparkEstimatorsError, TimeoutError):
+    """Not every rank registered with the driver within ``start_timeout`` seconds.
+
+    Parameters
+    ----------
+    message
+        Human-readable explanation.
+    registered
+        The Spark partition indices that did register.
+    expected
+        How many tasks were expected.
+    """
+
+    def __init__(self, message: str, registered: list[int] | None = None, expected: int = 0):
+        super().__init__(message)
+        self.registered = list(registered or [])
+        self.expected = expected
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.registered, self.expected))
+
+
+@dataclass(frozen=True)
+class RemoteError:
+    """What one failed rank reported: where it ran and the traceback it raised."""
+
+    rank: int
+    host: str
+    message: str
+    traceback: str = ""
+    exit_code: int | None = None
+
+    def describe(self) -> str:
+        head = f"rank {self.rank} on host {self.host!r}: {self.message}"
+        if self.exit_code is not None:
+            head += f" (exit code {self.exit_code})"
+        if self.traceback:
+            head += "\n" + _indent(self.traceback.rstrip())
+        return head
+
+
+class TrainingFailedError(SparkEstimatorsError, RuntimeError):
+    """One or more ranks failed; ``worker_failures`` maps rank -> :class:`RemoteError`."""
+
+    def __init__(self, message: str, worker_failures: dict[int, RemoteError] | None = None):
+        self.worker_failures = dict(worker_failures or {})
+        full = message
+        if self.worker_failures:
+            parts = [f.describe() for _, f in sorted(self.worker_failures.items())]
+            full = message + "\n" + "\n".join(parts)
+        super().__init__(full)
+        self._message = message
+
+    @property
+    def failed_ranks(self) -> list[int]:
+        return sorted(self.worker_failures)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._message, self.worker_failures))
+
+
+class ElasticResetLimitError(TrainingFailedError):
+    """An elastic job was reset more often than ``reset_limit`` allows."""
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())
+
+
+__all__ = [
+    "CollectiveError",
+    "ConfigurationError",
+    "ElasticResetLimitError",
+    "RemoteError",
+    "RendezvousTimeoutError",
+    "RpcError",
+    "SparkEstimatorsError",
+    "StoreError",
+    "TrainingFailedError",
+]

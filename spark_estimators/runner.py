@@ -1,0 +1,364 @@
+"""``run(fn, ...)``: run a function on ``num_proc`` Spark tasks as ranks of one collective group.
+
+How it works: a driver service (TCP, HMAC-signed frames, per-job secret) is started; a Spark
+**barrier** job ``spark.range(n, numPartitions=n).mapInArrow(task, schema, barrier=True)``
+gang-schedules one task per rank; each task registers, receives its rank and rendezvous point,
+and runs ``fn`` in a fresh child process whose environment carries torchrun's variables (so
+``torch.distributed.init_process_group("gloo")`` works unchanged) and ours (read by
+:func:`spark_estimators.collective.init`). ``fn``, its arguments and its result travel as
+cloudpickle inside the signed RPC, never through the Spark closure.
+
+Any rank that raises or dies fails the whole job: the other ranks are killed within about a
+second, the Spark job group is cancelled, and :class:`TrainingFailedError` names the rank(s),
+host(s) and remote traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import sysconfig
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from functools import partial
+from typing import IO, Any
+
+import cloudpickle
+
+from spark_estimators import envvars as ev
+from spark_estimators.core.session import available_task_slots, default_num_proc, get_spark
+from spark_estimators.driver.rpc import new_secret
+from spark_estimators.driver.service import DriverService, JobState
+from spark_estimators.errors import (
+    ConfigurationError,
+    RendezvousTimeoutError,
+    TrainingFailedError,
+)
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+ABORT_GRACE_S = 5.0
+
+EventCallback = Callable[[int, str, Any], None]
+
+
+def _resolve_backend(backend: str | None, use_mpi: bool | None, use_gloo: bool | None) -> str:
+    if use_mpi and use_gloo:
+        raise ConfigurationError("use_mpi=True and use_gloo=True conflict: choose one backend")
+    if use_mpi:
+        return "mpi"
+    if use_gloo:
+        return "gloo"
+    backend = backend or "auto"
+    if backend not in BACKENDS:
+        raise ConfigurationError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def _validate_env(env: dict[str, Any] | None) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, dict):
+        raise ConfigurationError(f"env must be a dict of str to str, got {type(env).__name__}")
+    bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise ConfigurationError(
+            f"env must map str to str; these keys do not: {bad[:5]!r} (convert values with str())"
+        )
+    return dict(env)
+
+
+def _by_value_module(fn: Any) -> Any:
+    """The module of ``fn`` when it is user code that executors may not import (scripts, tests).
+
+    Functions from installed packages (site-packages) and from spark_estimators travel by
+    reference; functions of a user's own modules travel by value, as ``__main__`` ones do.
+    """
+    name = getattr(fn, "__module__", None) or ""
+    module = sys.modules.get(name)
+    if module is None or name == "__main__" or name.split(".")[0] == "spark_estimators":
+        return None
+    path = getattr(module, "__file__", None) or ""
+    if not path or "site-packages" in path or "dist-packages" in path:
+        return None
+    if path.startswith(sysconfig.get_paths()["stdlib"]):
+        return None
+    return module
+
+
+def pickle_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """cloudpickle ``(fn, args, kwargs)``, by value for the user's own module of ``fn``."""
+    module = _by_value_module(fn)
+    if module is None:
+        return bytes(cloudpickle.dumps((fn, args, kwargs)))
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        return bytes(cloudpickle.dumps((fn, args, kwargs)))
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+
+
+def check_admission(spark: Any, num_proc: int) -> None:
+    """Fail fast when the cluster can never run ``num_proc`` tasks at once (barrier mode)."""
+    slots = available_task_slots(spark)
+    if slots is not None and num_proc > slots:
+        raise ConfigurationError(
+            f"num_proc={num_proc} needs {num_proc} concurrent Spark task slots, but the cluster "
+            f"(master {spark.sparkContext.master!r}) has {slots}. Use num_proc<={slots}, or add "
+            f"executors/cores (e.g. master local[{num_proc}], more spark.executor.instances, "
+            f"or a lower spark.task.cpus)."
+        )
+
+
+class _OutputPrinter:
+    """Writes rank output to the given streams, each line prefixed with ``[rank]``."""
+
+    def __init__(self, stdout: IO[str] | None, stderr: IO[str] | None, timestamp: bool):
+        self._stdout = stdout
+        self._stderr = stderr
+        self._timestamp = timestamp
+        self._lock = threading.Lock()
+
+    def __call__(self, rank: int, stream: str, lines: list[str]) -> None:
+        out = self._stderr if stream == "stderr" else self._stdout
+        if out is None:
+            out = sys.stderr if stream == "stderr" else sys.stdout
+        stamp = ""
+        if self._timestamp:
+            stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " "
+        text = "".join(f"[{rank}]{stamp and ' ' + stamp}{line}\n" for line in lines)
+        with self._lock:
+            out.write(text)
+            out.flush()
+
+
+def _spark_job(
+    spark: Any, num_proc: int, task_fn: Any, job_id: str, box: dict[str, Any], svc: DriverService
+) -> None:
+    sc = spark.sparkContext
+    try:
+        sc.setJobGroup(job_id, f"spark_estimators.run {num_proc} ranks", interruptOnCancel=True)
+        df = spark.range(num_proc, numPartitions=num_proc)
+        out = df.mapInArrow(task_fn, "index long, rank long, seconds double", barrier=True)
+        box["rows"] = out.collect()
+    except BaseException as exc:
+        box["error"] = exc
+    finally:
+        box["done"] = True
+        svc.notify()
+
+
+def run(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    num_proc: int | None = None,
+    start_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    verbose: int = 1,
+    use_gpu: bool | None = None,
+    prefix_output_with_timestamp: bool = False,
+    backend: str = "auto",
+    use_mpi: bool | None = None,
+    use_gloo: bool | None = None,
+    spark: Any = None,
+    event_callback: EventCallback | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark tasks; return the results by rank.
+
+    Parameters
+    ----------
+    fn
+        The function each rank runs. It may use ``torch.distributed`` directly (torchrun's
+        variables are set) or :mod:`spark_estimators.collective`.
+    args, kwargs
+        Arguments for ``fn``, shipped with cloudpickle inside the signed RPC.
+    num_proc
+        Number of ranks; defaults to ``spark.default.parallelism``.
+    start_timeout
+        Seconds for all tasks to be scheduled and registered (default 60, env
+        ``SPARK_ESTIMATORS_START_TIMEOUT``), counted from submission.
+    env
+        Extra environment variables for the rank processes (they travel inside the RPC).
+    stdout, stderr
+        File objects that receive the ranks' output, each line prefixed ``[rank]``; default
+        ``sys.stdout`` / ``sys.stderr``.
+    verbose
+        0 is quiet; 1 logs the launch at INFO; 2 at DEBUG level details.
+    use_gpu
+        None: give ranks the GPUs Spark assigned to their task, if any. False: hide GPUs.
+    prefix_output_with_timestamp
+        Add a timestamp after the ``[rank]`` prefix.
+    backend
+        Collective backend the ranks' ``collective.init()`` uses: "auto", "gloo", "nccl", "mpi".
+        ``use_mpi`` / ``use_gloo`` are horovod-compatible aliases.
+    spark
+        The SparkSession; default the active one (or an embedded ``local[2]``).
+    event_callback
+        ``callback(rank, kind, data)`` for events the ranks send with
+        :func:`spark_estimators.task.send_event` (metrics, progress).
+
+    Returns
+    -------
+    list
+        ``fn``'s return values, index ``i`` from rank ``i``.
+
+    Raises
+    ------
+    ConfigurationError
+        Bad arguments, or ``num_proc`` over the cluster's task slots (checked before any job).
+    RendezvousTimeoutError
+        Not all tasks started within ``start_timeout``.
+    TrainingFailedError
+        A rank raised or died; ``worker_failures`` maps rank -> RemoteError with the traceback.
+
+    Examples
+    --------
+    >>> def fn(magic_number):
+    ...     import spark_estimators.collective as hvd
+    ...     hvd.init()
+    ...     return hvd.rank(), magic_number
+    >>> spark_estimators.run(fn, args=(42,), num_proc=2)  # doctest: +SKIP
+    [(0, 42), (1, 42)]
+    """
+    if not callable(fn):
+        raise ConfigurationError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, list | tuple):
+        raise ConfigurationError(f"args must be a tuple or list, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigurationError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    collective_backend = _resolve_backend(backend, use_mpi, use_gloo)
+    extra_env = _validate_env(env)
+    timeout = ev.start_timeout() if start_timeout is None else float(start_timeout)
+    if timeout <= 0:
+        raise ConfigurationError(f"start_timeout must be > 0 seconds, got {start_timeout!r}")
+
+    spark = get_spark(spark)
+    if num_proc is None:
+        num_proc = default_num_proc(spark)
+    if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
+        raise ConfigurationError(f"num_proc must be a positive int, got {num_proc!r}")
+    check_admission(spark, num_proc)
+
+    payload = pickle_payload(fn, tuple(args), dict(kwargs or {}))
+    job_id = "spark_estimators-" + uuid.uuid4().hex[:12]
+    secret = new_secret()
+    driver_host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
+    svc = DriverService(
+        num_proc,
+        secret,
+        payload,
+        env=extra_env,
+        host=driver_host,
+        output=_OutputPrinter(stdout, stderr, prefix_output_with_timestamp),
+        events=event_callback,
+    )
+    launcher = _Launch(spark, svc, num_proc, job_id, timeout, collective_backend, use_gpu, secret)
+    try:
+        return launcher.run(verbose)
+    finally:
+        svc.close()
+
+
+class _Launch:
+    """One launch of a barrier job, waited on from the calling thread."""
+
+    def __init__(
+        self,
+        spark: Any,
+        svc: DriverService,
+        num_proc: int,
+        job_id: str,
+        start_timeout: float,
+        backend: str,
+        use_gpu: bool | None,
+        secret: bytes,
+    ):
+        from spark_estimators.task.spark_task import TaskConfig, barrier_task
+
+        self.spark, self.svc, self.num_proc, self.job_id = spark, svc, num_proc, job_id
+        self.start_timeout = start_timeout
+        config = TaskConfig(
+            driver_address=svc.address,
+            secret=secret,
+            job_id=job_id,
+            start_timeout=start_timeout,
+            backend=backend,
+            use_gpu=use_gpu,
+        )
+        self.task_fn = partial(barrier_task, config)
+        self.box: dict[str, Any] = {"done": False}
+
+    def run(self, verbose: int) -> list[Any]:
+        if verbose >= 1:
+            logger.info("launching %d ranks (job %s)", self.num_proc, self.job_id)
+        thread = threading.Thread(
+            target=_spark_job,
+            args=(self.spark, self.num_proc, self.task_fn, self.job_id, self.box, self.svc),
+            name="se-spark-job",
+            daemon=True,
+        )
+        started = time.monotonic()
+        thread.start()
+        try:
+            self._wait_started(started)
+            self.svc.wait(lambda s: self.box["done"] or s.abort_reason is not None, timeout=None)
+        except BaseException:
+            # KeyboardInterrupt (notebook interrupt) or a rendezvous timeout: stop everything.
+            self._stop(thread, "interrupted on the driver")
+            raise
+        if self.svc.state.abort_reason is not None:
+            self._stop(thread, self.svc.state.abort_reason)
+        return self._collect_results()
+
+    def _wait_started(self, started: float) -> None:
+        deadline = started + self.start_timeout
+
+        def registered_or_over(s: JobState) -> bool:
+            return bool(s.settings) or s.abort_reason is not None or self.box["done"]
+
+        if not self.svc.wait(registered_or_over, timeout=max(0.0, deadline - time.monotonic())):
+            registered = sorted(self.svc.state.registrations)
+            raise RendezvousTimeoutError(
+                f"only {len(registered)} of {self.num_proc} Spark tasks registered within "
+                f"start_timeout={self.start_timeout:g}s ({self.svc.registered_summary()}). "
+                f"The cluster may be busy or short of slots; raise start_timeout (or "
+                f"{ev.START_TIMEOUT}) or lower num_proc.",
+                registered=registered,
+                expected=self.num_proc,
+            )
+
+    def _stop(self, thread: threading.Thread, reason: str) -> None:
+        self.svc.abort(reason)
+        # Tasks kill their rank processes as soon as they see the abort, then return normally.
+        self.svc.wait(lambda s: self.box["done"], timeout=ABORT_GRACE_S)
+        if not self.box["done"]:
+            try:
+                self.spark.sparkContext.cancelJobGroup(self.job_id)
+            except Exception as exc:
+                logger.warning("could not cancel Spark job group %s: %s", self.job_id, exc)
+            thread.join(ABORT_GRACE_S)
+
+    def _collect_results(self) -> list[Any]:
+        state = self.svc.state
+        if state.failures:
+            ranks = ", ".join(str(r) for r in sorted(state.failures))
+            raise TrainingFailedError(
+                f"{len(state.failures)} of {self.num_proc} ranks failed (rank {ranks}); "
+                "the other ranks were stopped",
+                dict(state.failures),
+            )
+        if "error" in self.box:
+            raise TrainingFailedError(
+                f"the Spark barrier job failed: {self.box['error']}"
+            ) from self.box["error"]
+        missing = [r for r in range(self.num_proc) if r not in state.results]
+        if missing:
+            raise TrainingFailedError(f"ranks {missing} finished without reporting a result")
+        return [cloudpickle.loads(state.results[r]) for r in range(self.num_proc)]

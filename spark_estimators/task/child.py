@@ -1,0 +1,88 @@
+"""Entry point of a rank process: ``python -m spark_estimators.task.child``.
+
+Reads its connection details from stdin (length-prefixed pickle written by its parent task),
+fetches the user's function from the driver, runs it and reports the result or the traceback.
+A thread keeps reading stdin: EOF means the parent task is gone, and the rank kills its own
+process group so nothing is left running. Imports stay light so the process starts fast.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import threading
+import traceback
+from typing import Any
+
+
+def _read_config() -> dict[str, Any]:
+    head = sys.stdin.buffer.read(4)
+    if len(head) != 4:
+        raise SystemExit("spark_estimators.task.child must be started by a Spark task")
+    (n,) = struct.unpack("!I", head)
+    return dict(pickle.loads(sys.stdin.buffer.read(n)))
+
+
+def _lifeline() -> None:
+    try:
+        while sys.stdin.buffer.read(65536):
+            pass
+    except (OSError, ValueError):
+        pass
+    # The parent task is gone: take the whole process group (fn's own children too) with us.
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def main() -> None:
+    config = _read_config()
+    threading.Thread(target=_lifeline, name="se-lifeline", daemon=True).start()
+
+    import cloudpickle
+
+    from spark_estimators.driver.rpc import RpcClient
+    from spark_estimators.task import context
+
+    rank = int(config["rank"])
+    client = RpcClient(tuple(config["driver_address"]), config["secret"], timeout=None)
+    context.set_driver_client(client, rank)
+    code = 0
+    try:
+        fn, args, kwargs = cloudpickle.loads(client.call("fetch_fn", rank))
+        value = fn(*args, **(kwargs or {}))
+        _flush()
+        client.call("result", {"rank": rank, "value": cloudpickle.dumps(value)})
+    except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
+        code = 1
+        tb = traceback.format_exc()
+        _flush()
+        try:
+            client.call(
+                "failure",
+                {
+                    "rank": rank,
+                    "host": socket.gethostname(),
+                    "message": f"{type(exc).__name__}: {exc}",
+                    "traceback": tb,
+                },
+            )
+        except Exception:
+            sys.stderr.write(tb)
+    _flush()
+    # os._exit: never hang at interpreter exit on threads or process groups fn left behind.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""What runs inside one Spark barrier task: register, start the rank process, supervise it.
+
+The task registers with the driver service, receives its rank settings, and starts the user's
+function in a **fresh child process** (see DECISIONS: isolation of CUDA_VISIBLE_DEVICES, MPI init,
+kills). It streams the child's stdout/stderr to the driver line by line, watches the driver's
+abort flag and kills the child's whole process group when the job is aborted, and reports a
+child that died without reporting (e.g. SIGKILL) as a failure of its rank.
+
+The child's connection details and the job secret reach it through its stdin pipe, never the
+command line or the environment; stdin stays open as a lifeline: when this task dies, the child
+sees EOF and kills itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import queue
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from spark_estimators import envvars as ev
+from spark_estimators.driver.rpc import RpcClient
+from spark_estimators.errors import RemoteError
+
+STDERR_TAIL_LINES = 40
+WATCH_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """Everything a Spark task needs; shipped in the Spark closure (no function, no data)."""
+
+    driver_address: tuple[str, int]
+    secret: bytes
+    job_id: str
+    start_timeout: float
+    backend: str = "auto"
+    use_gpu: bool | None = None
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"TaskConfig(driver={self.driver_address}, job={self.job_id})"
+
+
+def host_hash(executor_address: str = "") -> str:
+    """Hostname plus the optional salt that splits one machine into several logical hosts.
+
+    ``{executor}`` in the salt is replaced by the task's executor address, so
+    ``spark.executorEnv.SPARK_ESTIMATORS_HOST_HASH_SALT={executor}`` makes every executor a
+    host of its own (how the tests get ``cross_rank > 0`` on one machine).
+    """
+    salt = os.environ.get(ev.HOST_HASH_SALT, "").replace("{executor}", executor_address)
+    name = socket.gethostname()
+    if not salt:
+        return name
+    return name + "-" + hashlib.sha1(salt.encode()).hexdigest()[:8]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict[str, str]:
+    """Environment of one rank process: torchrun's variables and ours."""
+    env = {
+        ev.MASTER_ADDR: settings.master_addr,
+        ev.MASTER_PORT: str(settings.master_port),
+        ev.RANK: str(settings.rank),
+        ev.WORLD_SIZE: str(settings.size),
+        ev.LOCAL_RANK: str(settings.local_rank),
+        ev.LOCAL_WORLD_SIZE: str(settings.local_size),
+        ev.GROUP_RANK: str(settings.cross_rank),
+        ev.SE_RANK: str(settings.rank),
+        ev.SE_SIZE: str(settings.size),
+        ev.SE_LOCAL_RANK: str(settings.local_rank),
+        ev.SE_LOCAL_SIZE: str(settings.local_size),
+        ev.SE_CROSS_RANK: str(settings.cross_rank),
+        ev.SE_CROSS_SIZE: str(settings.cross_size),
+        ev.SE_MASTER_ADDR: settings.master_addr,
+        ev.SE_MASTER_PORT: str(settings.master_port),
+        ev.SE_BACKEND: backend,
+        ev.SE_HOSTNAME: settings.host_hash,
+        "PYTHONUNBUFFERED": "1",
+    }
+    if gpus:
+        env[ev.CUDA_VISIBLE_DEVICES] = ",".join(gpus)
+    return env
+
+
+def _task_gpus(ctx: Any, use_gpu: bool | None) -> tuple[str, ...]:
+    if use_gpu is False:
+        return ()
+    try:
+        resources = ctx.resources()
+    except Exception:
+        return ()
+    gpu = resources.get("gpu")
+    return tuple(gpu.addresses) if gpu is not None else ()
+
+
+def write_child_config(stream: IO[bytes], config: dict[str, Any]) -> None:
+    blob = pickle.dumps(config)
+    stream.write(struct.pack("!I", len(blob)) + blob)
+    stream.flush()
+
+
+class _OutputForwarder:
+    """Reads a child's stdout/stderr and sends the lines to the driver in batches."""
+
+    def __init__(self, client: RpcClient, rank: int):
+        self._client = client
+        self._rank = rank
+        self._queue: queue.Queue[tuple[str, str] | None] = queue.Queue()
+        self.stderr_tail: list[str] = []
+        self._sender = threading.Thread(target=self._send_loop, daemon=True)
+        self._sender.start()
+        self._readers: list[threading.Thread] = []
+
+    def attach(self, pipe: IO[bytes], stream: str) -> None:
+        t = threading.Thread(target=self._read_loop, args=(pipe, stream), daemon=True)
+        t.start()
+        self._readers.append(t)
+
+    def _read_loop(self, pipe: IO[bytes], stream: str) -> None:
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if stream == "stderr":
+                self.stderr_tail.append(line)
+                del self.stderr_tail[:-STDERR_TAIL_LINES]
+            self._queue.put((stream, line))
+        pipe.close()
+
+    def _send_loop(self) -> None:
+        done = False
+        while not done:
+            item = self._queue.get()
+            batch = [item]
+            while True:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            by_stream: dict[str, list[str]] = {}
+            for entry in batch:
+                if entry is None:
+                    done = True
+                    continue
+                by_stream.setdefault(entry[0], []).append(entry[1])
+            for stream, lines in by_stream.items():
+                try:
+                    self._client.call("log", {"rank": self._rank, "stream": stream, "lines": lines})
+                except Exception:
+                    return
+
+    def close(self, timeout: float = 5.0) -> None:
+        for t in self._readers:
+            t.join(timeout)
+        self._queue.put(None)
+        self._sender.join(timeout)
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _watch_abort(
+    config: TaskConfig,
+    proc: subprocess.Popen[bytes],
+    stop: threading.Event,
+    aborted: threading.Event,
+) -> None:
+    """Kill the child's process group when the driver aborts the job or becomes unreachable."""
+    try:
+        client = RpcClient(config.driver_address, config.secret, timeout=WATCH_INTERVAL_S + 30)
+    except OSError:
+        _kill_group(proc)
+        return
+    try:
+        while not stop.is_set() and proc.poll() is None:
+            reply = client.call("watch", WATCH_INTERVAL_S)
+            if reply["abort"] is not None:
+                aborted.set()
+                _kill_group(proc)
+                return
+    except Exception:
+        if not stop.is_set():
+            aborted.set()
+            _kill_group(proc)
+    finally:
+        client.close()
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"the rank process was killed by signal {name}"
+    return f"the rank process exited with code {code} without reporting a result"
+
+
+def run_rank(
+    index: int, attempt: int, gpus: tuple[str, ...], config: TaskConfig, executor_address: str = ""
+) -> int:
+    """Register with the driver, run the rank process to completion, report; returns the rank."""
+    client = RpcClient(config.driver_address, config.secret, timeout=config.start_timeout + 30)
+    try:
+        hostname = socket.gethostname()
+        reg = {
+            "index": index,
+            "host": hostname,
+            "host_hash": host_hash(executor_address),
+            "pid": os.getpid(),
+            "address": client.local_address(),
+            "port": free_port(),
+            "gpus": gpus,
+            "attempt": attempt,
+        }
+        reply = client.call("register", reg)
+        settings = reply["settings"]
+        env = dict(os.environ)
+        env.update(rank_environment(settings, gpus, config.backend))
+        env.update(reply["env"])
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spark_estimators.task.child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+        )
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        forwarder = _OutputForwarder(client, settings.rank)
+        forwarder.attach(proc.stdout, "stdout")
+        forwarder.attach(proc.stderr, "stderr")
+        stop, aborted = threading.Event(), threading.Event()
+        watcher = threading.Thread(
+            target=_watch_abort, args=(config, proc, stop, aborted), daemon=True
+        )
+        watcher.start()
+        try:
+            write_child_config(
+                proc.stdin,
+                {
+                    "driver_address": config.driver_address,
+                    "secret": config.secret,
+                    "rank": settings.rank,
+                },
+            )
+        except BrokenPipeError:
+            pass
+        code = proc.wait()
+        stop.set()
+        _kill_group(proc)  # leave no grandchild behind
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        forwarder.close()
+        if code != 0 and not aborted.is_set():
+            tail = "\n".join(forwarder.stderr_tail)
+            client.call(
+                "failure",
+                RemoteError(
+                    rank=settings.rank,
+                    host=hostname,
+                    message=describe_exit(code),
+                    traceback=("last stderr lines:\n" + tail) if tail else "",
+                    exit_code=code,
+                ).__dict__,
+            )
+        client.call("task_done", index)
+        return int(settings.rank)
+    finally:
+        client.close()
+
+
+def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
+    """The ``mapInArrow(..., barrier=True)`` function: one rank per Spark partition."""
+    import pyarrow as pa
+    from pyspark import BarrierTaskContext
+
+    for _ in batches:  # consume the (tiny) input partition
+        pass
+    ctx = BarrierTaskContext.get()
+    index = ctx.partitionId()
+    gpus = _task_gpus(ctx, config.use_gpu)
+    started = time.time()
+    try:
+        executor_address = ctx.getTaskInfos()[index].address
+    except Exception:
+        executor_address = ""
+    rank = run_rank(index, ctx.attemptNumber(), gpus, config, executor_address)
+    yield pa.RecordBatch.from_pydict(
+        {"index": [index], "rank": [rank], "seconds": [time.time() - started]}
+    )

@@ -1,0 +1,167 @@
+"""run(fn) on a real local[2] SparkSession with real rank processes."""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+
+import pytest
+
+import spark_estimators
+from spark_estimators.errors import ConfigurationError, TrainingFailedError
+
+pytestmark = [pytest.mark.spark, pytest.mark.multiprocess, pytest.mark.timeout(180)]
+
+
+def _rank_info():
+    import os
+
+    keys = [
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "SPARK_ESTIMATORS_CROSS_RANK",
+        "SPARK_ESTIMATORS_CROSS_SIZE",
+    ]
+    return {k: os.environ.get(k) for k in keys} | {"pid": os.getpid()}
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_results_ordered_by_rank(spark, num_proc):
+    out = spark_estimators.run(_rank_info, num_proc=num_proc, spark=spark)
+    assert [int(r["RANK"]) for r in out] == list(range(num_proc))
+    assert {int(r["WORLD_SIZE"]) for r in out} == {num_proc}
+    assert [int(r["LOCAL_RANK"]) for r in out] == list(range(num_proc))
+    assert {r["SPARK_ESTIMATORS_CROSS_SIZE"] for r in out} == {"1"}
+    assert len({r["pid"] for r in out}) == num_proc
+    assert os.getpid() not in {r["pid"] for r in out}
+
+
+def _magic(magic_number, scale=1):
+    import os
+
+    print(f"hello from rank {os.environ['RANK']}")
+    return int(os.environ["RANK"]) * scale + magic_number
+
+
+def test_args_kwargs_env_and_prefixed_output(spark):
+    buf = io.StringIO()
+    out = spark_estimators.run(
+        _magic, args=(42,), kwargs={"scale": 10}, num_proc=2, spark=spark, stdout=buf
+    )
+    assert out == [42, 52]
+    lines = buf.getvalue().splitlines()
+    assert "[0]hello from rank 0" in lines
+    assert "[1]hello from rank 1" in lines
+
+    def read_env():
+        import os
+
+        return os.environ.get("MY_FLAG"), os.environ.get("HOME_NOT_COPIED_MARKER")
+
+    os.environ["HOME_NOT_COPIED_MARKER"] = "driver-only"
+    try:
+        got = spark_estimators.run(read_env, num_proc=2, spark=spark, env={"MY_FLAG": "on"})
+    finally:
+        del os.environ["HOME_NOT_COPIED_MARKER"]
+    # env= reaches every rank; the driver's own environment is not copied into ranks.
+    # (In local mode the executor inherits the driver process env at JVM start, before the
+    # marker was set.)
+    assert got == [("on", None), ("on", None)]
+
+
+def _torch_allreduce():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://")
+    t = torch.tensor([float(dist.get_rank() + 1)] * 3)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.tolist()
+
+
+def test_torchrun_env_lets_torch_distributed_allreduce(spark):
+    out = spark_estimators.run(_torch_allreduce, num_proc=2, spark=spark)
+    assert out == [[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]
+
+
+def _raise_on_rank_1():
+    import os
+    import time
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one is unhappy")
+    time.sleep(120)  # rank 0 would run long: the launcher must stop it.
+    return "not reached"
+
+
+def test_raising_rank_fails_fast_with_traceback(spark):
+    start = time.monotonic()
+    with pytest.raises(TrainingFailedError) as info:
+        spark_estimators.run(_raise_on_rank_1, num_proc=2, spark=spark)
+    elapsed = time.monotonic() - start
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+    err = info.value
+    assert err.failed_ranks == [1]
+    assert "rank one is unhappy" in err.worker_failures[1].traceback
+    assert "_raise_on_rank_1" in err.worker_failures[1].traceback
+    assert "rank 1 on host" in str(err)
+    # The error survives pickling with its failures (it crosses processes in notebooks/tools).
+    import pickle
+
+    again = pickle.loads(pickle.dumps(err))
+    assert again.failed_ranks == [1] and str(again) == str(err)
+
+
+def _kill_self_on_rank_0():
+    import os
+    import time
+
+    if os.environ["RANK"] == "0":
+        os.kill(os.getpid(), 9)
+    time.sleep(120)
+
+
+def test_sigkilled_rank_fails_fast_no_leftovers(spark):
+    start = time.monotonic()
+    with pytest.raises(TrainingFailedError) as info:
+        spark_estimators.run(_kill_self_on_rank_0, num_proc=2, spark=spark)
+    assert time.monotonic() - start < 10
+    failure = info.value.worker_failures[0]
+    assert "SIGKILL" in failure.message
+    assert failure.exit_code == -9
+    # The autouse fixture asserts no rank process is left running.
+
+
+def test_num_proc_over_slots_fails_in_driver_fast(spark):
+    start = time.monotonic()
+    with pytest.raises(ConfigurationError, match=r"num_proc=3 .* has 2") as info:
+        spark_estimators.run(_rank_info, num_proc=3, spark=spark)
+    assert time.monotonic() - start < 30
+    assert "local[3]" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"num_proc": 0}, "num_proc must be a positive int"),
+        ({"num_proc": 2, "backend": "tcp"}, "backend='tcp' is not one of"),
+        ({"num_proc": 2, "env": {"A": 1}}, "env must map str to str"),
+        ({"num_proc": 2, "start_timeout": -1}, "start_timeout must be > 0"),
+        ({"num_proc": 2, "use_mpi": True, "use_gloo": True}, "conflict"),
+    ],
+)
+def test_bad_arguments(spark, kwargs, pattern):
+    with pytest.raises(ConfigurationError, match=pattern):
+        spark_estimators.run(_rank_info, spark=spark, **kwargs)
+
+
+def test_run_after_failure_still_works(spark):
+    """A failed job leaves the session usable (no stuck barrier stage, no stale service)."""
+    with pytest.raises(TrainingFailedError):
+        spark_estimators.run(_raise_on_rank_1, num_proc=2, spark=spark)
+    assert spark_estimators.run(_magic, args=(1,), num_proc=2, spark=spark) == [1, 2]
