@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 ABORT_GRACE_S = 5.0
+ADMISSION_WAIT_S = 30.0
 
 EventCallback = Callable[[int, str, Any], None]
 
@@ -91,7 +92,7 @@ def _by_value_module(fn: Any) -> Any:
 
 
 def pickle_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """cloudpickle ``(fn, args, kwargs)``, by value for the user's own module of ``fn``."""
+    """Pickle ``(fn, args, kwargs)`` with cloudpickle, by value for the user's own module of fn."""
     module = _by_value_module(fn)
     if module is None:
         return bytes(cloudpickle.dumps((fn, args, kwargs)))
@@ -102,9 +103,12 @@ def pickle_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
         cloudpickle.unregister_pickle_by_value(module)
 
 
-def check_admission(spark: Any, num_proc: int) -> None:
-    """Fail fast when the cluster can never run ``num_proc`` tasks at once (barrier mode)."""
-    slots = available_task_slots(spark)
+def check_admission(spark: Any, num_proc: int, wait_s: float = 0.0) -> None:
+    """Fail fast when the cluster cannot run ``num_proc`` tasks at once (barrier mode).
+
+    On a cluster, executors that are still starting get up to ``wait_s`` seconds to register.
+    """
+    slots = available_task_slots(spark, needed=num_proc, wait_s=wait_s)
     if slots is not None and num_proc > slots:
         raise ConfigurationError(
             f"num_proc={num_proc} needs {num_proc} concurrent Spark task slots, but the cluster "
@@ -244,7 +248,7 @@ def run(
         num_proc = default_num_proc(spark)
     if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
         raise ConfigurationError(f"num_proc must be a positive int, got {num_proc!r}")
-    check_admission(spark, num_proc)
+    check_admission(spark, num_proc, wait_s=min(timeout, ADMISSION_WAIT_S))
 
     payload = pickle_payload(fn, tuple(args), dict(kwargs or {}))
     job_id = "spark_estimators-" + uuid.uuid4().hex[:12]
@@ -309,9 +313,12 @@ class _Launch:
         try:
             self._wait_started(started)
             self.svc.wait(lambda s: self.box["done"] or s.abort_reason is not None, timeout=None)
+        except RendezvousTimeoutError:
+            self._stop(thread, "start_timeout expired", grace=0.0)
+            raise
         except BaseException:
-            # KeyboardInterrupt (notebook interrupt) or a rendezvous timeout: stop everything.
-            self._stop(thread, "interrupted on the driver")
+            # KeyboardInterrupt (a notebook interrupt): stop every rank and the Spark job.
+            self._stop(thread, "interrupted on the driver", grace=0.0)
             raise
         if self.svc.state.abort_reason is not None:
             self._stop(thread, self.svc.state.abort_reason)
@@ -334,10 +341,11 @@ class _Launch:
                 expected=self.num_proc,
             )
 
-    def _stop(self, thread: threading.Thread, reason: str) -> None:
+    def _stop(self, thread: threading.Thread, reason: str, grace: float = ABORT_GRACE_S) -> None:
         self.svc.abort(reason)
-        # Tasks kill their rank processes as soon as they see the abort, then return normally.
-        self.svc.wait(lambda s: self.box["done"], timeout=ABORT_GRACE_S)
+        # Tasks kill their rank processes as soon as they see the abort, then return normally;
+        # cancelling the job group is the fallback (and the only way for tasks not yet started).
+        self.svc.wait(lambda s: self.box["done"], timeout=grace)
         if not self.box["done"]:
             try:
                 self.spark.sparkContext.cancelJobGroup(self.job_id)

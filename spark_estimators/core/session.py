@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import sys
+import time
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -71,28 +72,46 @@ def _local_cores(master: str) -> int | None:
     return None
 
 
-def available_task_slots(spark: Any) -> int | None:
-    """Total concurrent task slots of the cluster, or None when it cannot be known up front.
-
-    Local masters are read from the master string; other clusters ask the scheduler (the same
-    figure Spark's barrier check uses). With dynamic allocation the figure grows on demand, so
-    no limit is returned.
-    """
-    sc = spark.sparkContext
-    conf = sc.getConf()
-    task_cpus = int(conf.get("spark.task.cpus", "1") or 1)
-    cores = _local_cores(sc.master)
-    if cores is not None:
-        return max(cores // task_cpus, 0)
-    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
-        return None
+def _live_task_slots(spark: Any) -> int | None:
+    """Slots of the executors registered right now, as Spark's barrier check counts them."""
     try:
-        jsc = sc._jsc.sc()
+        jsc = spark.sparkContext._jsc.sc()
         profile = jsc.resourceProfileManager().defaultResourceProfile()
         return int(jsc.maxNumConcurrentTasks(profile))
     except Exception as exc:  # Spark Connect or a JVM without this method
         logger.debug("cannot read task slots from the scheduler: %s", exc)
-        return int(sc.defaultParallelism)
+        return None
+
+
+def available_task_slots(spark: Any, needed: int = 0, wait_s: float = 0.0) -> int | None:
+    """Total concurrent task slots of the cluster, or None when it cannot be known up front.
+
+    ``local[N]`` is read from the master string. Other clusters ask the scheduler (the figure
+    Spark's own barrier check uses), waiting up to ``wait_s`` for executors that are still
+    starting until ``needed`` slots exist, so Spark's barrier check (which retries only every
+    15 s) does not see too few. With dynamic allocation the figure grows on demand, so no
+    limit is returned.
+    """
+    sc = spark.sparkContext
+    conf = sc.getConf()
+    task_cpus = int(conf.get("spark.task.cpus", "1") or 1)
+    master = sc.master
+    configured = _local_cores(master)
+    configured_slots = None if configured is None else max(configured // task_cpus, 0)
+    if configured_slots is not None and (
+        not master.startswith("local-cluster") or configured_slots < needed
+    ):
+        return configured_slots
+    if conf.get("spark.dynamicAllocation.enabled", "false").lower() == "true":
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = _live_task_slots(spark)
+        if live is None:
+            return configured_slots if configured_slots is not None else sc.defaultParallelism
+        if live >= needed or time.monotonic() >= deadline:
+            return live
+        time.sleep(0.1)  # executors are still registering with the scheduler
 
 
 def default_num_proc(spark: Any) -> int:

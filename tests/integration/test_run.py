@@ -165,3 +165,55 @@ def test_run_after_failure_still_works(spark):
     with pytest.raises(TrainingFailedError):
         spark_estimators.run(_raise_on_rank_1, num_proc=2, spark=spark)
     assert spark_estimators.run(_magic, args=(1,), num_proc=2, spark=spark) == [1, 2]
+
+
+def _block_until_cancelled(batches):
+    import time
+
+    for batch in batches:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # holds a task slot until the job is cancelled
+            time.sleep(0.2)
+        yield batch
+
+
+def test_rendezvous_timeout_names_who_registered(spark):
+    """With one of two slots busy, the barrier job cannot start: RendezvousTimeoutError."""
+    import threading
+
+    from spark_estimators.errors import RendezvousTimeoutError
+
+    sc = spark.sparkContext
+    started = threading.Event()
+
+    def blocker():
+        sc.setJobGroup("blocker", "holds one slot", interruptOnCancel=True)
+        started.set()
+        try:
+            spark.range(1, numPartitions=1).mapInArrow(_block_until_cancelled, "id long").collect()
+        except Exception:
+            pass
+
+    thread = threading.Thread(target=blocker, daemon=True)
+    thread.start()
+    started.wait(10)
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + 60
+    while not tracker.getActiveStageIds() and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the scheduler for the blocker's stage to be running
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(
+            RendezvousTimeoutError,
+            match=r"of 2 Spark tasks registered within "
+            r"start_timeout=3s",
+        ) as info:
+            spark_estimators.run(_rank_info, num_proc=2, spark=spark, start_timeout=3)
+        assert 3 <= time.monotonic() - t0 < 15
+        assert info.value.expected == 2
+        assert len(info.value.registered) < 2
+    finally:
+        sc.cancelJobGroup("blocker")
+        thread.join(30)
+    # The session is usable again once the slot is free.
+    assert spark_estimators.run(_magic, args=(5,), num_proc=2, spark=spark) == [5, 6]
