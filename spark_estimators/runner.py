@@ -91,16 +91,54 @@ def _by_value_module(fn: Any) -> Any:
     return module
 
 
+def _user_modules(objects: Sequence[Any]) -> list[Any]:
+    """User modules that define the given objects or their classes.
+
+    For torch models, the classes of their sub-modules count too.
+    """
+    found: dict[str, Any] = {}
+
+    def visit(obj: Any) -> None:
+        for candidate in (obj, type(obj)):
+            module = _by_value_module(candidate)
+            if module is not None:
+                found[module.__name__] = module
+
+    for obj in objects:
+        if isinstance(obj, list | tuple):
+            for item in obj:
+                visit(item)
+            continue
+        visit(obj)
+        children = getattr(obj, "modules", None)  # torch.nn.Module
+        if callable(children):
+            try:
+                for child in children():
+                    visit(child)
+            except TypeError:
+                pass
+    return list(found.values())
+
+
+def dumps_by_value(obj: Any, roots: Sequence[Any] = ()) -> bytes:
+    """Pickle ``obj`` with cloudpickle; user modules of ``roots`` and ``obj`` go by value.
+
+    Executors and rank processes can import installed packages but not a user's own modules
+    (a test file, a script next to the notebook), so those are pickled by value.
+    """
+    modules = _user_modules([obj, *roots])
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return bytes(cloudpickle.dumps(obj))
+    finally:
+        for module in modules:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
 def pickle_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
     """Pickle ``(fn, args, kwargs)`` with cloudpickle, by value for the user's own module of fn."""
-    module = _by_value_module(fn)
-    if module is None:
-        return bytes(cloudpickle.dumps((fn, args, kwargs)))
-    cloudpickle.register_pickle_by_value(module)
-    try:
-        return bytes(cloudpickle.dumps((fn, args, kwargs)))
-    finally:
-        cloudpickle.unregister_pickle_by_value(module)
+    return dumps_by_value((fn, args, kwargs), roots=[fn])
 
 
 def check_admission(spark: Any, num_proc: int, wait_s: float = 0.0) -> None:

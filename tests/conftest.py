@@ -12,6 +12,10 @@ import pytest
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+# Inherited by the JVM, its Python workers and the rank processes they start: lets the leak check
+# tell this test session's rank processes from other sessions' on the same machine.
+SESSION_MARKER = "SPARK_ESTIMATORS_TEST_SESSION"
+os.environ.setdefault(SESSION_MARKER, str(os.getpid()))
 
 
 @pytest.fixture(scope="session")
@@ -56,10 +60,16 @@ def rank_processes() -> list[int]:
     import psutil
 
     found = []
+    marker = os.environ[SESSION_MARKER]
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = proc.info.get("cmdline") or []
-        if "spark_estimators.task.child" in cmd and proc.info.get("status") != "zombie":
-            found.append(proc.info["pid"])
+        if "spark_estimators.task.child" not in cmd or proc.info.get("status") == "zombie":
+            continue
+        try:
+            if proc.environ().get(SESSION_MARKER) == marker:
+                found.append(proc.info["pid"])
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            continue
     return found
 
 

@@ -1,0 +1,211 @@
+"""Data path: prepare_data vs df.write.parquet, and reader rows/s vs raw pyarrow (and petastorm).
+
+Usage: .venv/bin/python bench/data.py [--rows 1000000] [--batch-size 256] [--repeats 3]
+       [--layout array|scalars]
+
+Dataset: ``rows`` x 32 float32 features + a float32 label, cached in Spark memory first so both
+writers measure shuffle + write only. ``--layout array`` (default) keeps the features in one
+``array<float>`` column (what VectorAssembler users get, one tensor per batch); ``scalars`` uses 32
+float columns (our reader then stacks them with ``stack_columns``).
+
+1. Write: ``prepare_data(2, ...)`` (fresh store each time, so never a cache hit) vs
+   ``df.repartition(n).write.parquet`` with the same ``n`` (same shuffle). Median of repeats,
+   alternating order. Target: ratio <= 1.15.
+2. Read, one process reading the whole prepared train set (rank 0 of 1), page cache warm:
+   - raw: ``pyarrow.dataset`` scan -> numpy arrays per record batch (the limit: no batching);
+   - ours: ``torch_batches(make_batch_reader(...))``, batches of ``--batch-size`` as torch tensors,
+     without and with shuffle, and from the in-memory cache (second epoch);
+   - petastorm ``make_batch_reader`` + ``BatchedDataLoader`` when petastorm is importable.
+   Best of repeats. Targets: ours (no shuffle) >= 0.8x raw, >= 3x petastorm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+
+from spark_estimators.core.session import create_local_session
+from spark_estimators.data import make_batch_reader, prepare_data, torch_batches
+from spark_estimators.store import LocalStore
+
+N_FEATURES = 32
+
+
+def make_df(spark, rows: int, layout: str):
+    from pyspark.sql import functions as F
+
+    base = spark.range(rows, numPartitions=4)
+    cols = [F.rand(seed=i).cast("float").alias(f"f{i}") for i in range(N_FEATURES)]
+    label = F.rand(seed=99).cast("float").alias("label")
+    if layout == "array":
+        df = base.select(F.array(*cols).alias("features"), label)
+        features = ["features"]
+    else:
+        df = base.select(*cols, label)
+        features = [f"f{i}" for i in range(N_FEATURES)]
+    df = df.cache()
+    df.count()
+    return df, features
+
+
+def bench_write(spark, df, features, repeats: int, ppp: int | None) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {"prepare_data": [], "repartition+write.parquet": []}
+    parts: list[int] = []
+    root = tempfile.mkdtemp(prefix="bench-data-")
+
+    def ours(k: int) -> None:
+        store = LocalStore(f"{root}/store-{k}")
+        t0 = time.perf_counter()
+        meta = prepare_data(
+            2, store, df, features, ["label"], partitions_per_process=ppp, verbose=0
+        )
+        times["prepare_data"].append(time.perf_counter() - t0)
+        parts.append(int(meta.params["partitions"]))
+
+    def plain(k: int) -> None:
+        n = parts[-1] if parts else 2 * (ppp or 1)
+        t0 = time.perf_counter()
+        df.repartition(n).write.mode("overwrite").parquet(f"{root}/plain-{k}")
+        times["repartition+write.parquet"].append(time.perf_counter() - t0)
+
+    ours(-1)  # warm-up (Python workers, JIT of the plan) and the partition count for plain
+    plain(-1)
+    for name in times:
+        times[name].clear()
+    for k in range(repeats):
+        first, second = (ours, plain) if k % 2 == 0 else (plain, ours)
+        first(k)
+        second(k)
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"partitions: {parts[-1]}")
+    return times
+
+
+def best_rows_per_s(cases: dict[str, Callable[[], int]], repeats: int) -> dict[str, float]:
+    """Best rows/s of each case over ``repeats`` rounds that interleave the cases (load noise)."""
+    best = dict.fromkeys(cases, 0.0)
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            n = fn()
+            best[name] = max(best[name], n / (time.perf_counter() - t0))
+    return best
+
+
+def count_rows(batches: Iterable[dict], key: str) -> int:
+    return sum(len(b[key]) for b in batches)
+
+
+def bench_read(store, meta, features, batch_size: int, repeats: int) -> dict[str, float]:
+    import pyarrow.dataset as pads
+
+    files = [f.path for f in meta.train_files]
+    cols = [*features, "label"]
+    stack = {"features": features} if len(features) > 1 else None
+
+    def raw() -> int:
+        n = 0
+        for rb in pads.dataset(files, format="parquet").to_batches(columns=cols):
+            arrays = {}
+            for name in cols:
+                col = rb.column(name)
+                if name == "features" and stack is None:
+                    arrays[name] = col.flatten().to_numpy().reshape(len(rb), N_FEATURES)
+                else:
+                    arrays[name] = col.to_numpy()
+            n += len(arrays["label"])
+        return n
+
+    def ours(shuffle: bool, cache: bool = False, workers: int = 1):
+        reader = make_batch_reader(
+            store,
+            meta,
+            rank=0,
+            size=1,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            inmemory_cache=cache,
+            stack_columns=stack,
+            num_workers=workers,
+        )
+        if cache:
+            count_rows(torch_batches(reader), "label")  # first epoch fills the cache
+        return lambda: count_rows(torch_batches(reader), "label")
+
+    raw()  # page cache warm
+    import torch  # noqa: F401  (imported before timing: the adapter imports it lazily)
+
+    cases = {
+        "raw pyarrow.dataset -> numpy": raw,
+        "ours, torch, no shuffle": ours(False),
+        "ours, torch, no shuffle, 2 workers": ours(False, workers=2),
+        "ours, torch, shuffle": ours(True),
+        "ours, torch, shuffle, in-memory cache": ours(True, cache=True),
+    }
+    try:
+        from petastorm import make_batch_reader as petastorm_reader
+        from petastorm.pytorch import BatchedDataLoader
+    except ImportError:
+        print("petastorm: not importable here (needs pyarrow 14 / numpy<2), skipped")
+    else:
+
+        def petastorm() -> int:
+            urls = ["file://" + f for f in files]
+            with petastorm_reader(urls, num_epochs=1, schema_fields=cols) as reader:
+                loader = BatchedDataLoader(reader, batch_size=batch_size)
+                return count_rows(loader, "label")
+
+        cases["petastorm make_batch_reader + BatchedDataLoader"] = petastorm
+    return best_rows_per_s(cases, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--layout", choices=["array", "scalars"], default="array")
+    parser.add_argument("--partitions-per-process", type=int, default=None)
+    parser.add_argument("--skip-write", action="store_true", help="only the reader comparison")
+    args = parser.parse_args()
+
+    spark = create_local_session("local[2]", spark__driver__memory="4g")
+    spark.sparkContext.setLogLevel("ERROR")
+    df, features = make_df(spark, args.rows, args.layout)
+    print(f"rows={args.rows} layout={args.layout} batch_size={args.batch_size}")
+
+    if not args.skip_write:
+        times = bench_write(spark, df, features, args.repeats, args.partitions_per_process)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for name, values in times.items():
+            shown = ", ".join(f"{v:.2f}" for v in values)
+            print(f"  {name:28s} median {med[name]:6.2f} s  ({shown})")
+        ratio = med["prepare_data"] / med["repartition+write.parquet"]
+        print(f"  prepare_data / write.parquet = {ratio:.2f}x (target <= 1.15)")
+
+    root = tempfile.mkdtemp(prefix="bench-read-")
+    store = LocalStore(root)
+    meta = prepare_data(2, store, df, features, ["label"], verbose=0)
+    print(
+        f"prepared: {len(meta.train_files)} files, {meta.train_bytes / 1e6:.0f} MB, "
+        f"row groups per file {meta.train_files[0].row_groups[:3]}..."
+    )
+    speeds = bench_read(store, meta, features, args.batch_size, args.repeats)
+    raw = speeds["raw pyarrow.dataset -> numpy"]
+    for name, value in speeds.items():
+        print(f"  {name:50s} {value / 1e6:6.2f} M rows/s  {value / raw:5.2f}x raw")
+    ours = speeds["ours, torch, no shuffle"]
+    print(f"  ours / raw = {ours / raw:.2f}x (target >= 0.8)")
+    peta = speeds.get("petastorm make_batch_reader + BatchedDataLoader")
+    if peta:
+        print(f"  ours / petastorm = {ours / peta:.2f}x (target >= 3)")
+    shutil.rmtree(root, ignore_errors=True)
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Where ``collective.init()`` finds its rank, its backend and its knobs: the environment.
+
+Our variables (set by :func:`spark_estimators.run` and ``python -m spark_estimators.launch``) are
+read first; torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are the fallback, so the
+same script also runs under ``torchrun``. With neither, the process is a job of one (Horovod
+does the same when a script is started without its launcher).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+
+from spark_estimators import envvars as ev
+from spark_estimators.collective.backend import Topology
+from spark_estimators.errors import ConfigurationError
+
+#: torchrun sets this next to GROUP_RANK (number of nodes); used when ours is absent.
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+BACKEND_CHOICES = ("auto", "gloo", "nccl", "mpi")
+
+
+def _first_int(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigurationError(
+                    f"environment variable {name}={raw!r} is not an integer"
+                ) from None
+    return default
+
+
+def _first_str(names: tuple[str, ...]) -> str | None:
+    for name in names:
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            return raw
+    return None
+
+
+def topology_from_env() -> Topology:
+    """The :class:`~spark_estimators.collective.backend.Topology` of this process.
+
+    Raises
+    ------
+    ConfigurationError
+        A variable is not an integer, a rank is out of range, or ``size > 1`` without a
+        rendezvous address.
+    """
+    size = _first_int((ev.SE_SIZE, ev.WORLD_SIZE), 1)
+    rank = _first_int((ev.SE_RANK, ev.RANK), 0)
+    # Without local information assume one host, as a plain multi-process launch would be.
+    local_size = _first_int((ev.SE_LOCAL_SIZE, ev.LOCAL_WORLD_SIZE), size)
+    local_rank = _first_int((ev.SE_LOCAL_RANK, ev.LOCAL_RANK), rank % max(local_size, 1))
+    cross_rank = _first_int((ev.SE_CROSS_RANK, ev.GROUP_RANK), 0)
+    cross_size = _first_int((ev.SE_CROSS_SIZE, GROUP_WORLD_SIZE), max(1, size // local_size))
+    addr = _first_str((ev.SE_MASTER_ADDR, ev.MASTER_ADDR))
+    port = _first_int((ev.SE_MASTER_PORT, ev.MASTER_PORT), 0)
+    if size > 1 and (addr is None or port <= 0):
+        raise ConfigurationError(
+            f"size={size} ranks need a rendezvous point: set {ev.SE_MASTER_ADDR} and "
+            f"{ev.SE_MASTER_PORT} (or MASTER_ADDR/MASTER_PORT), or start the script with "
+            "python -m spark_estimators.launch -np N, torchrun or spark_estimators.run"
+        )
+    return Topology(
+        rank=rank,
+        size=size,
+        local_rank=local_rank,
+        local_size=local_size,
+        cross_rank=cross_rank,
+        cross_size=cross_size,
+        master_addr=addr or "127.0.0.1",
+        master_port=port,
+        hostname=os.environ.get(ev.SE_HOSTNAME) or socket.gethostname(),
+    )
+
+
+def requested_backend(backend: str | None = None) -> str:
+    """The backend name asked for: the argument, else ``SPARK_ESTIMATORS_BACKEND``, else auto."""
+    name = (backend or os.environ.get(ev.SE_BACKEND, "") or "auto").strip().lower()
+    if name not in BACKEND_CHOICES:
+        from spark_estimators.collective.backend import registered_backends
+
+        if name not in registered_backends():
+            raise ConfigurationError(
+                f"backend={name!r} is not one of {', '.join(BACKEND_CHOICES)} "
+                f"(argument of init() or {ev.SE_BACKEND})"
+            )
+    return name
+
+
+def resolve_backend(name: str) -> str:
+    """Turn ``"auto"`` into a concrete name: nccl with a CUDA device, else gloo (else mpi)."""
+    if name != "auto":
+        return name
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    if importlib.util.find_spec("mpi4py") is not None:
+        return "mpi"
+    raise ConfigurationError(
+        "backend='auto' found neither torch (gloo/nccl) nor mpi4py (mpi); install one with "
+        "pip install 'spark-estimators[torch]' or 'spark-estimators[mpi]'"
+    )
+
+
+def collective_timeout(timeout: float | None = None) -> float:
+    """Seconds an op may wait for its peers (argument, else env, default 120)."""
+    value = ev.collective_timeout() if timeout is None else float(timeout)
+    if value <= 0:
+        raise ConfigurationError(
+            f"collective timeout must be > 0 seconds, got {value!r} ({ev.COLLECTIVE_TIMEOUT})"
+        )
+    return value
+
+
+def start_timeout(timeout: float | None = None) -> float:
+    """Seconds ``init()`` waits for every rank at the rendezvous (argument, else env, 60)."""
+    value = ev.start_timeout() if timeout is None else float(timeout)
+    if value <= 0:
+        raise ConfigurationError(
+            f"start timeout must be > 0 seconds, got {value!r} ({ev.START_TIMEOUT})"
+        )
+    return value
+
+
+def fusion_threshold(threshold: int | None = None) -> int:
+    """Bytes per fused gradient bucket (argument, else env, default 128 MiB; 0 = no fusion)."""
+    if threshold is None:
+        try:
+            threshold = ev.env_int(ev.FUSION_THRESHOLD, ev.DEFAULT_FUSION_THRESHOLD)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+    if threshold < 0:
+        raise ConfigurationError(
+            f"fusion threshold must be >= 0 bytes (0 disables fusion), got {threshold!r} "
+            f"({ev.FUSION_THRESHOLD})"
+        )
+    return int(threshold)

@@ -1,0 +1,249 @@
+"""Gloo and NCCL backends over ``torch.distributed`` (torch is imported inside methods only).
+
+* ``gloo``: one Gloo process group; numpy buffers are wrapped zero-copy with ``torch.from_numpy``.
+* ``nccl``: one process group with two backends, ``"cpu:gloo,cuda:nccl"``: CUDA tensors go
+  through NCCL, CPU tensors and numpy buffers (negotiation, objects) through Gloo. The rank's
+  device is ``cuda:(local_rank % device_count)``: ``cuda:0`` inside :func:`spark_estimators.run`
+  (the task masks ``CUDA_VISIBLE_DEVICES`` to its GPU), ``cuda:local_rank`` under the local
+  launcher with every GPU visible. NCCL errors and timeouts are handled by torch's NCCL watchdog,
+  which aborts the process when an op exceeds the collective timeout.
+
+If ``torch.distributed`` is already initialised (a script that called ``init_process_group``
+itself, e.g. under torchrun), the default group is reused and left alone at shutdown.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from spark_estimators.collective.backend import Backend, Buffer, ReduceOp
+from spark_estimators.errors import CollectiveError, ConfigurationError, RendezvousTimeoutError
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+#: Set by torchrun when its agent hosts the rendezvous store.
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def _torch_op(op: ReduceOp) -> Any:
+    import torch.distributed as dist
+
+    return {
+        ReduceOp.SUM: dist.ReduceOp.SUM,
+        ReduceOp.MIN: dist.ReduceOp.MIN,
+        ReduceOp.MAX: dist.ReduceOp.MAX,
+        ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+        ReduceOp.AVERAGE: dist.ReduceOp.AVG,
+    }[op]
+
+
+def _gather_single(out: torch.Tensor, tensor: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    # torch >= 2.10 renamed all_gather_into_tensor (the old name warns).
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, tensor)
+
+
+def _reduce_scatter_single(out: torch.Tensor, tensor: torch.Tensor, op: Any) -> None:
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, tensor, op=op)
+
+
+def _as_tensor(buf: Buffer) -> torch.Tensor:
+    import torch
+
+    if isinstance(buf, np.ndarray):
+        return torch.from_numpy(buf)
+    return buf
+
+
+def _like_input(result: torch.Tensor, buf: Buffer) -> Buffer:
+    return result.numpy() if isinstance(buf, np.ndarray) else result
+
+
+class TorchDistributedBackend(Backend):
+    """Shared implementation of the torch.distributed backends."""
+
+    dist_backend: ClassVar[str] = "gloo"
+
+    def __init__(self, topology: Any, *, timeout: float, start_timeout: float) -> None:
+        super().__init__(topology, timeout=timeout, start_timeout=start_timeout)
+        self._owns_group = False
+        self.device: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _device(self) -> Any:
+        import torch
+
+        return torch.device("cpu")
+
+    def start(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.device = self._device()
+        # ReduceOp.AVG: NCCL has it natively; Gloo since torch 2.7 (saves a scaling pass).
+        version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+        self.native_average = self.name == "nccl" or version >= (2, 7)
+        if dist.is_initialized():
+            if dist.get_world_size() != self.size or dist.get_rank() != self.rank:
+                raise ConfigurationError(
+                    f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()}, but the environment says rank {self.rank} of "
+                    f"{self.size}; call init() before init_process_group or not at all"
+                )
+            logger.debug("reusing the existing torch.distributed default group")
+            return
+        timeout = datetime.timedelta(seconds=self.timeout)
+        topo = self.topology
+        if self.size == 1:
+            store: Any = dist.HashStore()
+        else:
+            # Under torchrun the agent already serves the store: every rank is a client.
+            agent_store = os.environ.get(TORCHELASTIC_USE_AGENT_STORE, "").lower() == "true"
+            try:
+                store = dist.TCPStore(
+                    topo.master_addr,
+                    topo.master_port,
+                    self.size,
+                    is_master=self.rank == 0 and not agent_store,
+                    timeout=datetime.timedelta(seconds=self.start_timeout),
+                    wait_for_workers=True,
+                )
+            except (RuntimeError, OSError) as exc:
+                raise RendezvousTimeoutError(
+                    f"rank {self.rank} could not meet the other {self.size - 1} rank(s) at "
+                    f"{topo.master_addr}:{topo.master_port} within start_timeout="
+                    f"{self.start_timeout:g}s ({exc}); check that every rank was started and "
+                    "that the address is reachable, or raise SPARK_ESTIMATORS_START_TIMEOUT",
+                    expected=self.size,
+                ) from exc
+        kwargs: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device
+        try:
+            dist.init_process_group(
+                self.dist_backend,
+                store=store,
+                rank=self.rank,
+                world_size=self.size,
+                timeout=timeout,
+                **kwargs,
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(
+                f"rank {self.rank}: torch.distributed.init_process_group("
+                f"{self.dist_backend!r}) failed: {exc}"
+            ) from exc
+        self._owns_group = True
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if self._owns_group and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a broken group must not stop the shutdown
+                logger.debug("destroy_process_group failed: %s", exc)
+        self._owns_group = False
+
+    # -- data ops ----------------------------------------------------------------------------
+    def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
+        import torch.distributed as dist
+
+        dist.all_reduce(_as_tensor(buf), op=_torch_op(op))
+
+    def broadcast(self, buf: Buffer, root: int) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(_as_tensor(buf), src=root)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+    def allgather(self, buf: Buffer, first_dims: Sequence[int]) -> Buffer:
+        import torch
+
+        tensor = _as_tensor(buf)
+        rest = tuple(tensor.shape[1:])
+        most = max(first_dims)
+        if all(d == most for d in first_dims):
+            out = tensor.new_empty((most * self.size, *rest))
+            if out.numel():
+                _gather_single(out, tensor.contiguous())
+            return _like_input(out, buf)
+        # Gloo needs equal sizes: pad every contribution to the largest, then drop the padding.
+        padded = tensor.new_zeros((most, *rest))
+        padded[: tensor.shape[0]] = tensor
+        gathered = tensor.new_empty((most * self.size, *rest))
+        _gather_single(gathered, padded)
+        parts = [gathered[r * most : r * most + d] for r, d in enumerate(first_dims)]
+        return _like_input(torch.cat(parts), buf)
+
+    def alltoall(self, buf: Buffer, send_rows: Sequence[int], recv_rows: Sequence[int]) -> Buffer:
+        import torch.distributed as dist
+
+        tensor = _as_tensor(buf)
+        out = tensor.new_empty((sum(recv_rows), *tensor.shape[1:]))
+        dist.all_to_all_single(
+            out,
+            tensor.contiguous(),
+            output_split_sizes=list(recv_rows),
+            input_split_sizes=list(send_rows),
+        )
+        return _like_input(out, buf)
+
+    def reducescatter(self, buf: Buffer, op: ReduceOp, rows: Sequence[int]) -> Buffer:
+
+        tensor = _as_tensor(buf)
+        if len(set(rows)) > 1 or op is not ReduceOp.SUM:
+            return super().reducescatter(buf, op, rows)
+        out = tensor.new_empty((rows[self.rank], *tensor.shape[1:]))
+        _reduce_scatter_single(out, tensor.contiguous(), _torch_op(op))
+        return _like_input(out, buf)
+
+    def zeros(self, numel: int, dtype: str, device: str) -> Buffer:
+        import torch
+
+        target = self.device if device == "cuda" else torch.device("cpu")
+        return torch.zeros(numel, dtype=getattr(torch, dtype), device=target)
+
+
+class GlooBackend(TorchDistributedBackend):
+    """CPU collectives over Gloo (the default without a GPU)."""
+
+    name = "gloo"
+    dist_backend = "gloo"
+
+
+class NcclBackend(TorchDistributedBackend):
+    """GPU collectives over NCCL, with Gloo for CPU buffers in the same group."""
+
+    name = "nccl"
+    dist_backend = "cpu:gloo,cuda:nccl"
+
+    def _device(self) -> Any:
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() == 0:
+            raise ConfigurationError(
+                "backend='nccl' needs a CUDA device, but torch sees none; use backend='gloo' "
+                "or 'auto'"
+            )
+        index = self.topology.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)

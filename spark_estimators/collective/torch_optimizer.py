@@ -1,0 +1,418 @@
+"""``DistributedOptimizer``, ``broadcast_parameters`` and ``broadcast_optimizer_state``.
+
+The optimizer allreduces gradients while backward runs, fused into buckets; the broadcasts start
+every rank from the same model and optimizer state.
+
+How it works (Horovod's design, with DDP-style static buckets):
+
+* The trainable parameters are split into buckets in reverse registration order (the order in
+  which backward produces their gradients), one dtype and device per bucket, each up to the
+  fusion threshold in bytes (``SPARK_ESTIMATORS_FUSION_THRESHOLD`` or ``fusion_threshold=``,
+  default 128 MiB; 0 gives one bucket per parameter). ``groups=`` replaces this plan.
+* A post-accumulate-grad hook on every parameter counts backward passes; on the
+  ``backward_passes_per_step``-th pass the parameter is ready. Buckets are launched as
+  asynchronous fused allreduces *in bucket order* when all their parameters are ready, so every
+  rank submits the same ops in the same order whatever order autograd runs hooks in.
+* ``step()`` (or ``synchronize()``) launches what is left (a parameter without a gradient
+  contributes zeros, as in Horovod), waits for every bucket, writes the averaged gradients back
+  and calls the wrapped optimizer's ``step``.
+
+With ``backward_passes_per_step=k`` gradients accumulate locally over k backward passes and the
+sum is averaged across ranks once (Horovod's semantics, not divided by k).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from spark_estimators.collective import engine as _engine
+from spark_estimators.collective import ops as _ops
+from spark_estimators.collective import settings as _settings
+from spark_estimators.collective.backend import ReduceOp, resolve_op
+from spark_estimators.collective.engine import Handle
+from spark_estimators.collective.torch_compression import Compression, Compressor
+from spark_estimators.collective.torch_ops import (
+    _TORCH,
+    _groups,
+    _waited,
+    broadcast_object,
+    grouped_allreduce_async_,
+)
+from spark_estimators.errors import CollectiveError, ConfigurationError
+
+
+def plan_buckets(
+    params: Sequence[torch.Tensor],
+    threshold: int,
+    groups: Sequence[Sequence[torch.Tensor]] | None = None,
+    bytes_per_element: dict[torch.dtype, int] | None = None,
+) -> list[list[torch.Tensor]]:
+    """Split ``params`` (already in launch order) into buckets.
+
+    Parameters
+    ----------
+    params
+        Trainable parameters, in the order their gradients are expected.
+    threshold
+        Most bytes per bucket; 0 puts every parameter in its own bucket. A parameter larger
+        than the threshold gets a bucket of its own.
+    groups
+        Explicit buckets; parameters in no group get one bucket each.
+    bytes_per_element
+        Element size on the wire per dtype (fp16 compression halves float32).
+    """
+    if groups is not None:
+        seen = {id(p) for g in groups for p in g}
+        wanted = {id(p) for p in params}
+        explicit = [[p for p in g if id(p) in wanted] for g in groups]
+        return [b for b in explicit if b] + [[p] for p in params if id(p) not in seen]
+    sizes = bytes_per_element or {}
+    buckets: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    current_bytes = 0
+    for p in params:
+        nbytes = p.numel() * sizes.get(p.dtype, p.element_size())
+        same_kind = bool(current) and (current[0].dtype, current[0].device) == (p.dtype, p.device)
+        if current and (not same_kind or threshold == 0 or current_bytes + nbytes > threshold):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
+
+    _se_buckets: list[list[torch.Tensor]]
+
+    def _se_setup(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+        compression: type[Compressor],
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        groups: int | Sequence[Sequence[torch.Tensor]] | None,
+        fusion_threshold: int,
+    ) -> None:
+        params: list[torch.Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and all(p is not q for q in params):
+                    params.append(p)
+        self._se_names = _parameter_names(named_parameters, params)
+        self._se_compression = compression
+        self._se_passes = backward_passes_per_step
+        self._se_op = op
+        self._se_predivide = gradient_predivide_factor
+        ordered = list(reversed(params))
+        explicit = None
+        if isinstance(groups, int) and groups > 0:
+            chunk = -(-len(ordered) // groups)
+            explicit = [ordered[i : i + chunk] for i in range(0, len(ordered), chunk)]
+        elif groups is not None and not isinstance(groups, int):
+            explicit = [list(g) for g in groups]
+        wire = {torch.float32: 2, torch.float64: 2} if compression is Compression.fp16 else None
+        self._se_buckets = plan_buckets(ordered, fusion_threshold, explicit, wire)
+        self._se_bucket_of = {id(p): b for b, bucket in enumerate(self._se_buckets) for p in bucket}
+        self._se_delay = {id(p): backward_passes_per_step for p in params}
+        self._se_ready = [0] * len(self._se_buckets)
+        self._se_next = 0
+        self._se_inflight: list[tuple[int, Handle, list[tuple[torch.Tensor, Any]]]] = []
+        self._se_should_sync = True
+        self._se_synchronized = False
+        self._se_hooks = [p.register_post_accumulate_grad_hook(self._se_hook) for p in params]
+
+    # -- hooks and buckets -------------------------------------------------------------------
+    def _se_hook(self, p: torch.Tensor) -> None:
+        key = id(p)
+        if self._se_delay[key] <= 0:
+            raise CollectiveError(
+                f"the gradient of {self._se_names[key]!r} was computed more than "
+                f"backward_passes_per_step={self._se_passes} times before step(); raise "
+                "backward_passes_per_step to accumulate gradients locally"
+            )
+        self._se_delay[key] -= 1
+        if self._se_delay[key] == 0:
+            b = self._se_bucket_of[key]
+            self._se_ready[b] += 1
+            while self._se_next < len(self._se_buckets) and self._se_ready[self._se_next] == len(
+                self._se_buckets[self._se_next]
+            ):
+                self._se_launch(self._se_next)
+
+    def _se_launch(self, b: int) -> None:
+        bucket = self._se_buckets[b]
+        for p in bucket:
+            if p.grad is None:  # not used this step here; other ranks may have a gradient
+                p.grad = torch.zeros_like(p)
+        compressed = [self._se_compression.compress(p.grad.detach()) for p in bucket]  # type: ignore[union-attr]
+        if self._se_op is ReduceOp.AVERAGE:
+            pre, post = 1.0 / self._se_predivide, self._se_predivide
+        else:
+            pre, post = 1.0, 1.0
+        first = self._se_names[id(bucket[0])]
+        name = f"DistributedOptimizer.bucket{b}[{first}{', ...' if len(bucket) > 1 else ''}]"
+        handle = grouped_allreduce_async_(
+            [c for c, _ in compressed],
+            name=name,
+            op=self._se_op,
+            prescale_factor=pre,
+            postscale_factor=post,
+        )
+        self._se_inflight.append((b, handle, compressed))
+        self._se_next = b + 1
+
+    # -- public API --------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish every gradient allreduce of this step; ``step()`` calls it for you.
+
+        Call it yourself to clip or inspect averaged gradients, then call ``step()`` inside
+        ``with optimizer.skip_synchronize():``.
+        """
+        while self._se_next < len(self._se_buckets):
+            self._se_launch(self._se_next)
+        inflight, self._se_inflight = self._se_inflight, []
+        try:
+            for b, handle, compressed in inflight:
+                handle.wait()
+                for p, (sent, ctx) in zip(self._se_buckets[b], compressed):
+                    grad = p.grad
+                    assert grad is not None
+                    if sent.data_ptr() != grad.data_ptr():  # compressed: a copy was sent
+                        grad.copy_(self._se_compression.decompress(sent, ctx))
+        finally:
+            for key in self._se_delay:
+                self._se_delay[key] = self._se_passes
+            self._se_ready = [0] * len(self._se_buckets)
+            self._se_next = 0
+        self._se_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Let ``step()`` skip ``synchronize()`` (after you called it yourself)."""
+        self._se_should_sync = False
+        try:
+            yield
+        finally:
+            self._se_should_sync = True
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self._se_should_sync:
+            if self._se_synchronized:
+                warnings.warn(
+                    "optimizer.step() called after optimizer.synchronize() without "
+                    "optimizer.skip_synchronize(): the gradients are reduced twice",
+                    stacklevel=2,
+                )
+            self.synchronize()
+        self._se_synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._se_inflight:
+            raise CollectiveError(
+                "optimizer.zero_grad() was called after loss.backward() but before "
+                "optimizer.step() or optimizer.synchronize(); gradient allreduces are in flight"
+            )
+        super().zero_grad(set_to_none)
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient hooks (e.g. before discarding this optimizer)."""
+        for hook in self._se_hooks:
+            hook.remove()
+        self._se_hooks = []
+
+
+def _parameter_names(
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None, params: Sequence[torch.Tensor]
+) -> dict[int, str]:
+    if named_parameters is None:
+        return {id(p): f"param.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ConfigurationError(
+            "named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()"
+        )
+    names = [n for n, _ in named]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ConfigurationError(f"named_parameters has duplicate names: {duplicates[:5]}")
+    by_id = {id(p): n for n, p in named}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ConfigurationError(
+            f"named_parameters does not name {len(missing)} of the optimizer's parameters "
+            "(pass model.named_parameters() of the model whose parameters the optimizer holds)"
+        )
+    return {id(p): by_id[id(p)] for p in params}
+
+
+_CLASSES: dict[type, type[_DistributedOptimizer]] = {}
+# Instance attributes that must not be copied from the wrapped optimizer: an LR scheduler
+# created on it replaces ``step`` per instance, which would bypass synchronize().
+_NOT_COPIED = ("step", "zero_grad", "_opt_called")
+
+
+def DistributedOptimizer(  # noqa: N802 (Horovod's name)
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = ReduceOp.AVERAGE,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
+    fusion_threshold: int | None = None,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.
+
+    Parameters
+    ----------
+    optimizer
+        Any ``torch.optim.Optimizer``; the result is an instance of a subclass of its class
+        sharing its state and ``param_groups``. Use the returned object from now on.
+    named_parameters
+        ``model.named_parameters()``: names label errors (mismatched models across ranks).
+    compression
+        ``Compression.none`` or ``Compression.fp16`` (gradients sent as float16).
+    backward_passes_per_step
+        Backward passes accumulated locally before the allreduce and ``step()``.
+    op
+        ``Average`` (default) or ``Sum``.
+    gradient_predivide_factor
+        With ``Average``: divide by this before the sum and by ``size()/factor`` after.
+    num_groups, groups
+        Explicit fusion groups: a number of equal groups, or lists of parameters (each one
+        fused allreduce). Replaces the threshold-based buckets.
+    sparse_as_dense, process_set
+        Accepted for Horovod compatibility (gradients are always dense, one global set).
+    fusion_threshold
+        Bytes per bucket (default ``SPARK_ESTIMATORS_FUSION_THRESHOLD`` or 128 MiB; 0 = none).
+
+    Returns
+    -------
+    torch.optim.Optimizer
+        The distributed optimizer; also has ``synchronize()`` and ``skip_synchronize()``.
+
+    Examples
+    --------
+    >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    ... # doctest: +SKIP
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigurationError(
+            f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ConfigurationError("the optimizer is already a DistributedOptimizer")
+    resolved = resolve_op(op)
+    if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ConfigurationError(f"DistributedOptimizer op must be Average or Sum, got {op!r}")
+    if gradient_predivide_factor != 1.0 and resolved is not ReduceOp.AVERAGE:
+        raise ConfigurationError("gradient_predivide_factor needs op=Average")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ConfigurationError(
+            f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}"
+        )
+    if compression not in (Compression.none, Compression.fp16) and not (
+        isinstance(compression, type) and issubclass(compression, Compressor)
+    ):
+        raise ConfigurationError("compression must be Compression.none or Compression.fp16")
+    if num_groups and groups is None:
+        groups = num_groups
+    base = type(optimizer)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
+        _CLASSES[base] = cls
+    wrapped: _DistributedOptimizer = object.__new__(cls)
+    wrapped.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in _NOT_COPIED})
+    wrapped._se_setup(
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        resolved,
+        float(gradient_predivide_factor),
+        groups,
+        _settings.fusion_threshold(fusion_threshold),
+    )
+    return wrapped
+
+
+# -- model and optimizer state ---------------------------------------------------------------
+@_waited
+def broadcast_parameters(
+    params: dict[str, Any] | Iterable[Any], root_rank: int, prefix: str | None = None
+) -> None:
+    """Overwrite parameters/buffers in place with ``root_rank``'s.
+
+    Parameters
+    ----------
+    params
+        ``model.state_dict()``, ``model.named_parameters()`` or a list of tensors.
+    root_rank
+        The rank whose values everyone gets.
+    prefix
+        Accepted for Horovod compatibility (names only label errors here).
+
+    Notes
+    -----
+    Tensors are fused into one broadcast per dtype and device.
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    else:
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+    tensors = [p.detach() for _, p in items if isinstance(p, torch.Tensor)]
+    if not tensors:
+        return
+    futures = []
+    groups = _groups(tensors)
+    for g, idx in enumerate(groups):
+        futures.append(
+            _ops.grouped_broadcast(
+                _TORCH,
+                [tensors[i] for i in idx],
+                root_rank,
+                f"broadcast_parameters.{g}",
+                blocking=len(groups) == 1,
+            )
+        )
+    for future in futures:
+        future.result()
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None
+) -> None:
+    """Give every rank ``root_rank``'s optimizer state and hyperparameters (``lr``, ...).
+
+    The state dict travels as one pickled object (tensors moved to CPU first);
+    ``load_state_dict`` puts the tensors back on each parameter's device.
+    """
+    me = _engine.require("broadcast_optimizer_state").backend.rank
+    payload = _to_cpu(optimizer.state_dict()) if me == root_rank else None
+    state = broadcast_object(payload, root_rank, name="broadcast_optimizer_state")
+    if me != root_rank:
+        optimizer.load_state_dict(state)

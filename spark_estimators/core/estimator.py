@@ -1,0 +1,269 @@
+"""The estimator base class: validate -> prepare_data (cached) -> launch through a Backend -> Model.
+
+Framework estimators (torch, lightning, keras) subclass :class:`SparkEstimator` and provide
+``_validate_framework``, ``_remote_trainer`` (a module-level function run on every rank with one
+picklable spec argument) and ``_create_model``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import uuid
+from typing import Any
+
+from pyspark.ml import Estimator
+
+from spark_estimators.core.backend import Backend, SparkBackend
+from spark_estimators.core.params import ALIASES, EstimatorParams, to_camel
+from spark_estimators.core.persistence import PersistenceMixin
+from spark_estimators.core.progress import EpochProgress
+from spark_estimators.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+READERS = ("arrow", "petastorm")
+COLLECTIVE_BACKENDS = ("auto", "gloo", "nccl", "mpi")
+
+
+def _bad(param: str, value: Any, expected: str, fix: str = "") -> ConfigurationError:
+    msg = f"{param}={value!r} is invalid: expected {expected}"
+    return ConfigurationError(msg + (f". {fix}" if fix else ""))
+
+
+class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
+    """Base of every spark_estimators estimator (see the framework subclasses)."""
+
+    _framework = "base"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self.setParams(**kwargs)
+
+    # -- params ----------------------------------------------------------------------------------
+    def setParams(self, **kwargs: Any) -> SparkEstimator:
+        """Set params by Spark ML (camelCase) or horovod (snake_case) names."""
+        for key, value in kwargs.items():
+            name = to_camel(key)
+            if not self.hasParam(name):
+                known = sorted({p.name for p in self.params} | set(ALIASES))
+                close = difflib.get_close_matches(key, known, n=3)
+                hint = f" Did you mean {', '.join(close)}?" if close else ""
+                raise ConfigurationError(
+                    f"{type(self).__name__} got an unknown keyword {key!r}.{hint}"
+                )
+            self._set(**{name: value})
+        return self
+
+    def setNumProc(self, value: int) -> SparkEstimator:
+        return self._set(numProc=value)
+
+    def setEpochs(self, value: int) -> SparkEstimator:
+        return self._set(epochs=value)
+
+    def setBatchSize(self, value: int) -> SparkEstimator:
+        return self._set(batchSize=value)
+
+    def setStore(self, value: Any) -> SparkEstimator:
+        return self._set(store=value)
+
+    def setRunId(self, value: str) -> SparkEstimator:
+        return self._set(runId=value)
+
+    def setOutputCols(self, value: list[str]) -> SparkEstimator:
+        return self._set(outputCols=value)
+
+    def copy(self, extra: Any = None) -> SparkEstimator:
+        # Params holding models/optimizers are shared, not deep-copied (as pyspark does).
+        return super().copy(extra)
+
+    # -- validation ------------------------------------------------------------------------------
+    def _validate_params(self, columns: list[str] | None = None) -> None:
+        """Check every param in the driver, before any Spark job. ``columns``: the input's."""
+        if self.getModel() is None:
+            raise ConfigurationError(
+                f"{type(self).__name__} needs model=...: pass the model to train"
+            )
+        features, labels = self.getFeatureCols(), self.getLabelCols()
+        if not features:
+            raise _bad("feature_cols", features, "a non-empty list of column names")
+        if not labels:
+            raise _bad("label_cols", labels, "a non-empty list of column names")
+        num_proc = self.getNumProc()
+        if num_proc is not None and (isinstance(num_proc, bool) or num_proc < 1):
+            raise _bad("num_proc", num_proc, "a positive int (or None for the default)")
+        for name, value in (("batch_size", self.getBatchSize()), ("epochs", self.getEpochs())):
+            if value < 1:
+                raise _bad(name, value, "an int >= 1")
+        if self.getEpochs() < 1:
+            raise _bad("epochs", self.getEpochs(), "an int >= 1")
+        val_bs = self.getValBatchSize()
+        if val_bs is not None and val_bs < 1:
+            raise _bad("val_batch_size", val_bs, "an int >= 1 or None")
+        for name in ("trainStepsPerEpoch", "validationStepsPerEpoch"):
+            steps = self.getOrDefault(name)
+            if steps is not None and steps < 1:
+                raise _bad(name, steps, "an int >= 1 or None (all rows)")
+        if self.getBackwardPassesPerStep() < 1:
+            raise _bad("backward_passes_per_step", self.getBackwardPassesPerStep(), "an int >= 1")
+        if self.getReader() not in READERS:
+            raise _bad("reader", self.getReader(), f"one of {READERS}")
+        if self.getCollectiveBackend() not in COLLECTIVE_BACKENDS:
+            raise _bad(
+                "collective_backend", self.getCollectiveBackend(), f"one of {COLLECTIVE_BACKENDS}"
+            )
+        backend = self.getBackend()
+        if backend is not None and not isinstance(backend, Backend):
+            raise _bad(
+                "backend",
+                backend,
+                "a spark_estimators Backend (e.g. SparkBackend)",
+                "Use collective_backend='gloo'|'nccl'|'mpi' to choose the collective.",
+            )
+        if backend is not None and num_proc is not None and backend.num_processes() != num_proc:
+            raise ConfigurationError(
+                f"num_proc={num_proc} conflicts with backend.num_processes()="
+                f"{backend.num_processes()}: set one of them"
+            )
+        store = self.getStore()
+        if store is not None:
+            from spark_estimators.store import Store
+
+            if not isinstance(store, Store):
+                raise _bad(
+                    "store",
+                    store,
+                    "a spark_estimators Store",
+                    "Build one with Store.create('file:///path') or LocalStore(path).",
+                )
+        validation = self.getValidation()
+        if validation is not None and not isinstance(validation, str):
+            if isinstance(validation, bool) or not isinstance(validation, int | float):
+                raise _bad("validation", validation, "a float in [0, 1) or a column name")
+            if not 0 <= float(validation) < 1:
+                raise _bad("validation", validation, "a float in [0, 1) or a column name")
+        weights = self.getLossWeights()
+        if weights is not None and len(weights) != len(labels):
+            raise ConfigurationError(
+                f"loss_weights has {len(weights)} entries but there are {len(labels)} label "
+                f"columns {labels!r}: give one weight per label"
+            )
+        shapes = self.getInputShapes()
+        if shapes is not None and len(shapes) != len(features):
+            raise ConfigurationError(
+                f"input_shapes has {len(shapes)} entries but there are {len(features)} feature "
+                f"columns {features!r}: give one shape per feature column"
+            )
+        if columns is not None:
+            wanted = list(features) + list(labels)
+            weight_col = self.getSampleWeightCol()
+            if weight_col:
+                wanted.append(weight_col)
+            if isinstance(validation, str):
+                wanted.append(validation)
+            missing = [c for c in wanted if c not in columns]
+            if missing:
+                raise ConfigurationError(
+                    f"column(s) {missing!r} not found in the DataFrame; available columns: "
+                    f"{columns!r}. Check feature_cols, label_cols, sample_weight_col, validation."
+                )
+        self._validate_framework()
+
+    def _validate_framework(self) -> None:
+        """Framework-specific checks (model type, optimizer, loss)."""
+
+    # -- fit -------------------------------------------------------------------------------------
+    def _fit(self, df: Any) -> Any:
+        self._validate_params(list(df.columns))
+        from spark_estimators.data import prepare_data
+
+        store = self._store()
+        meta = prepare_data(
+            self._num_proc(),
+            store,
+            df,
+            feature_cols=self.getFeatureCols(),
+            label_cols=self.getLabelCols(),
+            validation=self.getValidation(),
+            sample_weight_col=self.getSampleWeightCol(),
+            partitions_per_process=self.getPartitionsPerProcess(),
+            verbose=self.getVerbose(),
+        )
+        return self._fit_on_prepared(meta)
+
+    def fit_on_parquet(self, params: Any = None, dataset_idx: Any = None) -> Any:
+        """Train on a dataset already in the store (from ``prepare_data`` or an earlier fit).
+
+        Parameters
+        ----------
+        params
+            Optional param map applied to a copy of this estimator first.
+        dataset_idx
+            Which prepared dataset of the store; default the only/most recent one.
+        """
+        est = self.copy(params) if params else self
+        est._validate_params(None)
+        from spark_estimators.data import DatasetMetadata
+
+        meta = DatasetMetadata.load(est._store(), dataset_idx)
+        missing = [c for c in est.getFeatureCols() + est.getLabelCols() if c not in meta.columns]
+        if missing:
+            raise ConfigurationError(
+                f"column(s) {missing!r} are not in the prepared dataset "
+                f"{meta.dataset_idx!r}, which has {sorted(meta.columns)!r}"
+            )
+        return est._fit_on_prepared(meta)
+
+    def _store(self) -> Any:
+        store = self.getStore()
+        if store is None:
+            import tempfile
+
+            from spark_estimators.store import LocalStore
+
+            store = LocalStore(tempfile.mkdtemp(prefix="spark_estimators-store-"))
+            self._set(store=store)
+            logger.info("no store given: using a LocalStore at %s", store.prefix_path)
+        return store
+
+    def _num_proc(self) -> int:
+        backend = self.getBackend()
+        if backend is not None:
+            return int(backend.num_processes())
+        if self.getNumProc() is not None:
+            return int(self.getNumProc())  # type: ignore[arg-type]
+        return SparkBackend().num_processes()
+
+    def _launch_backend(self) -> Backend:
+        backend = self.getBackend()
+        if backend is not None:
+            return backend
+        return SparkBackend(
+            num_proc=self._num_proc(),
+            verbose=self.getVerbose(),
+            start_timeout=self.getStartTimeout(),
+            use_gpu=self.getUseGpu(),
+            collective_backend=self.getCollectiveBackend(),
+        )
+
+    def _fit_on_prepared(self, meta: Any) -> Any:
+        run_id = self.getRunId() or f"run_{uuid.uuid4().hex[:12]}"
+        store = self._store()
+        backend = self._launch_backend()
+        spec = self._training_spec(meta, store, run_id, backend.num_processes())
+        progress = EpochProgress(self.getEpochs(), self.getVerbose(), spec.start_epoch)
+        try:
+            results = backend.run(self._remote_trainer(), args=(spec,), event_callback=progress)
+        finally:
+            progress.close()
+        return self._create_model(results, meta, run_id)
+
+    # -- framework hooks -------------------------------------------------------------------------
+    def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> Any:
+        raise NotImplementedError
+
+    def _remote_trainer(self) -> Any:
+        raise NotImplementedError
+
+    def _create_model(self, results: list[Any], meta: Any, run_id: str) -> Any:
+        raise NotImplementedError

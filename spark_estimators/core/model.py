@@ -1,0 +1,245 @@
+"""The Model (Transformer) base: batched inference with Arrow, persistence, history.
+
+``transform(df)`` converts ML vector feature columns with ``vector_to_array`` (a SQL expression,
+no Python row mapping), then runs ``mapInArrow`` over Arrow batches. Each Python worker loads the
+model **once** (cached by model key across the tasks it serves) and predicts ``transformBatchSize``
+rows at a time, on the task's GPU when there is one. Output columns are ``<label>__output`` by
+default (``setOutputCols`` renames); array outputs keep their shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+from pyspark.ml import Model
+from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.param.shared import HasOutputCols
+
+from spark_estimators.core import tensors
+from spark_estimators.core.persistence import PersistenceMixin
+from spark_estimators.errors import ConfigurationError
+
+_CACHE: dict[str, Any] = {}
+_CACHE_LOCK = threading.Lock()
+_CACHE_MAX = 4
+
+
+class Predictor:
+    """Framework side of inference; picklable, shipped to executors by ``transform``.
+
+    Subclasses implement :meth:`load` (bytes -> ready model) and :meth:`predict`.
+    """
+
+    def load(self, blob: bytes) -> Any:
+        raise NotImplementedError
+
+    def predict(self, model: Any, inputs: list[Any]) -> list[Any]:
+        """Model outputs as numpy arrays, one per output column."""
+        raise NotImplementedError
+
+
+def _cached_model(key: str, predictor: Predictor, blob_source: Any) -> Any:
+    with _CACHE_LOCK:
+        model = _CACHE.get(key)
+        if model is None:
+            blob = blob_source.value if hasattr(blob_source, "value") else blob_source
+            model = predictor.load(blob)
+            if len(_CACHE) >= _CACHE_MAX:
+                _CACHE.pop(next(iter(_CACHE)))
+            _CACHE[key] = model
+        return model
+
+
+def predict_batches(spec: dict[str, Any], batches: Iterator[Any]) -> Iterator[Any]:
+    """``mapInArrow`` body: append the model's outputs to every Arrow batch."""
+    import numpy as np
+    import pyarrow as pa
+
+    predictor: Predictor = spec["predictor"]
+    model = _cached_model(spec["key"], predictor, spec["blob"])
+    keep = spec["keep"]
+    for batch in batches:
+        n = batch.num_rows
+        outs: list[list[Any]] = [[] for _ in spec["output_cols"]]
+        arrays = {c: tensors.arrow_to_numpy(batch.column(t)) for c, t in spec["inputs"].items()}
+        step = spec["batch_size"]
+        for start in range(0, n, step):
+            part = {c: a[start : start + step] for c, a in arrays.items()}
+            inputs = tensors.model_inputs(part, spec["feature_cols"], spec["input_shapes"])
+            for i, out in enumerate(predictor.predict(model, inputs)):
+                outs[i].append(out)
+        columns = [batch.column(i) for i in keep]
+        names = [batch.schema.field(i).name for i in keep]
+        for i, name in enumerate(spec["output_cols"]):
+            shape = spec["output_shapes"][i]
+            values = np.concatenate(outs[i]).reshape((n, *shape)) if n else np.zeros((0, *shape))
+            columns.append(tensors.numpy_to_arrow(values))
+            names.append(name)
+        yield pa.RecordBatch.from_arrays(columns, names=names)
+
+
+class ModelParams(HasOutputCols):
+    featureCols = Param(
+        Params._dummy(), "featureCols", "feature columns", TypeConverters.toListString
+    )
+    labelCols = Param(Params._dummy(), "labelCols", "label columns", TypeConverters.toListString)
+    inputShapes: Param = Param(Params._dummy(), "inputShapes", "per-row input shapes")
+    transformBatchSize = Param(
+        Params._dummy(), "transformBatchSize", "rows per inference batch", TypeConverters.toInt
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(
+            featureCols=[], labelCols=[], inputShapes=None, transformBatchSize=1024, outputCols=[]
+        )
+
+    def getFeatureCols(self) -> list[str]:
+        return self.getOrDefault(self.featureCols)
+
+    def getLabelCols(self) -> list[str]:
+        return self.getOrDefault(self.labelCols)
+
+    def getInputShapes(self) -> Any:
+        return self.getOrDefault(self.inputShapes)
+
+    def getTransformBatchSize(self) -> int:
+        return self.getOrDefault(self.transformBatchSize)
+
+
+class SparkModel(PersistenceMixin, Model, ModelParams):
+    """Base of TorchModel / LightningModel / KerasModel.
+
+    Holds the trained framework model (``getModel()``), the training history
+    (``getHistory()``), the run id (``getRunId()``) and the per-row output shapes.
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        history: list[dict[str, Any]] | None = None,
+        run_id: str | None = None,
+        output_shapes: list[tuple[int, ...]] | None = None,
+        **params: Any,
+    ) -> None:
+        super().__init__()
+        self._model = model
+        self._history = list(history or [])
+        self._run_id = run_id
+        self._output_shapes = [tuple(s) for s in (output_shapes or [])]
+        if params:
+            self._set(**params)
+
+    # -- getters ---------------------------------------------------------------------------------
+    def getModel(self) -> Any:
+        """The trained framework model, on the CPU."""
+        return self._model
+
+    def getHistory(self) -> list[dict[str, Any]]:
+        """Per-epoch metrics averaged over the ranks (``epoch``, ``loss``, ``val_loss``, ...)."""
+        return list(self._history)
+
+    def getRunId(self) -> str | None:
+        return self._run_id
+
+    def setOutputCols(self, value: list[str]) -> SparkModel:
+        return self._set(outputCols=value)
+
+    def setTransformBatchSize(self, value: int) -> SparkModel:
+        return self._set(transformBatchSize=value)
+
+    def output_cols(self) -> list[str]:
+        cols = self.getOutputCols()
+        return list(cols) if cols else [f"{c}__output" for c in self.getLabelCols()]
+
+    # -- persistence hooks -----------------------------------------------------------------------
+    def _model_to_bytes(self) -> bytes:
+        raise NotImplementedError
+
+    def _model_from_bytes(self, blob: bytes) -> Any:
+        raise NotImplementedError
+
+    def _predictor(self) -> Predictor:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {
+            "model": self._model_to_bytes(),
+            "history": self._history,
+            "run_id": self._run_id,
+            "output_shapes": self._output_shapes,
+        }
+
+    def _restore_extra_state(self, state: dict[str, Any]) -> None:
+        self._model = self._model_from_bytes(state["model"])
+        self._history = list(state["history"])
+        self._run_id = state["run_id"]
+        self._output_shapes = [tuple(s) for s in state["output_shapes"]]
+
+    # -- transform -------------------------------------------------------------------------------
+    def _transform(self, df: Any) -> Any:
+        from pyspark.ml.functions import vector_to_array
+        from pyspark.ml.linalg import VectorUDT
+        from pyspark.sql import functions as F
+        from pyspark.sql.types import StructField, StructType
+
+        features = self.getFeatureCols()
+        missing = [c for c in features if c not in df.columns]
+        if missing:
+            raise ConfigurationError(
+                f"transform: feature column(s) {missing!r} not in the DataFrame; available: "
+                f"{df.columns!r}"
+            )
+        outputs = self.output_cols()
+        if len(outputs) != len(self._output_shapes):
+            raise ConfigurationError(
+                f"outputCols has {len(outputs)} names {outputs!r} but the model has "
+                f"{len(self._output_shapes)} outputs"
+            )
+        clash = [c for c in outputs if c in df.columns]
+        if clash:
+            raise ConfigurationError(
+                f"output column(s) {clash!r} already exist in the DataFrame; rename them with "
+                "setOutputCols([...])"
+            )
+        types = {f.name: f.dataType for f in df.schema.fields}
+        extra, inputs = [], {}
+        for i, col in enumerate(features):
+            tmp = f"__se_in_{i}"
+            if isinstance(types[col], VectorUDT):
+                extra.append(vector_to_array(F.col(col)).alias(tmp))
+            else:
+                extra.append(F.col(col).alias(tmp))
+            inputs[col] = tmp
+        wide = df.select("*", *extra)
+        keep = list(range(len(df.columns)))
+        schema = StructType(
+            list(df.schema.fields)
+            + [
+                StructField(name, tensors.output_type(shape), False)
+                for name, shape in zip(outputs, self._output_shapes, strict=True)
+            ]
+        )
+        blob = self._model_to_bytes()
+        try:
+            blob_source: Any = df.sparkSession.sparkContext.broadcast(blob)
+        except Exception:  # Spark Connect: no broadcast, ship in the closure
+            blob_source = blob
+        spec = {
+            "predictor": self._predictor(),
+            # Keyed by content: a model changed after an earlier transform is reloaded.
+            "key": hashlib.sha1(blob).hexdigest(),
+            "blob": blob_source,
+            "inputs": {c: len(df.columns) + i for i, c in enumerate(features)},
+            "feature_cols": features,
+            "input_shapes": self.getInputShapes(),
+            "output_cols": outputs,
+            "output_shapes": self._output_shapes,
+            "batch_size": self.getTransformBatchSize(),
+            "keep": keep,
+        }
+        return wide.mapInArrow(partial(predict_batches, spec), schema)

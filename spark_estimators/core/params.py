@@ -1,0 +1,311 @@
+"""Spark ML Params shared by every estimator and model, declared the pyspark way.
+
+Horovod's snake_case constructor keywords (``num_proc``, ``feature_cols``, ...) map to camelCase
+Params through one alias table, :data:`ALIASES`, as xgboost.spark does. Params that hold Python
+objects (model, optimizer, store, callbacks, ...) use ``TypeConverters.identity``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.ml.param import Param, Params, TypeConverters
+from pyspark.ml.param.shared import HasOutputCols
+
+
+def make_param(name: str, doc: str, conv: Any = TypeConverters.identity) -> Param:
+    return Param(Params._dummy(), name, doc, typeConverter=conv)
+
+
+def _to_int_or_none(value: Any) -> int | None:
+    return None if value is None else TypeConverters.toInt(value)
+
+
+def _to_list_or_none(value: Any) -> list[Any] | None:
+    return None if value is None else TypeConverters.toList(value)
+
+
+def _to_str_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    return TypeConverters.toListString(value)
+
+
+def _to_str_or_none(value: Any) -> str | None:
+    return None if value is None else TypeConverters.toString(value)
+
+
+# snake_case (horovod) -> camelCase (Spark ML).
+ALIASES: dict[str, str] = {
+    "num_proc": "numProc",
+    "collective_backend": "collectiveBackend",
+    "loss_constructors": "lossConstructors",
+    "loss_weights": "lossWeights",
+    "sample_weight_col": "sampleWeightCol",
+    "feature_cols": "featureCols",
+    "label_cols": "labelCols",
+    "input_shapes": "inputShapes",
+    "label_shapes": "labelShapes",
+    "batch_size": "batchSize",
+    "val_batch_size": "valBatchSize",
+    "train_steps_per_epoch": "trainStepsPerEpoch",
+    "validation_steps_per_epoch": "validationStepsPerEpoch",
+    "random_seed": "randomSeed",
+    "run_id": "runId",
+    "transformation_fn": "transformationFn",
+    "inmemory_cache_all": "inmemoryCacheAll",
+    "use_gpu": "useGpu",
+    "backward_passes_per_step": "backwardPassesPerStep",
+    "gradient_compression": "gradientCompression",
+    "partitions_per_process": "partitionsPerProcess",
+    "train_reader_num_workers": "trainReaderNumWorkers",
+    "val_reader_num_workers": "valReaderNumWorkers",
+    "train_minibatch_fn": "trainMinibatchFn",
+    "scale_lr": "scaleLr",
+    "output_cols": "outputCols",
+    "start_timeout": "startTimeout",
+    "custom_objects": "customObjects",
+    "checkpoint_callback": "checkpointCallback",
+    "backend_env": "backendEnv",
+    "num_gpus": "numGpus",
+    "log_every_n_steps": "logEveryNSteps",
+    "trainer_args": "trainerArgs",
+    "terminate_on_nan": "terminateOnNan",
+    "loader_num_epochs": "loaderNumEpochs",
+    "transform_batch_size": "transformBatchSize",
+}
+
+
+def to_camel(name: str) -> str:
+    return ALIASES.get(name, name)
+
+
+class EstimatorParams(HasOutputCols):
+    """Params common to every estimator (horovod.spark parity plus our additions)."""
+
+    numProc = make_param("numProc", "number of training processes (Spark tasks)", _to_int_or_none)
+    backend = make_param("backend", "Backend object that launches training (default SparkBackend)")
+    collectiveBackend = make_param(
+        "collectiveBackend", "collective backend: auto, gloo, nccl, mpi", TypeConverters.toString
+    )
+    store = make_param("store", "Store for intermediate data, checkpoints and logs")
+    model = make_param("model", "the model to train")
+    optimizer = make_param("optimizer", "optimizer (bound to the model's parameters)")
+    loss = make_param("loss", "loss function, or a list of them, one per label column")
+    lossConstructors = make_param("lossConstructors", "callables that build the loss functions")
+    lossWeights = make_param("lossWeights", "weights of each label's loss", _to_list_or_none)
+    sampleWeightCol = make_param(
+        "sampleWeightCol", "column of per-row loss weights", _to_str_or_none
+    )
+    metrics = make_param("metrics", "metric functions metric(output, label) -> value")
+    featureCols = make_param("featureCols", "feature column names", _to_str_list)
+    labelCols = make_param("labelCols", "label column names", _to_str_list)
+    inputShapes = make_param("inputShapes", "shape of each feature input, without the batch dim")
+    labelShapes = make_param("labelShapes", "shape of each label, without the batch dim")
+    validation = make_param(
+        "validation", "fraction of rows or a column name marking validation rows"
+    )
+    callbacks = make_param("callbacks", "training callbacks")
+    batchSize = make_param("batchSize", "rows per batch and rank", TypeConverters.toInt)
+    valBatchSize = make_param("valBatchSize", "validation rows per batch and rank", _to_int_or_none)
+    epochs = make_param("epochs", "number of epochs", TypeConverters.toInt)
+    trainStepsPerEpoch = make_param(
+        "trainStepsPerEpoch", "steps per epoch (None: all)", _to_int_or_none
+    )
+    validationStepsPerEpoch = make_param(
+        "validationStepsPerEpoch", "validation steps per epoch (None: all)", _to_int_or_none
+    )
+    shuffle = make_param(
+        "shuffle", "shuffle the training data every epoch", TypeConverters.toBoolean
+    )
+    randomSeed = make_param("randomSeed", "seed for shuffling and model init", _to_int_or_none)
+    runId = make_param(
+        "runId", "id of the run in the store; reuse it to hot-start", _to_str_or_none
+    )
+    transformationFn = make_param("transformationFn", "fn(pandas.DataFrame) applied to each batch")
+    inmemoryCacheAll = make_param(
+        "inmemoryCacheAll", "keep each rank's shard in memory", TypeConverters.toBoolean
+    )
+    useGpu = make_param("useGpu", "train on the task's GPU when one is assigned")
+    backwardPassesPerStep = make_param(
+        "backwardPassesPerStep", "local gradient accumulation steps", TypeConverters.toInt
+    )
+    gradientCompression = make_param("gradientCompression", "Compression.none or Compression.fp16")
+    partitionsPerProcess = make_param(
+        "partitionsPerProcess", "Parquet partitions per training process", _to_int_or_none
+    )
+    trainReaderNumWorkers = make_param(
+        "trainReaderNumWorkers", "reader threads for training data", TypeConverters.toInt
+    )
+    valReaderNumWorkers = make_param(
+        "valReaderNumWorkers", "reader threads for validation data", TypeConverters.toInt
+    )
+    reader = make_param(
+        "reader", "data reader: 'arrow' (default) or 'petastorm'", TypeConverters.toString
+    )
+    scaleLr = make_param(
+        "scaleLr", "multiply the learning rate by the number of ranks", TypeConverters.toBoolean
+    )
+    startTimeout = make_param(
+        "startTimeout", "seconds for all tasks to start", TypeConverters.toFloat
+    )
+    verbose = make_param("verbose", "0 quiet, 1 progress bar and epoch lines", TypeConverters.toInt)
+    transformBatchSize = make_param(
+        "transformBatchSize", "rows per inference batch in transform()", TypeConverters.toInt
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._setDefault(
+            numProc=None,
+            backend=None,
+            collectiveBackend="auto",
+            store=None,
+            model=None,
+            optimizer=None,
+            loss=None,
+            lossConstructors=None,
+            lossWeights=None,
+            sampleWeightCol=None,
+            metrics=None,
+            featureCols=[],
+            labelCols=[],
+            inputShapes=None,
+            labelShapes=None,
+            validation=None,
+            callbacks=None,
+            batchSize=32,
+            valBatchSize=None,
+            epochs=1,
+            trainStepsPerEpoch=None,
+            validationStepsPerEpoch=None,
+            shuffle=True,
+            randomSeed=None,
+            runId=None,
+            transformationFn=None,
+            inmemoryCacheAll=False,
+            useGpu=None,
+            backwardPassesPerStep=1,
+            gradientCompression=None,
+            partitionsPerProcess=None,
+            trainReaderNumWorkers=2,
+            valReaderNumWorkers=2,
+            reader="arrow",
+            scaleLr=True,
+            startTimeout=60.0,
+            verbose=1,
+            transformBatchSize=1024,
+            outputCols=[],
+        )
+
+    # Typed getters (pyspark style). getOutputCols comes from HasOutputCols.
+    def getNumProc(self) -> int | None:
+        return self.getOrDefault(self.numProc)
+
+    def getBackend(self) -> Any:
+        return self.getOrDefault(self.backend)
+
+    def getCollectiveBackend(self) -> str:
+        return self.getOrDefault(self.collectiveBackend)
+
+    def getStore(self) -> Any:
+        return self.getOrDefault(self.store)
+
+    def getModel(self) -> Any:
+        return self.getOrDefault(self.model)
+
+    def getOptimizer(self) -> Any:
+        return self.getOrDefault(self.optimizer)
+
+    def getLoss(self) -> Any:
+        return self.getOrDefault(self.loss)
+
+    def getLossWeights(self) -> list[float] | None:
+        return self.getOrDefault(self.lossWeights)
+
+    def getSampleWeightCol(self) -> str | None:
+        return self.getOrDefault(self.sampleWeightCol)
+
+    def getMetrics(self) -> Any:
+        return self.getOrDefault(self.metrics)
+
+    def getFeatureCols(self) -> list[str]:
+        return self.getOrDefault(self.featureCols)
+
+    def getLabelCols(self) -> list[str]:
+        return self.getOrDefault(self.labelCols)
+
+    def getInputShapes(self) -> Any:
+        return self.getOrDefault(self.inputShapes)
+
+    def getLabelShapes(self) -> Any:
+        return self.getOrDefault(self.labelShapes)
+
+    def getValidation(self) -> Any:
+        return self.getOrDefault(self.validation)
+
+    def getCallbacks(self) -> Any:
+        return self.getOrDefault(self.callbacks)
+
+    def getBatchSize(self) -> int:
+        return self.getOrDefault(self.batchSize)
+
+    def getValBatchSize(self) -> int | None:
+        return self.getOrDefault(self.valBatchSize)
+
+    def getEpochs(self) -> int:
+        return self.getOrDefault(self.epochs)
+
+    def getTrainStepsPerEpoch(self) -> int | None:
+        return self.getOrDefault(self.trainStepsPerEpoch)
+
+    def getValidationStepsPerEpoch(self) -> int | None:
+        return self.getOrDefault(self.validationStepsPerEpoch)
+
+    def getShuffle(self) -> bool:
+        return self.getOrDefault(self.shuffle)
+
+    def getRandomSeed(self) -> int | None:
+        return self.getOrDefault(self.randomSeed)
+
+    def getRunId(self) -> str | None:
+        return self.getOrDefault(self.runId)
+
+    def getTransformationFn(self) -> Any:
+        return self.getOrDefault(self.transformationFn)
+
+    def getInmemoryCacheAll(self) -> bool:
+        return self.getOrDefault(self.inmemoryCacheAll)
+
+    def getUseGpu(self) -> bool | None:
+        return self.getOrDefault(self.useGpu)
+
+    def getBackwardPassesPerStep(self) -> int:
+        return self.getOrDefault(self.backwardPassesPerStep)
+
+    def getGradientCompression(self) -> Any:
+        return self.getOrDefault(self.gradientCompression)
+
+    def getPartitionsPerProcess(self) -> int | None:
+        return self.getOrDefault(self.partitionsPerProcess)
+
+    def getTrainReaderNumWorkers(self) -> int:
+        return self.getOrDefault(self.trainReaderNumWorkers)
+
+    def getValReaderNumWorkers(self) -> int:
+        return self.getOrDefault(self.valReaderNumWorkers)
+
+    def getReader(self) -> str:
+        return self.getOrDefault(self.reader)
+
+    def getScaleLr(self) -> bool:
+        return self.getOrDefault(self.scaleLr)
+
+    def getStartTimeout(self) -> float:
+        return self.getOrDefault(self.startTimeout)
+
+    def getVerbose(self) -> int:
+        return self.getOrDefault(self.verbose)
+
+    def getTransformBatchSize(self) -> int:
+        return self.getOrDefault(self.transformBatchSize)

@@ -1,0 +1,105 @@
+"""Column arrays to model inputs, and model outputs to Arrow.
+
+Training (on the ranks) and inference (in ``transform``) use the same functions, so both see
+identical tensors.
+
+Conventions (documented for users in docs/concepts.md):
+
+- A feature column becomes one model input, ``model(*inputs)`` in ``feature_cols`` order.
+  Float columns become float32, integer columns stay int64 (embedding indices).
+  A scalar column is ``[batch, 1]``, an array/vector column ``[batch, n]``; ``input_shapes``
+  (per-row shapes, ``-1`` allowed) reshape them, e.g. ``[[1, 28, 28]]`` for images.
+- A label column is ``[batch, 1]`` for scalars and ``[batch, n]`` for arrays, unless
+  ``label_shapes`` says otherwise (``[]`` gives ``[batch]``, e.g. class indices for
+  ``CrossEntropyLoss``). Integer labels stay int64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+def as_model_array(values: np.ndarray) -> np.ndarray:
+    """Cast for a model: float to float32, integers and bools to int64."""
+    if values.dtype.kind == "f":
+        return values.astype(np.float32, copy=False)
+    if values.dtype.kind in "iub":
+        return values.astype(np.int64, copy=False)
+    raise TypeError(f"cannot feed a column of dtype {values.dtype} to a model")
+
+
+def shape_column(values: np.ndarray, shape: Sequence[int] | None) -> np.ndarray:
+    """Give one column's batch its per-row ``shape`` (default: scalars become ``[n, 1]``)."""
+    n = values.shape[0]
+    if shape is None:
+        return values.reshape(n, 1) if values.ndim == 1 else values
+    return values.reshape((n, *[int(d) for d in shape]))
+
+
+def model_inputs(
+    arrays: dict[str, np.ndarray], cols: Sequence[str], shapes: Sequence[Any] | None
+) -> list[np.ndarray]:
+    out = []
+    for i, col in enumerate(cols):
+        shape = None if shapes is None else shapes[i]
+        out.append(shape_column(as_model_array(np.asarray(arrays[col])), shape))
+    return out
+
+
+def arrow_to_numpy(column: Any) -> np.ndarray:
+    """An Arrow column (scalars or fixed-length lists of numbers) as a numpy array."""
+    import pyarrow as pa
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    if (
+        pa.types.is_list(column.type)
+        or pa.types.is_large_list(column.type)
+        or (pa.types.is_fixed_size_list(column.type))
+    ):
+        n = len(column)
+        if column.null_count:
+            raise ValueError("a feature column has null rows; drop or fill them before transform")
+        flat = column.flatten().to_numpy(zero_copy_only=False)
+        if n == 0:
+            return flat.reshape(0, 0)
+        if flat.size % n:
+            raise ValueError("a feature column has rows of different lengths")
+        return flat.reshape(n, flat.size // n)
+    return column.to_numpy(zero_copy_only=False)
+
+
+def output_type(row_shape: Sequence[int]) -> Any:
+    """Spark type of an output column for a per-row shape: double, array, nested arrays."""
+    from pyspark.sql.types import ArrayType, DoubleType
+
+    t: Any = DoubleType()
+    for _ in row_shape:
+        t = ArrayType(t, containsNull=False)
+    return t
+
+
+def numpy_to_arrow(values: np.ndarray) -> Any:
+    """[n, *row_shape] float array -> Arrow double / list<double> / list<list<double>>."""
+    import pyarrow as pa
+
+    values = np.ascontiguousarray(values, dtype=np.float64)
+    arr: Any = pa.array(values.reshape(-1))
+    for dim in reversed(values.shape[1:]):
+        count = len(arr) // dim if dim else 0
+        offsets = pa.array(
+            np.arange(0, count * dim + 1, dim, dtype=np.int32)
+            if dim
+            else np.zeros(count + 1, dtype=np.int32)
+        )
+        arr = pa.ListArray.from_arrays(offsets, arr)
+    return arr
+
+
+def output_row_shape(output: np.ndarray) -> tuple[int, ...]:
+    """Per-row shape of a model output; ``[n, 1]`` counts as a scalar per row."""
+    shape = tuple(int(d) for d in output.shape[1:])
+    return () if shape in ((), (1,)) else shape

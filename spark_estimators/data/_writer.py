@@ -1,0 +1,274 @@
+"""Executor side of prepare_data: write one Spark partition as Parquet through the store filesystem.
+
+Runs inside ``DataFrame.mapInArrow``: each task receives its partition as Arrow record batches,
+checks them (nulls, NaNs, lengths), compacts sparse vectors, splits train/validation rows and writes
+Parquet files of at most ``max_file_bytes`` into the store with pyarrow. It yields one JSON line per
+file written plus one line of statistics, which the driver collects to build the metadata: no
+directory listing or footer read is needed afterwards, and files of failed task attempts (which no
+collected line names) are swept by the driver.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from spark_estimators.data._arrow import invalid_rows, vector_udt_parts, vector_udt_sizes
+from spark_estimators.data.metadata import SCHEMA_METADATA_KEY, ColumnInfo
+from spark_estimators.store._filesystems import FilesystemSpec
+
+INFO_SCHEMA = "info string"
+_WRITE_BUFFER_BYTES = 1 << 20
+MIN_ROW_GROUP_ROWS = 64
+MAX_ROW_GROUP_ROWS = 1 << 20
+
+
+def arrow_type(info: ColumnInfo) -> Any:
+    """The Arrow type a column is stored with."""
+    import pyarrow as pa
+
+    if info.kind == "sparse_vector":
+        return pa.struct([("indices", pa.list_(pa.int32())), ("values", pa.list_(pa.float64()))])
+    scalar = pa.from_numpy_dtype(np.dtype(info.dtype))
+    return scalar if info.kind == "scalar" else pa.list_(scalar)
+
+
+def stored_schema(columns: tuple[ColumnInfo, ...]) -> Any:
+    import pyarrow as pa
+
+    payload = json.dumps([c.to_dict() for c in columns]).encode()
+    return pa.schema(
+        [pa.field(c.name, arrow_type(c)) for c in columns], metadata={SCHEMA_METADATA_KEY: payload}
+    )
+
+
+def _dictionary_columns(schema: Any) -> list[str]:
+    """Dictionary-encode integer and boolean scalars only.
+
+    Floating-point features almost never repeat, and trying a dictionary on them first doubled the
+    time pyarrow took to write a float column (measured: 1.13 s -> 0.67 s for 500k x 33 floats).
+    """
+    import pyarrow as pa
+
+    return [f.name for f in schema if pa.types.is_integer(f.type) or pa.types.is_boolean(f.type)]
+
+
+class _RollingParquetWriter:
+    """Whole row groups (~``row_group_bytes``); new file past ``max_file_bytes``."""
+
+    def __init__(
+        self,
+        fs: Any,
+        dir_url: str,
+        dir_fs: str,
+        stem: str,
+        schema: Any,
+        row_group_bytes: int,
+        max_file_bytes: int,
+    ) -> None:
+        self._fs = fs
+        self._dir_url = dir_url.rstrip("/")
+        self._dir_fs = dir_fs
+        self._stem = stem
+        self._schema = schema
+        self._row_group_bytes = row_group_bytes
+        self._max_file_bytes = max_file_bytes
+        self._group_rows = 0
+        self._pending: list[Any] = []
+        self._pending_rows = 0
+        self._seq = 0
+        self._sink: Any = None
+        self._writer: Any = None
+        self._name = ""
+        self._groups: list[int] = []
+        self.files: list[dict[str, Any]] = []
+
+    def write(self, batch: Any) -> None:
+        if batch.num_rows == 0:
+            return
+        if not self._group_rows:
+            row_bytes = max(batch.nbytes / batch.num_rows, 1.0)
+            self._group_rows = int(
+                min(max(self._row_group_bytes // row_bytes, MIN_ROW_GROUP_ROWS), MAX_ROW_GROUP_ROWS)
+            )
+        self._pending.append(batch)
+        self._pending_rows += batch.num_rows
+        if self._pending_rows >= self._group_rows:
+            self._flush_group()
+
+    def _flush_group(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self._pending_rows:
+            return
+        table = pa.Table.from_batches(self._pending, self._schema)
+        self._pending, self._pending_rows = [], 0
+        if self._writer is None:
+            self._name = f"{self._stem}-{self._seq:03d}.parquet"
+            self._seq += 1
+            self._sink = self._fs.open_output_stream(
+                posixpath.join(self._dir_fs, self._name), buffer_size=_WRITE_BUFFER_BYTES
+            )
+            self._writer = pq.ParquetWriter(
+                self._sink,
+                self._schema,
+                compression="snappy",
+                use_dictionary=_dictionary_columns(self._schema),
+            )
+        # One call = one row group (the table is below pyarrow's row-group maximum).
+        self._writer.write_table(table, row_group_size=max(table.num_rows, 1))
+        self._groups.append(table.num_rows)
+        if self._sink.tell() >= self._max_file_bytes:
+            self._close_file()
+
+    def _close_file(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.close()
+        size = int(self._sink.tell())
+        self._sink.close()
+        self.files.append(
+            {
+                "path": f"{self._dir_url}/{self._name}",
+                "rows": sum(self._groups),
+                "bytes": size,
+                "row_groups": self._groups,
+            }
+        )
+        self._writer = self._sink = None
+        self._groups = []
+
+    def close(self) -> list[dict[str, Any]]:
+        self._flush_group()
+        self._close_file()
+        return self.files
+
+    def abort(self) -> None:
+        """Close and delete everything this writer wrote."""
+        try:
+            self._close_file()
+        finally:
+            for f in self.files:
+                _delete_quietly(self._fs, posixpath.join(self._dir_fs, f["path"].rsplit("/", 1)[1]))
+            self.files = []
+
+
+@dataclass(frozen=True)
+class PartitionWriter:
+    """The function given to ``mapInArrow`` (module-level and picklable, no closures)."""
+
+    spec: FilesystemSpec
+    train_dir: str
+    val_dir: str | None
+    token: str
+    columns: tuple[ColumnInfo, ...]
+    split_col: str | None
+    drop_invalid: bool
+    row_group_bytes: int
+    max_file_bytes: int
+
+    def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        part, attempt = (ctx.partitionId(), ctx.attemptNumber()) if ctx else (0, 0)
+        stem = f"part-{part:05d}-{self.token}-a{attempt}"
+        fs = self.spec.create()
+        schema = stored_schema(self.columns)
+        writers: dict[str, _RollingParquetWriter] = {}
+        for split, dir_url in (("train", self.train_dir), ("val", self.val_dir)):
+            if dir_url is None:
+                continue
+            dir_fs = self.spec.to_fs_path(dir_url)
+            if self.spec.needs_directories:
+                fs.create_dir(dir_fs, recursive=True)
+            writers[split] = _RollingParquetWriter(
+                fs, dir_url, dir_fs, stem, schema, self.row_group_bytes, self.max_file_bytes
+            )
+        stats: dict[str, Any] = {"rows_in": 0, "dropped": 0, "invalid": {}, "bad_length": {}}
+        failed = False
+        try:
+            for batch in batches:
+                stats["rows_in"] += batch.num_rows
+                out, val_mask, bad = self._convert(batch, schema, stats)
+                failed = failed or bad
+                if failed or out.num_rows == 0:
+                    continue  # keep counting problems, stop writing
+                if val_mask is None or "val" not in writers:
+                    writers["train"].write(out)
+                else:
+                    writers["train"].write(out.filter(pa.array(~val_mask)))
+                    writers["val"].write(out.filter(pa.array(val_mask)))
+            if failed:
+                for w in writers.values():
+                    w.abort()
+            files = {split: w.close() for split, w in writers.items()}
+        except BaseException:
+            for w in writers.values():
+                w.abort()
+            raise
+        lines = [json.dumps({"split": s, **f}) for s, fl in files.items() for f in fl]
+        lines.append(json.dumps({"stats": stats, "partition": part}))
+        yield pa.RecordBatch.from_pydict({"info": lines})
+
+    def _convert(self, batch: Any, schema: Any, stats: dict[str, Any]) -> tuple[Any, Any, bool]:
+        """Check and convert one batch; returns (stored batch, validation mask, has_errors)."""
+        import pyarrow as pa
+
+        drop = np.zeros(batch.num_rows, dtype=bool)
+        has_errors = False
+        for info in self.columns:
+            column = batch.column(info.name)
+            invalid, bad_length = invalid_rows(column, info)
+            n_invalid, n_bad = int(invalid.sum()), int(bad_length.sum())
+            if n_invalid:
+                stats["invalid"][info.name] = stats["invalid"].get(info.name, 0) + n_invalid
+                drop |= invalid
+                has_errors = has_errors or not self.drop_invalid
+            if n_bad:
+                first = int(np.flatnonzero(bad_length)[0])
+                if info.kind == "sparse_vector":
+                    example = int(vector_udt_sizes(column)[first])
+                else:
+                    example = len(column[first])
+                count, seen = stats["bad_length"].get(info.name, [0, None])
+                stats["bad_length"][info.name] = [
+                    count + n_bad,
+                    seen if seen is not None else example,
+                ]
+                has_errors = True
+        if has_errors:
+            return batch.slice(0, 0), None, True
+        any_drop = bool(drop.any())
+        keep = pa.array(~drop) if any_drop else None
+        stats["dropped"] += int(drop.sum())
+        cols = []
+        for info in self.columns:
+            column = batch.column(info.name)
+            if keep is not None:
+                column = column.filter(keep)
+            if info.kind == "sparse_vector":
+                column = vector_udt_parts(column).to_arrow()
+            elif column.type != arrow_type(info):
+                column = column.cast(arrow_type(info))
+            cols.append(column)
+        out = pa.RecordBatch.from_arrays(cols, schema=schema)
+        val_mask = None
+        if self.split_col is not None:
+            flags = batch.column(self.split_col).to_numpy(zero_copy_only=False).astype(bool)
+            val_mask = flags[~drop] if any_drop else flags
+        return out, val_mask, False
+
+
+def _delete_quietly(fs: Any, path: str) -> None:
+    try:
+        fs.delete_file(path)
+    except OSError:
+        pass

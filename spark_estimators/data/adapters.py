@@ -1,0 +1,115 @@
+"""Framework adapters for :class:`~spark_estimators.data.reader.BatchReader` batches.
+
+torch and tensorflow are imported inside the functions only, so importing this module (and the
+rest of :mod:`spark_estimators.data`) never loads a framework.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+
+class TorchBatches:
+    """Iterable of ``{column: torch.Tensor}`` per batch; ``len()`` is the reader's steps.
+
+    Tensors share memory with the numpy batches (``torch.from_numpy``, no copy). ``shapes`` reshapes
+    columns per row (e.g. ``{"image": (1, 28, 28)}``); ``dtypes`` converts (e.g.
+    ``{"features": torch.float32}``).
+    """
+
+    def __init__(
+        self,
+        reader: Any,
+        shapes: Mapping[str, Sequence[int]] | None = None,
+        dtypes: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.reader = reader
+        self.shapes = {k: tuple(v) for k, v in (shapes or {}).items()}
+        self.dtypes = dict(dtypes or {})
+
+    def __len__(self) -> int:
+        return int(self.reader.steps_per_epoch)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        import torch
+
+        shapes, dtypes = self.shapes, self.dtypes
+        for batch in self.reader:
+            out = {}
+            for name, values in batch.items():
+                tensor = torch.from_numpy(values)
+                if name in shapes:
+                    tensor = tensor.reshape(-1, *shapes[name])
+                if name in dtypes:
+                    tensor = tensor.to(dtypes[name])
+                out[name] = tensor
+            yield out
+
+
+def torch_batches(
+    reader: Any,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+    dtypes: Mapping[str, Any] | None = None,
+) -> TorchBatches:
+    """Wrap a reader so it yields dicts of torch tensors (see :class:`TorchBatches`).
+
+    >>> for batch in torch_batches(reader):  # doctest: +SKIP
+    ...     loss = loss_fn(model(batch["features"]), batch["label"])
+    """
+    return TorchBatches(reader, shapes, dtypes)
+
+
+def tf_dataset(
+    reader: Any,
+    feature_cols: Sequence[str],
+    label_cols: Sequence[str] = (),
+    sample_weight_col: str | None = None,
+    shapes: Mapping[str, Sequence[int]] | None = None,
+) -> Any:
+    """A ``tf.data.Dataset`` of ``(x, y[, sample_weight])`` batches for Keras ``fit``.
+
+    ``x`` (and ``y``) is one tensor for one column, else a tuple in the given order. Each pass over
+    the dataset runs the reader's next epoch; its cardinality is ``reader.steps_per_epoch`` and the
+    batch dimension is static (every batch is full).
+    """
+    import tensorflow as tf
+
+    shapes = {k: tuple(v) for k, v in (shapes or {}).items()}
+    sample = reader.peek()
+    batch_size = int(reader.batch_size)
+
+    def spec(name: str) -> Any:
+        if name not in sample:
+            raise KeyError(f"column {name!r} is not in the reader's batches {sorted(sample)!r}")
+        row_shape = shapes.get(name, sample[name].shape[1:])
+        return tf.TensorSpec((batch_size, *row_shape), tf.as_dtype(sample[name].dtype), name=name)
+
+    def group(names: Sequence[str]) -> Any:
+        specs = tuple(spec(n) for n in names)
+        return specs[0] if len(specs) == 1 else specs
+
+    signature: tuple[Any, ...] = (group(feature_cols),)
+    if label_cols:
+        signature += (group(label_cols),)
+    if sample_weight_col:
+        signature += (spec(sample_weight_col),)
+
+    def pick(batch: dict[str, Any], names: Sequence[str]) -> Any:
+        arrays = tuple(
+            batch[n].reshape((len(batch[n]), *shapes[n])) if n in shapes else batch[n]
+            for n in names
+        )
+        return arrays[0] if len(arrays) == 1 else arrays
+
+    def generate() -> Iterator[tuple[Any, ...]]:
+        for batch in reader:
+            item: tuple[Any, ...] = (pick(batch, feature_cols),)
+            if label_cols:
+                item += (pick(batch, label_cols),)
+            if sample_weight_col:
+                item += (batch[sample_weight_col],)
+            yield item
+
+    dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+    return dataset.apply(tf.data.experimental.assert_cardinality(int(reader.steps_per_epoch)))

@@ -1,0 +1,468 @@
+"""Local launcher, the one-machine ``horovodrun``: ``python -m spark_estimators.launch -np N``.
+
+Usage::
+
+    python -m spark_estimators.launch -np 2 train.py --epochs 3
+    python -m spark_estimators.launch -np 2 -m my_package.train
+
+Each rank is a fresh ``python`` process in its own session with the same variables a rank of
+:func:`spark_estimators.run` gets (torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ... and
+ours, ``SPARK_ESTIMATORS_RANK`` ...), rendezvous on ``127.0.0.1`` and a free port. Output lines
+are prefixed ``[rank]``. Fail fast: when a rank exits non-zero the others' process groups get
+SIGTERM, then SIGKILL after a grace period, and the launcher exits non-zero naming the rank.
+A launcher that dies takes its ranks with it (``PR_SET_PDEATHSIG`` / a stdin lifeline).
+
+:func:`run_local` does the same for a Python function and returns the per-rank results; it is
+how the tests run code in N real processes without Spark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import IO, Any
+
+from spark_estimators import envvars as ev
+from spark_estimators.errors import ConfigurationError, RemoteError, TrainingFailedError
+
+DEFAULT_GRACE_S = 5.0
+_WORKER_FLAG = "--run-pickled-function"
+_BACKENDS = ("auto", "gloo", "nccl", "mpi")
+
+
+def local_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def rank_envs(
+    num_proc: int,
+    backend: str = "auto",
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> list[dict[str, str]]:
+    """The variables of each rank of a one-host job (what the Spark launcher also sets)."""
+    from spark_estimators.driver.service import RankSettings
+    from spark_estimators.task.spark_task import rank_environment
+
+    port = master_port or local_free_port(master_addr)
+    host = socket.gethostname()
+    envs = []
+    for rank in range(num_proc):
+        settings = RankSettings(
+            rank=rank,
+            size=num_proc,
+            local_rank=rank,
+            local_size=num_proc,
+            cross_rank=0,
+            cross_size=1,
+            master_addr=master_addr,
+            master_port=port,
+            host_hash=host,
+        )
+        envs.append(rank_environment(settings, (), backend))
+    return envs
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the kernel SIGKILL the rank when the launcher dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    return preexec
+
+
+def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Supervisor:
+    """Starts the rank processes, forwards their output, and stops all when one fails."""
+
+    def __init__(
+        self,
+        commands: Sequence[Sequence[str]],
+        envs: Sequence[dict[str, str]],
+        stdout: IO[str] | None,
+        stderr: IO[str] | None,
+        timestamp: bool = False,
+        fail_fast: bool = True,
+        grace: float = DEFAULT_GRACE_S,
+        stdin_lifeline: bool = False,
+    ) -> None:
+        self.commands, self.envs = commands, envs
+        self.stdout, self.stderr = stdout, stderr
+        self.timestamp, self.fail_fast, self.grace = timestamp, fail_fast, grace
+        self.stdin_lifeline = stdin_lifeline
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.first_failure: int | None = None
+        self.stopped: set[int] = set()  # ranks still running when the launcher stopped them
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    def run(self) -> dict[int, int]:
+        """Run every rank to the end; returns rank -> exit code."""
+        exits: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        preexec = None if self.stdin_lifeline else _parent_death_signal()
+        try:
+            for command, env in zip(self.commands, self.envs):
+                self.procs.append(
+                    subprocess.Popen(
+                        list(command),
+                        env=env,
+                        stdin=subprocess.PIPE if self.stdin_lifeline else subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        start_new_session=True,
+                        preexec_fn=preexec,
+                    )
+                )
+            readers = []
+            for rank, proc in enumerate(self.procs):
+                for pipe, is_err in ((proc.stdout, False), (proc.stderr, True)):
+                    t = threading.Thread(
+                        target=self._forward, args=(rank, pipe, is_err), daemon=True
+                    )
+                    t.start()
+                    readers.append(t)
+                threading.Thread(
+                    target=lambda r=rank, p=proc: exits.put((r, p.wait())), daemon=True
+                ).start()
+            codes: dict[int, int] = {}
+            while len(codes) < len(self.procs):
+                rank, code = exits.get()
+                codes[rank] = code
+                if code != 0 and self.first_failure is None:
+                    self.first_failure = rank
+                    if self.fail_fast:
+                        self._stop_all()
+            for t in readers:
+                t.join()
+            return codes
+        except BaseException:
+            self._kill_all(signal.SIGKILL)
+            raise
+        finally:
+            self._stopping.set()
+            self._kill_all(signal.SIGKILL)  # leave no grandchild behind
+            for proc in self.procs:
+                if proc.stdin is not None:
+                    try:
+                        proc.stdin.close()
+                    except OSError:
+                        pass
+
+    def _forward(self, rank: int, pipe: IO[bytes] | None, is_err: bool) -> None:
+        assert pipe is not None
+        for raw in iter(pipe.readline, b""):
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            stamp = ""
+            if self.timestamp:
+                stamp = " " + datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " "
+            out = (self.stderr or sys.stderr) if is_err else (self.stdout or sys.stdout)
+            with self._lock:
+                out.write(f"[{rank}]{stamp}{line}\n")
+                out.flush()
+        pipe.close()
+
+    def _stop_all(self) -> None:
+        self.stopped = {r for r, p in enumerate(self.procs) if p.poll() is None}
+        self._kill_all(signal.SIGTERM)
+
+        def escalate() -> None:
+            if not self._stopping.wait(self.grace):
+                self._kill_all(signal.SIGKILL)
+
+        threading.Thread(target=escalate, daemon=True).start()
+
+    def _kill_all(self, sig: int) -> None:
+        for proc in self.procs:
+            _kill_group(proc, sig)
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+# -- run_local: a Python function in N processes --------------------------------------------
+def run_local(
+    fn: Callable[..., Any],
+    num_proc: int = 2,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    backend: str = "auto",
+    stdout: IO[str] | None = None,
+    stderr: IO[str] | None = None,
+    fail_fast: bool = True,
+    return_failures: bool = False,
+    grace: float = DEFAULT_GRACE_S,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` in ``num_proc`` local rank processes; results by rank.
+
+    Parameters
+    ----------
+    fn
+        A picklable (cloudpickle) function; it calls ``collective.init()`` itself.
+    num_proc
+        Number of ranks.
+    args, kwargs
+        Arguments for ``fn``.
+    env
+        Extra environment variables for the ranks (e.g. ``SPARK_ESTIMATORS_COLLECTIVE_TIMEOUT``).
+    backend
+        Value of ``SPARK_ESTIMATORS_BACKEND`` in the ranks.
+    stdout, stderr
+        Where the ranks' ``[rank]``-prefixed output goes (default ``sys.stdout``/``sys.stderr``).
+    fail_fast
+        Stop the other ranks as soon as one fails (default). False lets survivors finish, e.g.
+        to observe how they react to a dead peer.
+    return_failures
+        Put a :class:`~spark_estimators.errors.RemoteError` in the list for each failed rank
+        instead of raising.
+    grace
+        Seconds between SIGTERM and SIGKILL when stopping ranks.
+
+    Returns
+    -------
+    list
+        ``fn``'s return value of rank 0, 1, ...
+
+    Raises
+    ------
+    TrainingFailedError
+        A rank raised or died (unless ``return_failures``); ``worker_failures`` has the details.
+
+    Examples
+    --------
+    >>> def fn():
+    ...     import spark_estimators.collective as hvd
+    ...     hvd.init()
+    ...     return hvd.rank()
+    >>> run_local(fn, num_proc=2)  # doctest: +SKIP
+    [0, 1]
+    """
+    import cloudpickle
+
+    if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
+        raise ConfigurationError(f"num_proc must be a positive int, got {num_proc!r}")
+    if backend not in _BACKENDS:
+        raise ConfigurationError(f"backend={backend!r} is not one of {', '.join(_BACKENDS)}")
+    with tempfile.TemporaryDirectory(prefix="se-launch-") as tmp:
+        payload = os.path.join(tmp, "payload.pkl")
+        with open(payload, "wb") as f:
+            pickle.dump((list(sys.path), cloudpickle.dumps((fn, tuple(args), kwargs or {}))), f)
+        base = dict(os.environ)
+        base.update(env or {})
+        envs = [{**base, **rank_env} for rank_env in rank_envs(num_proc, backend)]
+        command = [sys.executable, "-m", "spark_estimators.launch", _WORKER_FLAG, payload]
+        supervisor = _Supervisor(
+            [command] * num_proc,
+            envs,
+            stdout,
+            stderr,
+            fail_fast=fail_fast,
+            grace=grace,
+            stdin_lifeline=True,
+        )
+        codes = supervisor.run()
+        results, failures, stopped = _collect(tmp, codes, supervisor)
+    if failures and not return_failures:
+        first = supervisor.first_failure
+        raise TrainingFailedError(
+            f"{len(failures)} of {num_proc} ranks failed (first: rank {first}); "
+            + (f"ranks {sorted(stopped)} were stopped" if stopped else "no rank was stopped"),
+            failures,
+        )
+    merged = {**results, **stopped, **failures}
+    return [merged.get(r) for r in range(num_proc)]
+
+
+def _collect(
+    tmp: str, codes: dict[int, int], supervisor: _Supervisor
+) -> tuple[dict[int, Any], dict[int, RemoteError], dict[int, RemoteError]]:
+    """Results, genuine failures, and ranks the launcher stopped after another one failed."""
+    import cloudpickle
+
+    results: dict[int, Any] = {}
+    failures: dict[int, RemoteError] = {}
+    stopped: dict[int, RemoteError] = {}
+    host = socket.gethostname()
+    for rank, code in codes.items():
+        path = os.path.join(tmp, f"result.{rank}.pkl")
+        report = None
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                report = cloudpickle.loads(f.read())
+        if report is not None and report[0] == "ok" and code == 0:
+            results[rank] = report[1]
+        elif report is not None and report[0] == "error":
+            failures[rank] = RemoteError(rank, host, report[1], report[2], code)
+        elif rank in supervisor.stopped:
+            stopped[rank] = RemoteError(
+                rank,
+                host,
+                f"stopped by the launcher after rank {supervisor.first_failure} failed",
+                exit_code=code,
+            )
+        else:
+            failures[rank] = RemoteError(
+                rank,
+                host,
+                f"the rank process {_describe(code)} without reporting a result",
+                exit_code=code,
+            )
+    return results, failures, stopped
+
+
+def _lifeline() -> None:
+    """EOF on stdin means the launcher is gone: take this rank's process group down."""
+    try:
+        while sys.stdin.buffer.read(65536):
+            pass
+    except (OSError, ValueError):
+        pass
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _worker_main(payload_path: str) -> None:
+    import cloudpickle
+
+    threading.Thread(target=_lifeline, name="se-lifeline", daemon=True).start()
+    rank = int(os.environ.get(ev.SE_RANK, "0"))
+    result_path = os.path.join(os.path.dirname(payload_path), f"result.{rank}.pkl")
+    code = 0
+    try:
+        with open(payload_path, "rb") as f:
+            sys_path, blob = pickle.load(f)
+        sys.path[:0] = [p for p in sys_path if p not in sys.path]
+        fn, args, kwargs = cloudpickle.loads(blob)
+        report: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
+    except BaseException as exc:  # report everything, SystemExit included
+        code = 1
+        report = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        sys.stderr.write(report[2])
+    try:
+        data = cloudpickle.dumps(report)
+    except Exception as exc:
+        code = 1
+        data = cloudpickle.dumps(("error", f"the result could not be pickled: {exc}", ""))
+    with open(result_path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(result_path + ".tmp", result_path)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    # Never hang at exit on threads the function left behind (the collective engine included).
+    os._exit(code)
+
+
+# -- command line ----------------------------------------------------------------------------
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m spark_estimators.launch",
+        description="Run a training script in N local processes (the one-machine horovodrun).",
+    )
+    p.add_argument("-np", "--num-proc", type=int, required=True, help="number of ranks")
+    p.add_argument("--backend", choices=_BACKENDS, default="auto", help="collective backend")
+    p.add_argument("--start-timeout", type=float, help=f"seconds, sets {ev.START_TIMEOUT}")
+    p.add_argument(
+        "--collective-timeout", type=float, help=f"seconds, sets {ev.COLLECTIVE_TIMEOUT}"
+    )
+    p.add_argument(
+        "--fusion-threshold-mb",
+        type=float,
+        help=f"MiB per fused bucket, sets {ev.FUSION_THRESHOLD}",
+    )
+    p.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
+    p.add_argument(
+        "--prefix-output-with-timestamp", action="store_true", help="timestamp every line"
+    )
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, help="SIGTERM->SIGKILL, s")
+    p.add_argument("-m", dest="module", help="run a module (like python -m) instead of a script")
+    p.add_argument("script", nargs="?", help="the training script")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m spark_estimators.launch``; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 2 and argv[0] == _WORKER_FLAG:
+        _worker_main(argv[1])
+    opts = _parser().parse_args(argv)
+    if opts.num_proc < 1:
+        _parser().error(f"-np must be >= 1, got {opts.num_proc}")
+    if opts.module:
+        target = ["-m", opts.module] + ([opts.script] if opts.script else []) + opts.args
+    elif opts.script:
+        target = [opts.script, *opts.args]
+    else:
+        _parser().error("give a script (train.py ...) or -m module")
+    extra: dict[str, str] = {}
+    if opts.start_timeout is not None:
+        extra[ev.START_TIMEOUT] = str(opts.start_timeout)
+    if opts.collective_timeout is not None:
+        extra[ev.COLLECTIVE_TIMEOUT] = str(opts.collective_timeout)
+    if opts.fusion_threshold_mb is not None:
+        extra[ev.FUSION_THRESHOLD] = str(int(opts.fusion_threshold_mb * 1024 * 1024))
+    base = {**os.environ, **extra}
+    envs = [
+        {**base, **e} for e in rank_envs(opts.num_proc, opts.backend, "127.0.0.1", opts.master_port)
+    ]
+    supervisor = _Supervisor(
+        [[sys.executable, "-u", *target]] * opts.num_proc,
+        envs,
+        None,
+        None,
+        timestamp=opts.prefix_output_with_timestamp,
+        grace=opts.grace,
+    )
+    try:
+        codes = supervisor.run()
+    except KeyboardInterrupt:
+        sys.stderr.write("spark_estimators.launch: interrupted; all ranks were killed\n")
+        return 130
+    failed = supervisor.first_failure
+    if failed is None:
+        return 0
+    others = sorted(r for r in codes if r != failed)
+    sys.stderr.write(
+        f"spark_estimators.launch: rank {failed} {_describe(codes[failed])}; "
+        f"stopped the other ranks {others}\n"
+    )
+    code = codes[failed]
+    return code if code > 0 else 128 + (-code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,540 @@
+"""The Store: where prepared data, checkpoints and logs live.
+
+Layout under a store's ``prefix_path`` (the names follow horovod.spark so existing data is found)::
+
+    {prefix}/intermediate_train_data.{idx}/part-*.parquet   prepared training data of dataset idx
+    {prefix}/intermediate_val_data.{idx}/part-*.parquet     prepared validation data
+    {prefix}/intermediate_test_data.{idx}/                  reserved for test data
+    {prefix}/intermediate_train_data.{idx}.metadata.json    DatasetMetadata + cache key (written
+                                                            last: present means complete)
+    {prefix}/runs/{run_id}/checkpoints/                     checkpoints (rank 0 writes them)
+    {prefix}/runs/{run_id}/logs/                            TensorBoard and other logs
+
+``train_path`` / ``val_path`` / ``test_path`` / ``runs_path`` override single entries (horovod).
+
+Paths given to the I/O methods may be full store paths (as returned by the ``get_*_path``
+methods: an absolute local path, ``s3://bucket/key``, ``hdfs://nn:8020/path``) or paths relative
+to the prefix.
+
+Every store is light: it holds configuration and builds its filesystem client lazily in each
+process. :meth:`Store.to_remote` returns a :class:`RemoteStore`, a picklable view with the same
+read/write API for Spark executors and rank processes (rank 0 writes checkpoints through it).
+
+Atomic writes (``atomic=True``, :meth:`StoreBase.write_bytes_atomic`, :meth:`StoreBase.open_write`):
+on filesystems with an atomic rename (local, DBFS FUSE, HDFS) the data goes to a hidden temp name in
+the same directory and is renamed over the target; on object stores (S3, GCS, Azure) the data is
+buffered and sent in one PUT, which an object store applies whole or not at all. Either way a crash
+or an exception in the ``with`` body never leaves a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import logging
+import os
+import posixpath
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from spark_estimators.errors import ConfigurationError, StoreError
+from spark_estimators.store._filesystems import FilesystemSpec
+
+logger = logging.getLogger(__name__)
+
+TRAIN_DATA_NAME = "intermediate_train_data"
+VAL_DATA_NAME = "intermediate_val_data"
+TEST_DATA_NAME = "intermediate_test_data"
+RUNS_NAME = "runs"
+CHECKPOINTS_SUBDIR = "checkpoints"
+LOGS_SUBDIR = "logs"
+METADATA_SUFFIX = ".metadata.json"
+
+_SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+_SPOOL_BYTES = 64 << 20
+_COPY_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """Where each kind of artifact lives (full store paths)."""
+
+    prefix_path: str
+    train_path: str
+    val_path: str
+    test_path: str
+    runs_path: str
+    save_runs: bool = True
+
+
+@dataclass(frozen=True)
+class FileStat:
+    """Size and modification time of one path in a store."""
+
+    path: str
+    size: int
+    mtime_ns: int | None
+    is_dir: bool
+
+
+def join_path(base: str, *parts: str) -> str:
+    """Join store path parts with ``/`` (URLs keep their scheme and authority)."""
+    out = base.rstrip("/") if base not in ("/",) else base
+    for part in parts:
+        part = part.strip("/")
+        if part:
+            out = f"{out}/{part}" if not out.endswith("/") else out + part
+    return out
+
+
+def is_absolute_path(path: str) -> bool:
+    """True for ``/abs/path`` and for URLs with a scheme (``s3://...``, ``dbfs:/...``)."""
+    return path.startswith("/") or bool(_SCHEME_RE.match(path))
+
+
+def check_name(value: object, what: str) -> str:
+    """Validate a run id or dataset index used as one path component."""
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(text, str) or not text or "/" in text or text in (".", ".."):
+        raise ConfigurationError(
+            f"{what} {value!r} is not usable as a path component: use a non-empty string "
+            "without '/' (e.g. 'run_001')"
+        )
+    return text
+
+
+def make_layout(
+    prefix_path: str,
+    *,
+    train_path: str | None = None,
+    val_path: str | None = None,
+    test_path: str | None = None,
+    runs_path: str | None = None,
+    save_runs: bool = True,
+) -> StoreLayout:
+    """The default layout under ``prefix_path``, with any entry overridden."""
+    return StoreLayout(
+        prefix_path=prefix_path,
+        train_path=train_path or join_path(prefix_path, TRAIN_DATA_NAME),
+        val_path=val_path or join_path(prefix_path, VAL_DATA_NAME),
+        test_path=test_path or join_path(prefix_path, TEST_DATA_NAME),
+        runs_path=runs_path or join_path(prefix_path, RUNS_NAME),
+        save_runs=save_runs,
+    )
+
+
+class StoreBase:
+    """Layout and I/O shared by :class:`Store` and its remote view :class:`RemoteStore`."""
+
+    _bound_run_id: str | None = None
+
+    def __init__(self, spec: FilesystemSpec, layout: StoreLayout) -> None:
+        self._spec = spec
+        self._layout = layout
+        self._fs: Any = None
+        self._synced: dict[tuple[str, str], tuple[int, int]] = {}
+
+    # ----------------------------------------------------------------- pickling and identity
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_fs"] = None  # clients are rebuilt in the receiving process
+        state["_synced"] = {}
+        return state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.prefix_path!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        assert isinstance(other, StoreBase)
+        return (self._spec, self._layout, self._bound_run_id) == (
+            other._spec,
+            other._layout,
+            other._bound_run_id,
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._layout, self._bound_run_id))
+
+    # ------------------------------------------------------------------------------ layout
+    @property
+    def prefix_path(self) -> str:
+        return self._layout.prefix_path
+
+    @property
+    def filesystem_spec(self) -> FilesystemSpec:
+        """The picklable recipe of this store's filesystem."""
+        return self._spec
+
+    def get_train_data_path(self, idx: int | str | None = None) -> str:
+        """Directory of the prepared training data of dataset ``idx`` (horovod's naming)."""
+        return self._indexed(self._layout.train_path, idx)
+
+    def get_val_data_path(self, idx: int | str | None = None) -> str:
+        """Directory of the prepared validation data of dataset ``idx``."""
+        return self._indexed(self._layout.val_path, idx)
+
+    def get_test_data_path(self, idx: int | str | None = None) -> str:
+        """Directory reserved for test data of dataset ``idx``."""
+        return self._indexed(self._layout.test_path, idx)
+
+    def get_dataset_metadata_path(self, idx: int | str | None = None) -> str:
+        """The JSON metadata of dataset ``idx``, next to its training data."""
+        return self.get_train_data_path(idx) + METADATA_SUFFIX
+
+    def saving_runs(self) -> bool:
+        return self._layout.save_runs
+
+    def get_runs_path(self) -> str:
+        return self._layout.runs_path
+
+    def get_run_path(self, run_id: str | None = None) -> str:
+        return join_path(self._layout.runs_path, self._run_id(run_id))
+
+    def get_checkpoint_path(self, run_id: str | None = None) -> str:
+        """Directory that holds the checkpoints of a run."""
+        return join_path(self.get_run_path(run_id), CHECKPOINTS_SUBDIR)
+
+    def get_logs_path(self, run_id: str | None = None) -> str:
+        """Directory that holds the logs (e.g. TensorBoard) of a run."""
+        return join_path(self.get_run_path(run_id), LOGS_SUBDIR)
+
+    def _indexed(self, base: str, idx: int | str | None) -> str:
+        return base if idx is None else f"{base}.{check_name(idx, 'dataset index')}"
+
+    def _run_id(self, run_id: str | None) -> str:
+        run_id = run_id if run_id is not None else self._bound_run_id
+        if run_id is None:
+            raise ConfigurationError(
+                f"{self!r} needs a run_id here: pass run_id=..., or use store.to_remote(run_id)"
+            )
+        return check_name(run_id, "run_id")
+
+    # ------------------------------------------------------------------------------- paths
+    def full_path(self, path: str) -> str:
+        """The full store path of ``path`` (relative paths are taken under the prefix)."""
+        return path if is_absolute_path(path) else join_path(self.prefix_path, path)
+
+    def fs_path(self, path: str) -> str:
+        """The path of ``path`` on :attr:`filesystem` (what pyarrow and fsspec calls take)."""
+        return self._spec.to_fs_path(self.full_path(path))
+
+    @property
+    def filesystem(self) -> Any:
+        """The :class:`pyarrow.fs.FileSystem` of this store, built once per process."""
+        if self._fs is None:
+            self._fs = self._spec.create()
+        return self._fs
+
+    # ----------------------------------------------------------------------------- queries
+    def exists(self, path: str) -> bool:
+        import pyarrow.fs as pafs
+
+        return self._info(path).type != pafs.FileType.NotFound
+
+    def isdir(self, path: str) -> bool:
+        import pyarrow.fs as pafs
+
+        return self._info(path).type == pafs.FileType.Directory
+
+    def stat(self, path: str) -> FileStat:
+        """Size and modification time of a file (or a directory)."""
+        import pyarrow.fs as pafs
+
+        info = self._info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise StoreError(f"{path!r} does not exist in {self!r}")
+        return FileStat(
+            path=self.full_path(path),
+            size=int(info.size or 0),
+            mtime_ns=info.mtime_ns,
+            is_dir=info.type == pafs.FileType.Directory,
+        )
+
+    def listdir(self, path: str = "") -> list[str]:
+        """Sorted names of the entries directly under ``path`` (``[]`` when it does not exist)."""
+        import pyarrow.fs as pafs
+
+        selector = pafs.FileSelector(self.fs_path(path), allow_not_found=True, recursive=False)
+        with self._io_errors("list", path):
+            infos = self.filesystem.get_file_info(selector)
+        return sorted(info.base_name for info in infos)
+
+    def _info(self, path: str) -> Any:
+        with self._io_errors("stat", path):
+            return self.filesystem.get_file_info(self.fs_path(path))
+
+    # ----------------------------------------------------------------------------- reading
+    def read_bytes(self, path: str) -> bytes:
+        with (
+            self._io_errors("read", path),
+            self.filesystem.open_input_stream(self.fs_path(path)) as src,
+        ):
+            return bytes(src.read())
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return self.read_bytes(path).decode(encoding)
+
+    @contextlib.contextmanager
+    def open_read(self, path: str) -> Iterator[IO[bytes]]:
+        """A seekable binary file for ``path`` (``torch.load(f)`` works on it)."""
+        with (
+            self._io_errors("read", path),
+            self.filesystem.open_input_file(self.fs_path(path)) as src,
+        ):
+            yield src
+
+    def download_file(self, path: str, local_path: str) -> None:
+        """Copy one store file to the local disk."""
+        with self.open_read(path) as src, open(local_path, "wb") as dst:
+            shutil.copyfileobj(src, dst, _COPY_CHUNK)
+
+    # ----------------------------------------------------------------------------- writing
+    @contextlib.contextmanager
+    def open_write(self, path: str, *, atomic: bool = False) -> Iterator[IO[bytes]]:
+        """A binary file that writes ``path``; parents are created as needed.
+
+        With ``atomic=True`` the target holds either its old content or the complete new one,
+        never a part, even when the ``with`` body raises (see the module docstring).
+        """
+        target = self.fs_path(path)
+        fs = self.filesystem
+        self._ensure_parent(target, path)
+        if not atomic:
+            with self._io_errors("write", path), fs.open_output_stream(target) as out:
+                yield out
+            return
+        if self._spec.rename_is_atomic:
+            tmp = posixpath.join(
+                posixpath.dirname(target),
+                f".{posixpath.basename(target)}.tmp-{uuid.uuid4().hex[:12]}",
+            )
+            try:
+                with self._io_errors("write", path):
+                    with fs.open_output_stream(tmp) as out:
+                        yield out
+                    _replace(fs, tmp, target)
+            except BaseException:
+                _delete_quietly(fs, tmp)
+                raise
+        else:
+            with tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES) as buf:
+                yield buf  # type: ignore[misc]
+                buf.seek(0)
+                with self._io_errors("write", path), fs.open_output_stream(target) as out:
+                    shutil.copyfileobj(buf, out, _COPY_CHUNK)
+
+    def write_bytes(self, path: str, data: bytes, *, atomic: bool = False) -> None:
+        with self.open_write(path, atomic=atomic) as out:
+            out.write(data)
+
+    def write_bytes_atomic(self, path: str, data: bytes) -> None:
+        """Write ``data`` so that ``path`` never holds a partial file (see :meth:`open_write`)."""
+        self.write_bytes(path, data, atomic=True)
+
+    def write_text(
+        self, path: str, text: str, *, atomic: bool = False, encoding: str = "utf-8"
+    ) -> None:
+        self.write_bytes(path, text.encode(encoding), atomic=atomic)
+
+    def upload_file(self, local_path: str, path: str, *, atomic: bool = False) -> None:
+        """Copy one local file into the store."""
+        with open(local_path, "rb") as src, self.open_write(path, atomic=atomic) as out:
+            shutil.copyfileobj(src, out, _COPY_CHUNK)
+
+    def makedirs(self, path: str) -> None:
+        """Create a directory and its parents (a no-op on object stores)."""
+        if self._spec.needs_directories:
+            with self._io_errors("create directory", path):
+                self.filesystem.create_dir(self.fs_path(path), recursive=True)
+
+    def delete(self, path: str) -> None:
+        """Delete a file, or a directory with everything under it; missing paths are ignored."""
+        import pyarrow.fs as pafs
+
+        info = self._info(path)
+        with self._io_errors("delete", path):
+            if info.type == pafs.FileType.Directory:
+                self.filesystem.delete_dir(info.path)
+            elif info.type != pafs.FileType.NotFound:
+                self.filesystem.delete_file(info.path)
+
+    def sync_dir(self, local_dir: str, run_id: str | None = None, *, subdir: str = "") -> list[str]:
+        """Copy new and changed files of ``local_dir`` into ``runs/{run_id}/{subdir}``.
+
+        Files already uploaded by this object and unchanged since (same size and mtime) are skipped,
+        so calling it after every epoch costs only what changed.
+
+        Returns
+        -------
+        list of str
+            The store paths written by this call.
+        """
+        target_root = join_path(self.get_run_path(run_id), subdir)
+        local_root = os.path.abspath(local_dir)
+        written: list[str] = []
+        for dirpath, _dirs, files in os.walk(local_root):
+            rel_dir = os.path.relpath(dirpath, local_root)
+            for name in sorted(files):
+                local_file = os.path.join(dirpath, name)
+                target = join_path(target_root, "" if rel_dir == "." else rel_dir, name)
+                if os.path.abspath(self.fs_path(target)) == local_file and self._is_local():
+                    continue  # already in place (a LocalStore run dir used as the local dir)
+                st = os.stat(local_file)
+                key = (local_file, target)
+                if self._synced.get(key) == (st.st_mtime_ns, st.st_size):
+                    continue
+                self.upload_file(local_file, target, atomic=True)
+                self._synced[key] = (st.st_mtime_ns, st.st_size)
+                written.append(target)
+        if written:
+            logger.debug("synced %d file(s) from %s to %s", len(written), local_root, target_root)
+        return written
+
+    # ------------------------------------------------------------------ runs and datasets
+    def list_runs(self) -> list[str]:
+        """The run ids that have a directory under the runs path."""
+        return [name for name in self.listdir(self.get_runs_path()) if not name.startswith(".")]
+
+    def delete_run(self, run_id: str) -> None:
+        """Delete ``runs/{run_id}`` with its checkpoints and logs."""
+        self.delete(self.get_run_path(check_name(run_id, "run_id")))
+
+    def list_datasets(self) -> list[str]:
+        """Indexes of the complete prepared datasets (those whose metadata file exists)."""
+        train_base = self._layout.train_path
+        parent, base = posixpath.split(train_base.rstrip("/"))
+        pattern = re.compile(re.escape(base) + r"\.([^/]+)" + re.escape(METADATA_SUFFIX) + "$")
+        found = []
+        for name in self.listdir(parent):
+            m = pattern.match(name)
+            if m:
+                found.append(m.group(1))
+        return sorted(found)
+
+    def delete_dataset(self, idx: int | str) -> None:
+        """Delete a prepared dataset: metadata first (so it is never half-visible), then data."""
+        self.delete(self.get_dataset_metadata_path(idx))
+        for path in (
+            self.get_train_data_path(idx),
+            self.get_val_data_path(idx),
+            self.get_test_data_path(idx),
+        ):
+            self.delete(path)
+
+    # ------------------------------------------------------------------------------ helpers
+    def _is_local(self) -> bool:
+        from spark_estimators.store._filesystems import LocalFilesystemSpec
+
+        return isinstance(self._spec, LocalFilesystemSpec)
+
+    def _ensure_parent(self, fs_target: str, path: str) -> None:
+        if self._spec.needs_directories:
+            parent = posixpath.dirname(fs_target)
+            if parent:
+                with self._io_errors("create directory", path):
+                    self.filesystem.create_dir(parent, recursive=True)
+
+    @contextlib.contextmanager
+    def _io_errors(self, op: str, path: str) -> Iterator[None]:
+        try:
+            yield
+        except StoreError:
+            raise
+        except FileNotFoundError as exc:
+            raise StoreError(f"cannot {op} {path!r} in {self!r}: it does not exist") from exc
+        except OSError as exc:
+            raise StoreError(f"cannot {op} {path!r} in {self!r}: {exc}") from exc
+
+
+class Store(StoreBase, abc.ABC):
+    """Abstract store: build one with :meth:`Store.create` or a concrete class.
+
+    Concrete stores: :class:`~spark_estimators.store.LocalStore`,
+    :class:`~spark_estimators.store.FilesystemStore`, :class:`~spark_estimators.store.HDFSStore`,
+    :class:`~spark_estimators.store.DBFSLocalStore`.
+    """
+
+    @abc.abstractmethod
+    def __init__(self, spec: FilesystemSpec, layout: StoreLayout) -> None:
+        super().__init__(spec, layout)
+
+    @staticmethod
+    def create(prefix_path: str, **kwargs: Any) -> Store:
+        """Pick the store class for a URL by its scheme.
+
+        ``file://`` or a plain path -> LocalStore; ``hdfs://`` -> HDFSStore; ``dbfs:/``, and on
+        Databricks also ``/dbfs/`` and ``file:///dbfs/`` -> DBFSLocalStore; ``s3://``, ``gs://``,
+        ``abfs://`` and other fsspec protocols -> FilesystemStore. Keyword arguments go to the
+        class (e.g. ``storage_options=`` for FilesystemStore).
+
+        >>> Store.create("/tmp/experiments")
+        LocalStore('/tmp/experiments')
+        """
+        from spark_estimators.store.registry import create_store
+
+        return create_store(prefix_path, **kwargs)
+
+    def to_remote(
+        self, run_id: str | None = None, dataset_idx: int | str | None = None
+    ) -> RemoteStore:
+        """A picklable light view for executors and rank processes, bound to a run and dataset."""
+        if run_id is not None:
+            check_name(run_id, "run_id")
+        return RemoteStore(self._spec, self._layout, run_id=run_id, dataset_idx=dataset_idx)
+
+
+class RemoteStore(StoreBase):
+    """What executors and rank processes get: the store's layout and I/O, nothing else.
+
+    ``run_id`` (when bound) is the default of every run-path method, so rank 0 can call
+    ``view.write_bytes_atomic(view.get_checkpoint_path() + "/epoch_3.pt", data)``.
+    """
+
+    def __init__(
+        self,
+        spec: FilesystemSpec,
+        layout: StoreLayout,
+        *,
+        run_id: str | None = None,
+        dataset_idx: int | str | None = None,
+    ) -> None:
+        super().__init__(spec, layout)
+        self._bound_run_id = run_id
+        self.dataset_idx = dataset_idx
+
+    @property
+    def run_id(self) -> str | None:
+        return self._bound_run_id
+
+    @property
+    def train_data_path(self) -> str:
+        return self.get_train_data_path(self.dataset_idx)
+
+    @property
+    def val_data_path(self) -> str:
+        return self.get_val_data_path(self.dataset_idx)
+
+
+def _replace(fs: Any, src: str, dst: str) -> None:
+    """Rename ``src`` over ``dst`` (HDFS refuses to rename onto an existing file: delete first)."""
+    try:
+        fs.move(src, dst)
+    except OSError:
+        import pyarrow.fs as pafs
+
+        if fs.get_file_info(dst).type != pafs.FileType.File:
+            raise
+        fs.delete_file(dst)
+        fs.move(src, dst)
+
+
+def _delete_quietly(fs: Any, path: str) -> None:
+    with contextlib.suppress(OSError):
+        fs.delete_file(path)

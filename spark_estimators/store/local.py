@@ -1,0 +1,140 @@
+"""Stores on a local (or network-mounted) filesystem: LocalStore and DBFSLocalStore."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from spark_estimators.errors import ConfigurationError
+from spark_estimators.store._filesystems import LocalFilesystemSpec
+from spark_estimators.store.base import Store, make_layout
+
+#: Where Databricks mounts DBFS on every node. Tests point it at a temp dir; the mapping is done
+#: on the driver when the store is built, so executors need no such setting.
+DBFS_FUSE_ROOT = "/dbfs"
+
+
+def _local_prefix(prefix_path: str) -> str:
+    path = LocalFilesystemSpec().to_fs_path(prefix_path)
+    if "://" in path:
+        raise ConfigurationError(
+            f"LocalStore takes a local path or a file:// URL, got {prefix_path!r}; use "
+            "Store.create(url) to pick the store for other schemes"
+        )
+    return os.path.abspath(os.path.expanduser(path))
+
+
+class LocalStore(Store):
+    """A store on the local filesystem, or any filesystem mounted on every node (NFS, FUSE).
+
+    Parameters
+    ----------
+    prefix_path
+        A local directory (or ``file://`` URL). With more than one machine it must be a shared
+        mount, since executors write the prepared data and the driver reads it.
+    train_path, val_path, test_path, runs_path
+        Override one entry of the layout (see :mod:`spark_estimators.store.base`).
+    save_runs
+        Keep ``runs/`` (checkpoints, logs) after training.
+
+    Examples
+    --------
+    >>> store = LocalStore("/tmp/experiments")
+    >>> store.get_logs_path("run_1")
+    '/tmp/experiments/runs/run_1/logs'
+    """
+
+    def __init__(
+        self,
+        prefix_path: str,
+        *,
+        train_path: str | None = None,
+        val_path: str | None = None,
+        test_path: str | None = None,
+        runs_path: str | None = None,
+        save_runs: bool = True,
+    ) -> None:
+        local = _local_prefix(prefix_path)
+        layout = make_layout(
+            local,
+            train_path=_local_prefix(train_path) if train_path else None,
+            val_path=_local_prefix(val_path) if val_path else None,
+            test_path=_local_prefix(test_path) if test_path else None,
+            runs_path=_local_prefix(runs_path) if runs_path else None,
+            save_runs=save_runs,
+        )
+        super().__init__(LocalFilesystemSpec(), layout)
+
+
+def is_databricks() -> bool:
+    """True inside a Databricks runtime (it sets ``DATABRICKS_RUNTIME_VERSION``)."""
+    return "DATABRICKS_RUNTIME_VERSION" in os.environ
+
+
+def is_dbfs_path(path: str) -> bool:
+    """``dbfs:/x``, ``/dbfs/x``, ``file:///dbfs/x`` or ``file:/dbfs/x``."""
+    return (
+        (path.startswith("dbfs:/") and not path.startswith("dbfs://"))
+        or path.startswith("/dbfs/")
+        or path == "/dbfs"
+        or path.startswith("file:///dbfs/")
+        or path.startswith("file:/dbfs/")
+    )
+
+
+def dbfs_local_path(path: str, fuse_root: str | None = None) -> str:
+    """Map a DBFS path in any of its forms to the FUSE path (``/dbfs/x`` on Databricks).
+
+    >>> dbfs_local_path("dbfs:/ml/exp")
+    '/dbfs/ml/exp'
+    """
+    if path.startswith("dbfs:/") and not path.startswith("dbfs://"):
+        rest = path[len("dbfs:") :]
+    elif path.startswith("file:///dbfs"):
+        rest = path[len("file:///dbfs") :]
+    elif path.startswith("file:/dbfs"):
+        rest = path[len("file:/dbfs") :]
+    elif path == "/dbfs" or path.startswith("/dbfs/"):
+        rest = path[len("/dbfs") :]
+    else:
+        raise ConfigurationError(
+            f"{path!r} is not a DBFS path; use 'dbfs:/...', '/dbfs/...' or 'file:///dbfs/...'"
+        )
+    root = DBFS_FUSE_ROOT if fuse_root is None else fuse_root
+    return root.rstrip("/") + "/" + rest.lstrip("/")
+
+
+@dataclass(frozen=True)
+class DbfsFilesystemSpec(LocalFilesystemSpec):
+    """The local filesystem, with DBFS paths (``dbfs:/x`` ...) mapped to the FUSE mount."""
+
+    fuse_root: str = "/dbfs"
+
+    def to_fs_path(self, path: str) -> str:
+        if is_dbfs_path(path):
+            return dbfs_local_path(path, self.fuse_root)
+        return super().to_fs_path(path)
+
+
+class DBFSLocalStore(LocalStore):
+    """Databricks File System through its local FUSE mount (``/dbfs``), on driver and workers.
+
+    Accepts ``dbfs:/x``, ``/dbfs/x``, ``file:///dbfs/x`` and ``file:/dbfs/x``; all map to
+    ``/dbfs/x``. Paths given to the I/O methods may use any of these forms too.
+    """
+
+    def __init__(self, prefix_path: str, **kwargs: Any) -> None:
+        if not is_dbfs_path(prefix_path):
+            raise ConfigurationError(
+                f"{prefix_path!r} is not a DBFS path; use 'dbfs:/...', '/dbfs/...' or "
+                "'file:///dbfs/...'"
+            )
+        self.dbfs_path = prefix_path
+        mapped: dict[str, Any] = {
+            k: dbfs_local_path(v) if isinstance(v, str) and is_dbfs_path(v) else v
+            for k, v in kwargs.items()
+        }
+        super().__init__(dbfs_local_path(prefix_path), **mapped)
+        # The FUSE root is fixed now, on the driver, and travels inside the spec.
+        self._spec = DbfsFilesystemSpec(fuse_root=DBFS_FUSE_ROOT)

@@ -1,0 +1,207 @@
+"""TorchEstimator: fit a ``torch.nn.Module`` on a Spark DataFrame, data-parallel on Spark tasks.
+
+>>> est = TorchEstimator(num_proc=2, model=model, optimizer=torch.optim.Adam(model.parameters()),
+...                      loss=torch.nn.MSELoss(), feature_cols=["features"], label_cols=["y"],
+...                      batch_size=64, epochs=5, validation=0.1)  # doctest: +SKIP
+>>> torch_model = est.fit(df)  # doctest: +SKIP
+>>> torch_model.transform(test_df).select("y__output").show()  # doctest: +SKIP
+
+Learning rate: pass the rate you would use on one process; it is multiplied by the number of
+ranks, as Horovod's estimators do (the effective batch is ``num_proc * batch_size``);
+``scale_lr=False`` keeps it as given.
+
+Callbacks are objects with any of ``on_train_begin(logs)``, ``on_epoch_begin(epoch, logs)``,
+``on_epoch_end(epoch, logs)`` and ``on_train_end(logs)``; they run on every rank with metrics
+already averaged over the ranks, and setting ``callback.stop_training = True`` stops every rank
+after that epoch (see :class:`spark_estimators.torch.EarlyStopping`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from spark_estimators.core.estimator import SparkEstimator
+from spark_estimators.core.params import make_param
+from spark_estimators.errors import ConfigurationError, TrainingFailedError
+from spark_estimators.torch.model import TorchModel
+from spark_estimators.torch.remote import (
+    TorchTrainSpec,
+    UserObjects,
+    read_checkpoint_info,
+    train,
+)
+
+
+def _listify(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+class TorchEstimator(SparkEstimator):
+    """Spark ML Estimator that trains a PyTorch model with data-parallel allreduce.
+
+    Parameters are horovod.spark.torch's (snake_case keywords or camelCase Params):
+    ``num_proc, backend, store, model, optimizer, loss (or loss_constructors), loss_weights,
+    sample_weight_col, metrics, feature_cols, label_cols, input_shapes, label_shapes,
+    validation, callbacks, batch_size, val_batch_size, epochs, train_steps_per_epoch,
+    validation_steps_per_epoch, shuffle, random_seed, run_id, transformation_fn,
+    inmemory_cache_all, use_gpu, backward_passes_per_step, gradient_compression,
+    partitions_per_process, train_reader_num_workers, val_reader_num_workers, reader,
+    train_minibatch_fn, verbose``; plus ``collective_backend``, ``scale_lr``, ``start_timeout``,
+    ``transform_batch_size``.
+    """
+
+    _framework = "torch"
+
+    trainMinibatchFn = make_param(
+        "trainMinibatchFn",
+        "custom fn(model, optimizer, transform_outputs, "
+        "loss_fn, inputs, labels, sample_weights) -> (outputs, loss)",
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._setDefault(trainMinibatchFn=None)
+        self.setParams(**kwargs)
+
+    # -- validation ------------------------------------------------------------------------------
+    def _validate_framework(self) -> None:
+        try:
+            import torch
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ImportError(
+                "TorchEstimator needs PyTorch: pip install 'spark-estimators[torch]'"
+            ) from exc
+        model = self.getModel()
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        optimizer = self.getOptimizer()
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigurationError(
+                f"optimizer must be a torch.optim.Optimizer built on model.parameters(), got "
+                f"{type(optimizer).__name__}"
+            )
+        params = {id(p) for p in model.parameters()}
+        opt_params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if not opt_params <= params:
+            raise ConfigurationError(
+                "optimizer holds parameters that are not the model's: build it with "
+                "optimizer=torch.optim.X(model.parameters(), ...) on the same model object"
+            )
+        losses = self._losses()
+        if not losses:
+            raise ConfigurationError(
+                "loss is required: pass loss=torch.nn.MSELoss() (one per label column, or one "
+                "for all) or loss_constructors=[...]"
+            )
+        if len(losses) not in (1, len(self.getLabelCols())):
+            raise ConfigurationError(
+                f"{len(losses)} losses for {len(self.getLabelCols())} label columns: give one "
+                "loss, or one per label column"
+            )
+        compression = self.getGradientCompression()
+        if compression is not None and self._compression_name() not in ("none", "fp16"):
+            raise ConfigurationError(
+                f"gradient_compression={compression!r} is not Compression.none or Compression.fp16"
+            )
+
+    def _losses(self) -> list[Any]:
+        constructors = _listify(self.getOrDefault("lossConstructors"))
+        if constructors:
+            return [c() for c in constructors]
+        return _listify(self.getLoss())
+
+    def _compression_name(self) -> str:
+        compression = self.getGradientCompression()
+        if compression is None:
+            return "none"
+        if isinstance(compression, str):
+            return compression
+        name = getattr(compression, "__name__", type(compression).__name__).lower()
+        return "fp16" if "fp16" in name else "none" if "none" in name.lower() else name
+
+    # -- training --------------------------------------------------------------------------------
+    def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> TorchTrainSpec:
+        from spark_estimators.runner import dumps_by_value
+
+        losses = self._losses()
+        if len(losses) == 1 and len(self.getLabelCols()) > 1:
+            losses = losses * len(self.getLabelCols())
+        user = UserObjects(
+            model=self.getModel(),
+            optimizer=self.getOptimizer(),
+            losses=losses,
+            metrics=_listify(self.getMetrics()),
+            callbacks=_listify(self.getCallbacks()),
+            transformation_fn=self.getTransformationFn(),
+            train_minibatch_fn=self.getOrDefault("trainMinibatchFn"),
+        )
+        roots = [
+            user.model,
+            *user.losses,
+            *user.metrics,
+            *user.callbacks,
+            user.transformation_fn,
+            user.train_minibatch_fn,
+        ]
+        info = read_checkpoint_info(store, run_id)
+        start_epoch = 0 if info is None else int(info["epoch"]) + 1
+        return TorchTrainSpec(
+            user_blob=dumps_by_value(user, roots=[r for r in roots if r is not None]),
+            store=store.to_remote() if hasattr(store, "to_remote") else store,
+            meta=meta,
+            run_id=run_id,
+            feature_cols=self.getFeatureCols(),
+            label_cols=self.getLabelCols(),
+            sample_weight_col=self.getSampleWeightCol(),
+            input_shapes=self.getInputShapes(),
+            label_shapes=self.getLabelShapes(),
+            loss_weights=self.getLossWeights(),
+            batch_size=self.getBatchSize(),
+            val_batch_size=self.getValBatchSize() or self.getBatchSize(),
+            epochs=self.getEpochs(),
+            start_epoch=start_epoch,
+            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
+            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
+            shuffle=self.getShuffle(),
+            seed=self.getRandomSeed(),
+            inmemory_cache_all=self.getInmemoryCacheAll(),
+            use_gpu=self.getUseGpu(),
+            backward_passes_per_step=self.getBackwardPassesPerStep(),
+            compression=self._compression_name(),
+            scale_lr=self.getScaleLr(),
+            reader=self.getReader(),
+            train_reader_num_workers=self.getTrainReaderNumWorkers(),
+            val_reader_num_workers=self.getValReaderNumWorkers(),
+            history=[] if info is None else list(info.get("history", [])),
+        )
+
+    def _remote_trainer(self) -> Any:
+        return train
+
+    def _create_model(self, results: list[Any], meta: Any, run_id: str) -> TorchModel:
+        first = results[0]
+        fingerprints = {r["fingerprint"] for r in results}
+        if len(fingerprints) != 1:
+            raise TrainingFailedError(
+                f"ranks ended with different weights ({len(fingerprints)} distinct); this is a "
+                "bug, please report it"
+            )
+        model = copy.deepcopy(self.getModel()).cpu()
+        model.load_state_dict(first["state_dict"])
+        model.eval()
+        torch_model = TorchModel(
+            model=model,
+            history=first["history"],
+            run_id=run_id,
+            output_shapes=first["output_shapes"],
+            featureCols=self.getFeatureCols(),
+            labelCols=self.getLabelCols(),
+            inputShapes=self.getInputShapes(),
+            transformBatchSize=self.getTransformBatchSize(),
+        )
+        if self.getOutputCols():
+            torch_model.setOutputCols(self.getOutputCols())
+        return torch_model

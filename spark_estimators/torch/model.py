@@ -1,0 +1,58 @@
+"""TorchModel: the Transformer a TorchEstimator returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+
+from spark_estimators.core.model import Predictor, SparkModel
+
+
+class TorchPredictor(Predictor):
+    """Loads a pickled ``torch.nn.Module`` once per Python worker and predicts numpy batches."""
+
+    def load(self, blob: bytes) -> Any:
+        import torch
+
+        from spark_estimators.task import get_available_devices
+
+        model = cloudpickle.loads(blob)
+        device = get_available_devices()[0]
+        device = device if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+        model = model.to(device)
+        model.eval()
+        return model
+
+    def predict(self, model: Any, inputs: list[Any]) -> list[Any]:
+        import torch
+
+        first = next(iter(model.parameters()), None)
+        device = first.device if first is not None else torch.device("cpu")
+        with torch.no_grad():
+            out = model(*[torch.from_numpy(a).to(device) for a in inputs])
+        outs = list(out) if isinstance(out, list | tuple) else [out]
+        return [o.detach().cpu().double().numpy() for o in outs]
+
+
+class TorchModel(SparkModel):
+    """A trained torch model as a Spark ML Transformer.
+
+    ``transform(df)`` appends one column per output (``<label>__output`` by default);
+    ``getModel()`` returns the ``torch.nn.Module`` (on the CPU, in eval mode);
+    ``getHistory()`` the per-epoch metrics; ``write().save(path)`` / ``TorchModel.load(path)``
+    and Pipeline persistence work as for any Spark ML model.
+    """
+
+    def _model_to_bytes(self) -> bytes:
+        from spark_estimators.runner import dumps_by_value
+
+        return dumps_by_value(self._model)
+
+    def _model_from_bytes(self, blob: bytes) -> Any:
+        model = cloudpickle.loads(blob)
+        model.eval()
+        return model
+
+    def _predictor(self) -> Predictor:
+        return TorchPredictor()

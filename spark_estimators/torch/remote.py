@@ -1,0 +1,425 @@
+"""What every rank runs for ``TorchEstimator.fit`` (executor side; module-level, no closures).
+
+Per rank: init the collective group, pick the device (the task's GPU, as ``cuda:0``, when there
+is one and ``use_gpu`` allows), restore the last checkpoint on hot-start, broadcast parameters
+and optimizer state from rank 0, scale the learning rate by the number of ranks (Horovod's rule:
+users give the single-process rate; ``scale_lr=False`` turns it off), train with
+``DistributedOptimizer`` on the sharded reader (every rank runs the same number of steps), average
+loss and metrics over the ranks each epoch, validate, call the callbacks, and on rank 0 write an
+atomic checkpoint, TensorBoard scalars and send the epoch's metrics to the driver.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import sys
+import tempfile
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from spark_estimators.core import tensors
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.pt"
+CHECKPOINT_INFO = "checkpoint.json"
+
+
+@dataclass
+class TorchTrainSpec:
+    """Everything a rank needs; user objects travel pickled in ``user_blob``."""
+
+    user_blob: bytes
+    store: Any
+    meta: Any
+    run_id: str
+    feature_cols: list[str]
+    label_cols: list[str]
+    sample_weight_col: str | None
+    input_shapes: list[Any] | None
+    label_shapes: list[Any] | None
+    loss_weights: list[float] | None
+    batch_size: int
+    val_batch_size: int
+    epochs: int
+    start_epoch: int
+    train_steps_per_epoch: int | None
+    validation_steps_per_epoch: int | None
+    shuffle: bool
+    seed: int | None
+    inmemory_cache_all: bool
+    use_gpu: bool | None
+    backward_passes_per_step: int
+    compression: str
+    scale_lr: bool
+    reader: str
+    train_reader_num_workers: int
+    val_reader_num_workers: int
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class UserObjects:
+    """The user's objects, pickled together so the optimizer keeps pointing at the model."""
+
+    model: Any
+    optimizer: Any
+    losses: list[Any]
+    metrics: list[Any]
+    callbacks: list[Any]
+    transformation_fn: Any = None
+    train_minibatch_fn: Any = None
+
+
+def checkpoint_paths(store: Any, run_id: str) -> tuple[str, str]:
+    base = store.get_checkpoint_path(run_id)
+    return base.rstrip("/") + "/" + CHECKPOINT_FILE, base.rstrip("/") + "/" + CHECKPOINT_INFO
+
+
+def read_checkpoint_info(store: Any, run_id: str) -> dict[str, Any] | None:
+    """The last finished epoch and history of a run, or None when it has no checkpoint."""
+    _, info = checkpoint_paths(store, run_id)
+    if not store.exists(info):
+        return None
+    return dict(json.loads(store.read_text(info)))
+
+
+def metric_name(metric: Any) -> str:
+    return str(getattr(metric, "__name__", None) or type(metric).__name__)
+
+
+def _fingerprint(model: Any) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _call(callbacks: list[Any], hook: str, *args: Any) -> None:
+    for cb in callbacks:
+        fn = getattr(cb, hook, None)
+        if fn is not None:
+            fn(*args)
+
+
+class _Batches:
+    """Turns reader batches (dicts of numpy arrays) into device tensors for the model."""
+
+    def __init__(self, spec: TorchTrainSpec, device: Any, transformation_fn: Any):
+        self.spec, self.device = spec, device
+        self.transformation_fn = transformation_fn
+
+    def to_tensors(self, batch: dict[str, np.ndarray]) -> tuple[list[Any], list[Any], Any]:
+        import torch
+
+        spec = self.spec
+        inputs = tensors.model_inputs(batch, spec.feature_cols, spec.input_shapes)
+        labels = tensors.model_inputs(batch, spec.label_cols, spec.label_shapes)
+        weights = None
+        if spec.sample_weight_col:
+            weights = torch.from_numpy(
+                np.asarray(batch[spec.sample_weight_col], dtype=np.float32)
+            ).to(self.device)
+        return (
+            [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in inputs],
+            [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in labels],
+            weights,
+        )
+
+
+def compute_loss(
+    losses: list[Any],
+    outputs: list[Any],
+    labels: list[Any],
+    loss_weights: list[float] | None,
+    sample_weights: Any,
+) -> Any:
+    """Weighted sum of each label's loss; per-row sample weights need per-row losses."""
+    total = None
+    for i, (loss_fn, out, lab) in enumerate(zip(losses, outputs, labels, strict=True)):
+        value = loss_fn(out, lab)
+        if sample_weights is not None:
+            if value.dim() == 0:
+                raise ValueError(
+                    "sample_weight_col needs a loss that returns one value per row, e.g. "
+                    "torch.nn.MSELoss(reduction='none'); the loss returned a scalar"
+                )
+            per_row = value.reshape(value.shape[0], -1).mean(dim=1)
+            value = (per_row * sample_weights).sum() / sample_weights.sum()
+        elif value.dim() != 0:
+            value = value.mean()
+        weight = 1.0 if loss_weights is None else float(loss_weights[i])
+        total = value * weight if total is None else total + value * weight
+    return total
+
+
+def _as_list(outputs: Any) -> list[Any]:
+    return list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+
+
+def _open_reader(
+    spec: TorchTrainSpec, split: str, rank: int, size: int, transformation_fn: Any
+) -> Any:
+    from spark_estimators.data import make_batch_reader
+
+    columns = list(spec.feature_cols) + list(spec.label_cols)
+    if spec.sample_weight_col:
+        columns.append(spec.sample_weight_col)
+    train = split == "train"
+    return make_batch_reader(
+        spec.store,
+        spec.meta,
+        split=split,
+        rank=rank,
+        size=size,
+        batch_size=spec.batch_size if train else spec.val_batch_size,
+        columns=columns,
+        shuffle=spec.shuffle and train,
+        seed=spec.seed if spec.seed is not None else 0,
+        inmemory_cache=spec.inmemory_cache_all,
+        transformation_fn=transformation_fn,
+        num_workers=spec.train_reader_num_workers if train else spec.val_reader_num_workers,
+        reader=spec.reader,
+    )
+
+
+def _epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int:
+    steps = int(reader.steps_per_epoch)
+    if limit is not None:
+        steps = min(steps, int(limit)) if steps else int(limit)
+    if multiple > 1:
+        steps = max(multiple, steps - steps % multiple)
+    return steps
+
+
+def send_event(kind: str, data: Any) -> None:
+    from spark_estimators.task import send_event as _send
+
+    _send(kind, data)
+
+
+def _run_epoch(
+    model: Any,
+    reader: Any,
+    epoch: int,
+    steps: int,
+    batches: _Batches,
+    user: UserObjects,
+    spec: TorchTrainSpec,
+    optimizer: Any,
+    train: bool,
+) -> tuple[float, float, list[float]]:
+    """One pass; returns (sum of loss * rows, rows, sums of metric * rows) on this rank."""
+    import torch
+
+    loss_sum, rows = 0.0, 0.0
+    metric_sums = [0.0] * len(user.metrics)
+    k = spec.backward_passes_per_step
+    model.train(train)
+    reader.set_epoch(epoch)
+    iterator = iter(reader)
+    for step in range(steps):
+        batch = next(iterator)
+        inputs, labels, weights = batches.to_tensors(batch)
+        n = float(inputs[0].shape[0])
+        with torch.set_grad_enabled(train):
+            if train and user.train_minibatch_fn is not None:
+                out, loss = user.train_minibatch_fn(
+                    model, optimizer, None, user.losses, inputs, labels, weights
+                )
+                outputs = _as_list(out)
+            else:
+                outputs = _as_list(model(*inputs))
+                loss = compute_loss(user.losses, outputs, labels, spec.loss_weights, weights)
+                if train:
+                    loss.backward()
+                    if (step + 1) % k == 0:
+                        optimizer.step()
+                        optimizer.zero_grad()
+        loss_sum += float(loss.detach()) * n
+        rows += n
+        if train and step == 0 and epoch == spec.start_epoch and hvd_rank() == 0:
+            send_event("first_batch", time.time())  # time to first batch, for the driver
+        with torch.no_grad():
+            for i, metric in enumerate(user.metrics):
+                metric_sums[i] += float(metric(outputs[0].detach(), labels[0])) * n
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()  # stops the reader's prefetch thread when fewer steps than an epoch were taken
+    return loss_sum, rows, metric_sums
+
+
+def hvd_rank() -> int:
+    from spark_estimators.collective import rank
+
+    return int(rank())
+
+
+def _average(hvd: Any, loss_sum: float, rows: float, metric_sums: list[float]) -> list[float]:
+    import torch
+
+    t = torch.tensor([loss_sum, rows, *metric_sums], dtype=torch.float64)
+    t = hvd.allreduce(t, op=hvd.Sum, name="epoch_metrics")
+    total_rows = max(float(t[1]), 1.0)
+    return [float(v) / total_rows for v in [t[0], *t[2:]]]
+
+
+def _save_checkpoint(
+    spec: TorchTrainSpec, model: Any, optimizer: Any, epoch: int, history: list[dict[str, Any]]
+) -> None:
+    import torch
+
+    ckpt, info = checkpoint_paths(spec.store, spec.run_id)
+    buf = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, buf
+    )
+    spec.store.write_bytes_atomic(ckpt, buf.getvalue())
+    # Written second: an info file always names a complete checkpoint.
+    spec.store.write_bytes_atomic(
+        info, json.dumps({"epoch": epoch, "history": history}).encode("utf-8")
+    )
+
+
+class _TensorBoard:
+    """Scalars into a local event dir, synced to the run's logs/ in the store (rank 0)."""
+
+    def __init__(self, spec: TorchTrainSpec):
+        self.spec = spec
+        self.local = tempfile.mkdtemp(prefix="se-tb-")
+        self.writer: Any = None
+        try:
+            # tensorboard imports TensorFlow for file I/O when it is installed (seconds of start-up
+            # in every torch rank); its marker module makes it use its own light stub instead.
+            if "tensorflow" not in sys.modules:
+                sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.local)
+        except ImportError:
+            logger.warning("tensorboard is not installed: no TensorBoard logs for this run")
+
+    def log(self, epoch: int, logs: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        for key, value in logs.items():
+            if key != "epoch" and isinstance(value, float):
+                self.writer.add_scalar(key, value, epoch)
+        self.writer.flush()
+        self.spec.store.sync_dir(self.local, self.spec.run_id)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def train(spec: TorchTrainSpec) -> dict[str, Any]:
+    """Train on this rank; rank 0 returns the state dict, every rank a weights fingerprint."""
+    import cloudpickle
+    import torch
+
+    import spark_estimators.collective.torch as hvd
+    from spark_estimators.collective.torch import Compression
+    from spark_estimators.task import get_available_devices
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    device_name = get_available_devices()[0]
+    use_cuda = spec.use_gpu is not False and device_name.startswith("cuda")
+    device = torch.device(device_name if use_cuda else "cpu")
+    if spec.seed is not None:
+        torch.manual_seed(spec.seed)
+    user: UserObjects = cloudpickle.loads(spec.user_blob)
+    model, optimizer = user.model.to(device), user.optimizer
+    if spec.scale_lr:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * size
+    history = list(spec.history)
+    if spec.start_epoch > 0 and rank == 0:
+        ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
+        state = torch.load(io.BytesIO(spec.store.read_bytes(ckpt)), map_location=device)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    compression = Compression.fp16 if spec.compression == "fp16" else Compression.none
+    dist_opt = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        backward_passes_per_step=spec.backward_passes_per_step,
+    )
+    batches = _Batches(spec, device, user.transformation_fn)
+    train_reader = _open_reader(spec, "train", rank, size, user.transformation_fn)
+    val_reader = (
+        _open_reader(spec, "val", rank, size, user.transformation_fn) if spec.meta.has_val else None
+    )
+    train_steps = _epoch_steps(
+        train_reader, spec.train_steps_per_epoch, spec.backward_passes_per_step
+    )
+    val_steps = _epoch_steps(val_reader, spec.validation_steps_per_epoch) if val_reader else 0
+    board = _TensorBoard(spec) if rank == 0 else None
+    names = [metric_name(m) for m in user.metrics]
+    _call(user.callbacks, "on_train_begin", {})
+    try:
+        for epoch in range(spec.start_epoch, spec.epochs):
+            _call(user.callbacks, "on_epoch_begin", epoch, {})
+            sums = _run_epoch(
+                model, train_reader, epoch, train_steps, batches, user, spec, dist_opt, train=True
+            )
+            avg = _average(hvd, *sums)
+            logs: dict[str, Any] = {"epoch": epoch, "loss": avg[0]}
+            logs.update({n: v for n, v in zip(names, avg[1:], strict=True)})
+            if val_reader is not None and val_steps:
+                vsums = _run_epoch(
+                    model, val_reader, epoch, val_steps, batches, user, spec, dist_opt, train=False
+                )
+                vavg = _average(hvd, *vsums)
+                logs["val_loss"] = vavg[0]
+                logs.update({"val_" + n: v for n, v in zip(names, vavg[1:], strict=True)})
+            history.append(logs)
+            _call(user.callbacks, "on_epoch_end", epoch, logs)
+            if rank == 0:
+                _save_checkpoint(spec, model, optimizer, epoch, history)
+                assert board is not None
+                board.log(epoch, logs)
+                send_event("epoch", logs)
+            stop = any(bool(getattr(cb, "stop_training", False)) for cb in user.callbacks)
+            # Every rank must agree, or the next collective would hang on the ones that go on.
+            flag = hvd.allreduce(torch.tensor([float(stop)]), op=hvd.Max, name="stop_training")
+            if float(flag[0]) > 0:
+                break
+        _call(user.callbacks, "on_train_end", {"history": history})
+    finally:
+        if board is not None:
+            board.close()
+    output_shapes = _output_shapes(model, train_reader, batches)
+    result: dict[str, Any] = {"rank": rank, "fingerprint": _fingerprint(model)}
+    if rank == 0:
+        model.cpu()
+        result.update(
+            state_dict={k: v.detach().clone() for k, v in model.state_dict().items()},
+            history=history,
+            output_shapes=output_shapes,
+        )
+    hvd.shutdown()
+    return result
+
+
+def _output_shapes(model: Any, reader: Any, batches: _Batches) -> list[tuple[int, ...]]:
+    """Per-row shape of each model output, from one forward pass on a training batch."""
+    import torch
+
+    model.eval()
+    inputs, _, _ = batches.to_tensors(reader.peek())
+    with torch.no_grad():
+        outputs = _as_list(model(*inputs))
+    return [tensors.output_row_shape(o.detach().cpu().numpy()) for o in outputs]

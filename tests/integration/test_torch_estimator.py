@@ -1,0 +1,258 @@
+"""TorchEstimator end to end on real Spark with 2 processes and small data."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from pyspark.ml import Pipeline, PipelineModel  # noqa: E402
+from pyspark.ml.linalg import Vectors  # noqa: E402
+
+from spark_estimators.errors import ConfigurationError  # noqa: E402
+from spark_estimators.store import LocalStore  # noqa: E402
+from spark_estimators.torch import EarlyStopping, TorchEstimator, TorchModel  # noqa: E402
+
+pytestmark = [pytest.mark.spark, pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+N_FEATURES = 4
+TRUE_W = np.array([1.5, -2.0, 0.5, 3.0])
+
+
+class Linear(torch.nn.Module):
+    def __init__(self, n_in=N_FEATURES, n_out=1):
+        super().__init__()
+        self.fc = torch.nn.Linear(n_in, n_out)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class TwoInTwoOut(torch.nn.Module):
+    """Two feature inputs (a vector and a scalar) and two outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(N_FEATURES + 1, 1)
+        self.b = torch.nn.Linear(N_FEATURES + 1, 2)
+
+    def forward(self, vec, scalar):
+        x = torch.cat([vec, scalar], dim=1)
+        return self.a(x), self.b(x)
+
+
+def make_df(spark, n=512, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, N_FEATURES))
+    y = x @ TRUE_W + 0.7
+    rows = [(Vectors.dense(x[i].tolist()), float(y[i]), float(x[i, 0])) for i in range(n)]
+    return spark.createDataFrame(rows, ["features", "y", "x0"])
+
+
+def make_estimator(store_, **kw):
+    torch.manual_seed(0)
+    model = Linear()
+    opts = dict(
+        num_proc=2,
+        store=store_,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["features"],
+        label_cols=["y"],
+        batch_size=32,
+        epochs=4,
+        random_seed=1,
+        verbose=0,
+    )
+    opts.update(kw)
+    return TorchEstimator(**opts)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return LocalStore(str(tmp_path_factory.mktemp("torch-store")))
+
+
+@pytest.fixture(scope="module")
+def df(spark):
+    return make_df(spark).cache()
+
+
+@pytest.fixture(scope="module")
+def fitted(df, store):
+    est = make_estimator(store, validation=0.25, metrics=[mae], run_id="fit_main")
+    return est, est.fit(df)
+
+
+def mae(output, label):
+    return torch.mean(torch.abs(output - label))
+
+
+def test_loss_decreases_below_bound_with_validation_history(fitted):
+    _, model = fitted
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [0, 1, 2, 3]
+    assert history[-1]["loss"] < 0.05 < history[0]["loss"]
+    assert history[-1]["val_loss"] < 0.05
+    assert "mae" in history[-1] and "val_mae" in history[-1]
+    assert history[-1]["mae"] < history[0]["mae"]
+    w = model.getModel().fc.weight.detach().numpy().ravel()
+    np.testing.assert_allclose(w, TRUE_W, atol=0.1)
+
+
+def test_transform_equals_plain_torch(fitted, df):
+    _, model = fitted
+    out = model.transform(df).select("features", "y__output").collect()
+    x = np.array([r["features"].toArray() for r in out], dtype=np.float32)
+    got = np.array([r["y__output"] for r in out])
+    with torch.no_grad():
+        want = model.getModel()(torch.from_numpy(x)).numpy().ravel()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_checkpoints_and_logs_written_per_run(fitted, store):
+    _, model = fitted
+    assert model.getRunId() == "fit_main"
+    ckpt_dir = store.get_checkpoint_path("fit_main")
+    assert "checkpoint.pt" in store.listdir(ckpt_dir)
+    assert "fit_main" in store.list_runs()
+
+
+def test_hot_start_trains_exactly_the_missing_epochs(df, store):
+    first = make_estimator(store, epochs=2, run_id="hot").fit(df)
+    assert [h["epoch"] for h in first.getHistory()] == [0, 1]
+    second = make_estimator(store, epochs=3, run_id="hot").fit(df)
+    assert [h["epoch"] for h in second.getHistory()] == [0, 1, 2]
+    # The first two epochs are the saved ones, not retrained.
+    assert second.getHistory()[:2] == first.getHistory()
+
+
+def test_pipeline_save_load_round_trip(fitted, df, tmp_path):
+    est, model = fitted
+    pm = PipelineModel(stages=[model])
+    path = str(tmp_path / "pm")
+    pm.write().overwrite().save(path)
+    loaded = PipelineModel.load(path)
+    assert isinstance(loaded.stages[0], TorchModel)
+    a = [r["y__output"] for r in pm.transform(df).orderBy("x0").collect()]
+    b = [r["y__output"] for r in loaded.transform(df).orderBy("x0").collect()]
+    assert a == b
+    assert loaded.stages[0].getHistory() == model.getHistory()
+    # An unfitted estimator inside a Pipeline saves without its store.
+    pipe = Pipeline(stages=[est])
+    pipe.write().overwrite().save(str(tmp_path / "pipe"))
+    est2 = Pipeline.load(str(tmp_path / "pipe")).getStages()[0]
+    assert isinstance(est2, TorchEstimator)
+    assert est2.getStore() is None
+    assert est2.getFeatureCols() == ["features"] and est2.getEpochs() == 4
+
+
+def test_multi_input_multi_output_and_output_cols(spark, store):
+    rng = np.random.default_rng(3)
+    n = 256
+    x = rng.normal(size=(n, N_FEATURES))
+    s = rng.normal(size=n)
+    y1 = x @ TRUE_W + s
+    y2 = np.stack([x[:, 0] - s, x[:, 1] * 2], axis=1)
+    rows = [
+        (Vectors.dense(x[i].tolist()), float(s[i]), float(y1[i]), y2[i].tolist()) for i in range(n)
+    ]
+    df = spark.createDataFrame(rows, ["vec", "s", "y1", "y2"])
+    torch.manual_seed(0)
+    net = TwoInTwoOut()
+    est = TorchEstimator(
+        num_proc=2,
+        store=store,
+        model=net,
+        optimizer=torch.optim.Adam(net.parameters(), lr=0.05),
+        loss=[torch.nn.MSELoss(), torch.nn.MSELoss()],
+        loss_weights=[1.0, 0.5],
+        feature_cols=["vec", "s"],
+        label_cols=["y1", "y2"],
+        batch_size=16,
+        epochs=6,
+        output_cols=["p1", "p2"],
+        verbose=0,
+    )
+    model = est.fit(df)
+    hist = model.getHistory()
+    assert hist[-1]["loss"] < 0.2 * hist[0]["loss"]
+    out = model.transform(df).select("vec", "s", "p1", "p2").limit(20).collect()
+    assert all(isinstance(r["p1"], float) for r in out)
+    assert all(len(r["p2"]) == 2 for r in out)
+    vec = torch.tensor(np.array([r["vec"].toArray() for r in out]), dtype=torch.float32)
+    sc = torch.tensor([[r["s"]] for r in out], dtype=torch.float32)
+    with torch.no_grad():
+        w1, w2 = model.getModel()(vec, sc)
+    np.testing.assert_allclose([r["p1"] for r in out], w1.numpy().ravel(), atol=1e-5)
+    np.testing.assert_allclose([r["p2"] for r in out], w2.numpy(), atol=1e-5)
+
+
+def test_sample_weights_change_the_fit(spark, store):
+    # Two groups disagree on y; weights decide which one the constant model follows.
+    rows = [(Vectors.dense([1.0]), 0.0, 1.0) for _ in range(64)]
+    rows += [(Vectors.dense([1.0]), 10.0, 9.0) for _ in range(64)]
+    df = spark.createDataFrame(rows, ["features", "y", "w"])
+
+    def fit(weight_col):
+        torch.manual_seed(0)
+        m = Linear(1)
+        est = TorchEstimator(
+            num_proc=2,
+            store=store,
+            model=m,
+            optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+            loss=torch.nn.MSELoss(reduction="none"),
+            feature_cols=["features"],
+            label_cols=["y"],
+            sample_weight_col=weight_col,
+            batch_size=16,
+            epochs=8,
+            verbose=0,
+            scale_lr=False,
+        )
+        fitted = est.fit(df)
+        with torch.no_grad():
+            return float(fitted.getModel()(torch.tensor([[1.0]])))
+
+    unweighted, weighted = fit(None), fit("w")
+    assert abs(unweighted - 5.0) < 0.6  # mean of 0 and 10
+    assert abs(weighted - 9.0) < 0.6  # (0*1 + 10*9) / 10
+
+
+def test_early_stopping_stops_all_ranks(df, store):
+    stopper = EarlyStopping(monitor="loss", patience=0, min_delta=1e9)
+    model = make_estimator(store, epochs=5, callbacks=[stopper]).fit(df)
+    # min_delta is huge: epoch 1 never "improves", so training stops after epoch 1 on every rank.
+    assert [h["epoch"] for h in model.getHistory()] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"feature_cols": ["nope"]}, r"column\(s\) \['nope'\] not found.*available columns"),
+        ({"label_cols": []}, "label_cols=.* non-empty list"),
+        ({"batch_size": 0}, "batch_size=0 is invalid"),
+        ({"validation": 1.5}, r"validation=1.5 is invalid.*\[0, 1\)"),
+        ({"model": "not a model"}, "model must be a torch.nn.Module"),
+        ({"loss": None}, "loss is required"),
+        ({"reader": "csv"}, "reader='csv' is invalid"),
+        ({"loss_weights": [1.0, 2.0]}, "loss_weights has 2 entries"),
+        ({"store": "/tmp/x"}, "store='/tmp/x' is invalid.*Store.create"),
+        ({"collective_backend": "tcp"}, "collective_backend='tcp' is invalid"),
+        (
+            {"optimizer": torch.optim.SGD(Linear().parameters(), lr=0.1)},
+            "optimizer holds parameters that are not the model's",
+        ),
+    ],
+)
+def test_bad_input_fails_in_driver(df, store, kwargs, pattern):
+    with pytest.raises(ConfigurationError, match=pattern):
+        make_estimator(store, **kwargs).fit(df)
+
+
+def test_unknown_keyword_suggests_the_right_one(store):
+    with pytest.raises(ConfigurationError, match="unknown keyword 'batchsize'.*batch_size"):
+        make_estimator(store, batchsize=3)
