@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from spark_estimators.core.backend import Backend, SparkBackend
 from spark_estimators.errors import (
     CollectiveError,
     ConfigurationError,
@@ -11,14 +12,18 @@ from spark_estimators.errors import (
     TrainingFailedError,
 )
 from spark_estimators.runner import run
+from spark_estimators.store import Store
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Backend",
     "CollectiveError",
     "ConfigurationError",
     "RendezvousTimeoutError",
+    "SparkBackend",
     "SparkEstimatorsError",
+    "Store",
     "StoreError",
     "TrainingFailedError",
     "__version__",

@@ -8,10 +8,12 @@ Conventions (documented for users in docs/concepts.md):
 - A feature column becomes one model input, ``model(*inputs)`` in ``feature_cols`` order.
   Float columns become float32, integer columns stay int64 (embedding indices).
   A scalar column is ``[batch, 1]``, an array/vector column ``[batch, n]``; ``input_shapes``
-  (per-row shapes, ``-1`` allowed) reshape them, e.g. ``[[1, 28, 28]]`` for images.
-- A label column is ``[batch, 1]`` for scalars and ``[batch, n]`` for arrays, unless
-  ``label_shapes`` says otherwise (``[]`` gives ``[batch]``, e.g. class indices for
-  ``CrossEntropyLoss``). Integer labels stay int64.
+  reshape them, Horovod-style with the batch as ``-1`` (``[[-1, 1, 28, 28]]`` for images);
+  a shape without the leading ``-1`` is read as a per-row shape.
+- A label column is ``[batch]`` for scalars and ``[batch, n]`` for arrays (``label_shapes``
+  reshapes them); as in Horovod, a label with as many values as the model's output is reshaped
+  to the output's shape before the loss, so ``[batch, 1]`` outputs and scalar labels match.
+  Integer labels stay int64.
 """
 
 from __future__ import annotations
@@ -31,21 +33,36 @@ def as_model_array(values: np.ndarray) -> np.ndarray:
     raise TypeError(f"cannot feed a column of dtype {values.dtype} to a model")
 
 
-def shape_column(values: np.ndarray, shape: Sequence[int] | None) -> np.ndarray:
-    """Give one column's batch its per-row ``shape`` (default: scalars become ``[n, 1]``)."""
+def shape_column(
+    values: np.ndarray, shape: Sequence[int] | None, scalar_as_column: bool = True
+) -> np.ndarray:
+    """Give one column's batch its shape.
+
+    ``shape`` follows Horovod: a full shape whose first entry is ``-1`` (the batch), e.g.
+    ``[-1, 1, 28, 28]``; a shape that does not start with ``-1`` is a per-row shape. Without a
+    shape, scalar columns become ``[n, 1]`` (``scalar_as_column``) or stay ``[n]``.
+    """
     n = values.shape[0]
     if shape is None:
-        return values.reshape(n, 1) if values.ndim == 1 else values
-    return values.reshape((n, *[int(d) for d in shape]))
+        return values.reshape(n, 1) if values.ndim == 1 and scalar_as_column else values
+    dims = [int(d) for d in shape]
+    if dims and dims[0] == -1:
+        return values.reshape(dims)
+    return values.reshape((n, *dims))
 
 
 def model_inputs(
-    arrays: dict[str, np.ndarray], cols: Sequence[str], shapes: Sequence[Any] | None
+    arrays: dict[str, np.ndarray],
+    cols: Sequence[str],
+    shapes: Sequence[Any] | None,
+    scalar_as_column: bool = True,
 ) -> list[np.ndarray]:
     out = []
     for i, col in enumerate(cols):
         shape = None if shapes is None else shapes[i]
-        out.append(shape_column(as_model_array(np.asarray(arrays[col])), shape))
+        out.append(
+            shape_column(as_model_array(np.asarray(arrays[col])), shape, scalar_as_column)
+        )
     return out
 
 

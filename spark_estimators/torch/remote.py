@@ -122,7 +122,9 @@ class _Batches:
 
         spec = self.spec
         inputs = tensors.model_inputs(batch, spec.feature_cols, spec.input_shapes)
-        labels = tensors.model_inputs(batch, spec.label_cols, spec.label_shapes)
+        labels = tensors.model_inputs(
+            batch, spec.label_cols, spec.label_shapes, scalar_as_column=False
+        )
         weights = None
         if spec.sample_weight_col:
             weights = torch.from_numpy(
@@ -145,7 +147,7 @@ def compute_loss(
     """Weighted sum of each label's loss; per-row sample weights need per-row losses."""
     total = None
     for i, (loss_fn, out, lab) in enumerate(zip(losses, outputs, labels, strict=True)):
-        value = loss_fn(out, lab)
+        value = loss_fn(out, match_output(lab, out))
         if sample_weights is not None:
             if value.dim() == 0:
                 raise ValueError(
@@ -159,6 +161,13 @@ def compute_loss(
         weight = 1.0 if loss_weights is None else float(loss_weights[i])
         total = value * weight if total is None else total + value * weight
     return total
+
+
+def match_output(label: Any, output: Any) -> Any:
+    """Reshape a label to its output's shape when both hold as many values (Horovod's rule)."""
+    if label.shape != output.shape and label.numel() == output.numel():
+        return label.reshape(output.shape)
+    return label
 
 
 def _as_list(outputs: Any) -> list[Any]:
@@ -250,7 +259,8 @@ def _run_epoch(
             send_event("first_batch", time.time())  # time to first batch, for the driver
         with torch.no_grad():
             for i, metric in enumerate(user.metrics):
-                metric_sums[i] += float(metric(outputs[0].detach(), labels[0])) * n
+                out0 = outputs[0].detach()
+                metric_sums[i] += float(metric(out0, match_output(labels[0], out0))) * n
     close = getattr(iterator, "close", None)
     if close is not None:
         close()  # stops the reader's prefetch thread when fewer steps than an epoch were taken

@@ -256,3 +256,21 @@ def test_bad_input_fails_in_driver(df, store, kwargs, pattern):
 def test_unknown_keyword_suggests_the_right_one(store):
     with pytest.raises(ConfigurationError, match="unknown keyword 'batchsize'.*batch_size"):
         make_estimator(store, batchsize=3)
+
+
+def test_ported_horovod_mnist_example_runs(spark):
+    """horovod.spark's TorchEstimator MNIST example with only its imports changed."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent / "examples" / "torch_horovod_mnist.py"
+    spec = importlib.util.spec_from_file_location("torch_horovod_mnist", path)
+    module = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules["torch_horovod_mnist"] = module
+    spec.loader.exec_module(module)
+    accuracy, torch_model = module.main(spark)
+    assert accuracy > 0.9
+    assert torch_model.getOutputCols() == ["label_prob"]
+    assert len(torch_model.getHistory()) == 4
