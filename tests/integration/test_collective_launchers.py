@@ -10,7 +10,7 @@ import pytest
 
 import spark_estimators
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(400)]
 
 
 def _collective_hello(magic_number):
