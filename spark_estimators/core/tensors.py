@@ -60,9 +60,7 @@ def model_inputs(
     out = []
     for i, col in enumerate(cols):
         shape = None if shapes is None else shapes[i]
-        out.append(
-            shape_column(as_model_array(np.asarray(arrays[col])), shape, scalar_as_column)
-        )
+        out.append(shape_column(as_model_array(np.asarray(arrays[col])), shape, scalar_as_column))
     return out
 
 
