@@ -1,11 +1,14 @@
-"""Allreduce throughput: spark_estimators.collective vs raw torch.distributed, same run.
+"""Allreduce throughput: spark_estimators.collective vs the raw library underneath, same run.
 
-Usage: .venv/bin/python bench/allreduce.py [--repeats 10] [--num-proc 2]
+Usage: .venv/bin/python bench/allreduce.py [--repeats 10] [--num-proc 2] [--backends gloo,mpi]
 
-Two local ranks (gloo over 127.0.0.1, started by spark_estimators.launch.run_local) time:
+For each backend, N local ranks (started by spark_estimators.launch.run_local: gloo over
+127.0.0.1; mpi through the launcher's PMI server, i.e. a real MPI_COMM_WORLD as under mpiexec)
+time:
 
-* one 64 MiB float32 allreduce: ``hvd.allreduce_(t, op=Sum)`` vs ``dist.all_reduce(t)``, and
-  the default ``op=Average`` vs ``dist.all_reduce(t); t.div_(size)`` (target: ours >= 0.95x);
+* one 64 MiB float32 allreduce: ``hvd.allreduce_(t, op=Sum)`` vs the raw call
+  (``dist.all_reduce(t)`` for gloo, ``comm.Allreduce(IN_PLACE, a)`` of mpi4py for mpi), and the
+  default ``op=Average`` vs the raw call followed by a division (target: ours >= 0.95x);
 * 100 tensors of 4 KiB: one fused ``grouped_allreduce_`` vs one allreduce per tensor, ours and
   raw (target: fused >= 2x per-tensor);
 * one float32 scalar (metric averaging): ours (data inside the negotiation message, one round
@@ -13,7 +16,9 @@ Two local ranks (gloo over 127.0.0.1, started by spark_estimators.launch.run_loc
 
 Every round runs each contender once, in a shuffled order (the same on every rank), so drift in
 machine load and position effects hit all of them alike; every timed op is preceded by a
-barrier. Prints the median and the best round of each, and the ratios of both.
+barrier. Prints the median and the best round of each, and per backend the ratios of both plus
+the median of the per-round ratios ("paired": both contenders ran in the same round, which
+cancels most of the drift of a shared machine's load).
 """
 
 from __future__ import annotations
@@ -22,47 +27,89 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 BIG_ELEMENTS = 16 * 1024 * 1024  # 64 MiB of float32
 SMALL_COUNT, SMALL_ELEMENTS = 100, 1024  # 100 x 4 KiB
+BACKENDS = ("gloo", "mpi")
 
 
-def _bench(repeats: int) -> dict[str, Any]:
-    import torch
+def _raw_gloo(big: Any, small: list[Any], scalar: Any) -> tuple[dict[str, Any], Any]:
     import torch.distributed as dist
+
+    size = dist.get_world_size()
+
+    def avg() -> None:
+        dist.all_reduce(big)
+        big.div_(size)
+
+    cases = {
+        "64MiB raw sum": lambda: dist.all_reduce(big),
+        "64MiB raw sum + div": avg,
+        "100x4KiB raw per tensor": lambda: [dist.all_reduce(t) for t in small],
+        "scalar raw x100": lambda: [dist.all_reduce(scalar) for _ in range(100)],
+    }
+    return cases, dist.barrier
+
+
+def _raw_mpi(big: Any, small: list[Any], scalar: Any) -> tuple[dict[str, Any], Any]:
+    import numpy as np
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD.Dup()  # the user's own communicator, as in a mixed program
+    size = comm.Get_size()
+    big_np, small_np, scalar_np = big.numpy(), [t.numpy() for t in small], scalar.numpy()
+
+    def avg() -> None:
+        comm.Allreduce(MPI.IN_PLACE, big_np)
+        np.divide(big_np, size, out=big_np)
+
+    def per_tensor() -> None:
+        for a in small_np:
+            comm.Allreduce(MPI.IN_PLACE, a)
+
+    def scalars() -> None:
+        for _ in range(100):
+            comm.Allreduce(MPI.IN_PLACE, scalar_np)
+
+    cases = {
+        "64MiB raw sum": lambda: comm.Allreduce(MPI.IN_PLACE, big_np),
+        "64MiB raw sum + div": avg,
+        "100x4KiB raw per tensor": per_tensor,
+        "scalar raw x100": scalars,
+    }
+    return cases, comm.Barrier
+
+
+def _bench(backend: str, repeats: int) -> dict[str, Any]:
+    import torch
 
     import spark_estimators.collective.torch as hvd
 
-    hvd.init(backend="gloo")
-    size = hvd.size()
+    hvd.init(backend=backend)
     big = torch.ones(BIG_ELEMENTS)
     small = [torch.ones(SMALL_ELEMENTS) for _ in range(SMALL_COUNT)]
     scalar = torch.ones(1)
-
-    def raw_avg() -> None:
-        dist.all_reduce(big)
-        big.div_(size)
 
     def per_tensor_async() -> None:
         for h in [hvd.allreduce_async_(t, op=hvd.Sum) for t in small]:
             hvd.synchronize(h)
 
+    raw: Callable[..., tuple[dict[str, Any], Any]] = _raw_mpi if backend == "mpi" else _raw_gloo
+    raw_cases, barrier = raw(big, small, scalar)
     cases = {
-        "64MiB raw all_reduce (sum)": lambda: dist.all_reduce(big),
+        **raw_cases,
         "64MiB ours allreduce_ (Sum)": lambda: hvd.allreduce_(big, op=hvd.Sum),
-        "64MiB raw all_reduce + div_": raw_avg,
         "64MiB ours allreduce_ (Average)": lambda: hvd.allreduce_(big),
         "100x4KiB ours fused (grouped_allreduce_)": lambda: hvd.grouped_allreduce_(
             small, op=hvd.Sum
         ),
         "100x4KiB ours per tensor": lambda: [hvd.allreduce_(t, op=hvd.Sum) for t in small],
         "100x4KiB ours per tensor, async": per_tensor_async,
-        "100x4KiB raw all_reduce per tensor": lambda: [dist.all_reduce(t) for t in small],
         "scalar ours allreduce_ (Sum) x100": lambda: [
             hvd.allreduce_(scalar, op=hvd.Sum) for _ in range(100)
         ],
-        "scalar raw all_reduce x100": lambda: [dist.all_reduce(scalar) for _ in range(100)],
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     order = random.Random(0)  # same sequence on every rank
@@ -71,14 +118,31 @@ def _bench(repeats: int) -> dict[str, Any]:
         if round_:
             order.shuffle(names)
         for name in names:
-            dist.barrier()
+            for t in (big, scalar, *small):  # untimed: keep the sums finite round after round
+                t.fill_(1.0)
+            barrier()
             started = time.perf_counter()
             cases[name]()
             elapsed = time.perf_counter() - started
             if round_:
                 times[name].append(elapsed)
     hvd.shutdown()
-    return {name: (statistics.median(v), min(v)) for name, v in times.items()}
+    return times
+
+
+RAW_NAMES = {"gloo": "torch.distributed", "mpi": "mpi4py"}
+RATIOS = (
+    ("64MiB Sum: ours vs raw", "64MiB ours allreduce_ (Sum)", "64MiB raw sum", ">= 0.95x"),
+    ("64MiB Average: ours vs raw + div", "64MiB ours allreduce_ (Average)",
+     "64MiB raw sum + div", ">= 0.95x"),
+    ("100x4KiB: fused vs ours per tensor", "100x4KiB ours fused (grouped_allreduce_)",
+     "100x4KiB ours per tensor", ">= 2x"),
+    ("100x4KiB: fused vs ours async per tensor", "100x4KiB ours fused (grouped_allreduce_)",
+     "100x4KiB ours per tensor, async", ">= 2x"),
+    ("100x4KiB: fused vs raw per tensor", "100x4KiB ours fused (grouped_allreduce_)",
+     "100x4KiB raw per tensor", ">= 2x"),
+    ("scalar: ours vs raw", "scalar ours allreduce_ (Sum) x100", "scalar raw x100", "none"),
+)  # fmt: skip
 
 
 def main() -> None:
@@ -87,32 +151,43 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--num-proc", type=int, default=2)
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
     args = parser.parse_args()
-    results = run_local(_bench, num_proc=args.num_proc, args=(args.repeats,), backend="gloo")
-    timings = results[0]
+    backends = [b for b in args.backends.split(",") if b]
+    rounds = {
+        b: run_local(_bench, num_proc=args.num_proc, args=(b, args.repeats), backend=b)[0]
+        for b in backends
+    }
+    timings = {
+        b: {name: (statistics.median(v), min(v)) for name, v in per_case.items()}
+        for b, per_case in rounds.items()
+    }
     gb = BIG_ELEMENTS * 4 / 1e9
-    print(f"{args.num_proc} ranks, gloo on 127.0.0.1, {args.repeats} rounds (rank 0's clock)")
-    print(f"{'case':42s} {'median ms':>10s} {'best ms':>8s} {'GB/s med':>9s}")
-    for name, (median, best) in timings.items():
-        rate = f"{gb / median:9.2f}" if name.startswith("64MiB") else f"{'':9s}"
-        print(f"{name:42s} {median * 1e3:10.2f} {best * 1e3:8.2f} {rate}")
-    for label, ours, theirs, target in (
-        ("64MiB Sum: ours vs raw all_reduce", "64MiB ours allreduce_ (Sum)",
-         "64MiB raw all_reduce (sum)", "target >= 0.95x"),
-        ("64MiB Average: ours vs raw all_reduce + div_", "64MiB ours allreduce_ (Average)",
-         "64MiB raw all_reduce + div_", "target >= 0.95x"),
-        ("100x4KiB: fused vs ours per tensor", "100x4KiB ours fused (grouped_allreduce_)",
-         "100x4KiB ours per tensor", "target >= 2x"),
-        ("100x4KiB: fused vs ours async per tensor", "100x4KiB ours fused (grouped_allreduce_)",
-         "100x4KiB ours per tensor, async", "target >= 2x"),
-        ("100x4KiB: fused vs raw per tensor", "100x4KiB ours fused (grouped_allreduce_)",
-         "100x4KiB raw all_reduce per tensor", "target >= 2x"),
-        ("scalar: ours vs raw", "scalar ours allreduce_ (Sum) x100",
-         "scalar raw all_reduce x100", "no target"),
-    ):  # fmt: skip
-        median = timings[theirs][0] / timings[ours][0]
-        best = timings[theirs][1] / timings[ours][1]
-        print(f"{label:46s} {median:6.2f}x median, {best:6.2f}x best ({target})")
+    print(f"{args.num_proc} ranks on 127.0.0.1, {args.repeats} rounds (rank 0's clock); raw = "
+          + ", ".join(f"{RAW_NAMES[b]} for {b}" for b in backends))  # fmt: skip
+    head = "".join(f" {b + ' med ms':>13s} {b + ' best':>10s}" for b in backends)
+    print(f"{'case':42s}{head}")
+    for name in timings[backends[0]]:
+        row = "".join(
+            f" {timings[b][name][0] * 1e3:13.2f} {timings[b][name][1] * 1e3:10.2f}"
+            for b in backends
+        )
+        print(f"{name:42s}{row}")
+    print(f"{'64MiB ours Sum, GB/s (median)':42s}" + "".join(
+        f" {gb / timings[b]['64MiB ours allreduce_ (Sum)'][0]:13.2f} {'':10s}" for b in backends
+    ))  # fmt: skip
+    print()
+    for label, ours, theirs, target in RATIOS:
+        cells = []
+        for b in backends:
+            median = timings[b][theirs][0] / timings[b][ours][0]
+            best = timings[b][theirs][1] / timings[b][ours][1]
+            # Both ran in the same round: the ratio per round cancels slow drift in load.
+            paired = statistics.median(
+                t / o for t, o in zip(rounds[b][theirs], rounds[b][ours], strict=True)
+            )
+            cells.append(f"{b}: {median:5.2f}x med {best:5.2f}x best {paired:5.2f}x paired")
+        print(f"{label:42s} " + " | ".join(cells) + f"  (target {target})")
 
 
 if __name__ == "__main__":

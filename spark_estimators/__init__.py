@@ -11,7 +11,7 @@ from spark_estimators.errors import (
     StoreError,
     TrainingFailedError,
 )
-from spark_estimators.runner import run
+from spark_estimators.runner import run, run_elastic
 from spark_estimators.store import Store
 
 __version__ = "0.1.0"
@@ -28,4 +28,5 @@ __all__ = [
     "TrainingFailedError",
     "__version__",
     "run",
+    "run_elastic",
 ]

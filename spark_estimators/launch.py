@@ -7,7 +7,9 @@ Usage::
 
 Each rank is a fresh ``python`` process in its own session with the same variables a rank of
 :func:`spark_estimators.run` gets (torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ... and
-ours, ``SPARK_ESTIMATORS_RANK`` ...), rendezvous on ``127.0.0.1`` and a free port. Output lines
+ours, ``SPARK_ESTIMATORS_RANK`` ...), rendezvous on ``127.0.0.1`` and a free port. With
+``--backend mpi`` the launcher also serves MPICH's PMI-1 protocol (like ``mpiexec``), so the
+ranks' ``MPI_COMM_WORLD`` is the job (see :mod:`spark_estimators.driver.pmi`). Output lines
 are prefixed ``[rank]``. Fail fast: when a rank exits non-zero the others' process groups get
 SIGTERM, then SIGKILL after a grace period, and the launcher exits non-zero naming the rank.
 A launcher that dies takes its ranks with it (``PR_SET_PDEATHSIG`` / a stdin lifeline).
@@ -19,6 +21,7 @@ how the tests run code in N real processes without Spark.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import pickle
@@ -32,10 +35,13 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from spark_estimators import envvars as ev
 from spark_estimators.errors import ConfigurationError, RemoteError, TrainingFailedError
+
+if TYPE_CHECKING:
+    from spark_estimators.driver.pmi import PMIServer
 
 DEFAULT_GRACE_S = 5.0
 _WORKER_FLAG = "--run-pickled-function"
@@ -54,8 +60,13 @@ def rank_envs(
     backend: str = "auto",
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
+    pmi: PMIServer | None = None,
 ) -> list[dict[str, str]]:
-    """The variables of each rank of a one-host job (what the Spark launcher also sets)."""
+    """The variables of each rank of a one-host job (what the Spark launcher also sets).
+
+    With a ``pmi`` server (backend mpi) each rank also gets the variables that make its
+    ``MPI_Init`` join that server's job.
+    """
     from spark_estimators.driver.service import RankSettings
     from spark_estimators.task.spark_task import rank_environment
 
@@ -74,8 +85,31 @@ def rank_envs(
             master_port=port,
             host_hash=host,
         )
-        envs.append(rank_environment(settings, (), backend))
+        env = rank_environment(settings, (), backend)
+        if pmi is not None:
+            env.update(pmi.rank_env(rank))
+        envs.append(env)
     return envs
+
+
+def _base_env(extra: dict[str, str] | None, backend: str) -> dict[str, str]:
+    """The launcher's environment plus ``extra``, without another process manager's PMI fd."""
+    base = {**os.environ, **(extra or {})}
+    if backend == "mpi":
+        from spark_estimators.driver.pmi import FOREIGN_PMI_VARS
+
+        for name in FOREIGN_PMI_VARS:
+            base.pop(name, None)
+    return base
+
+
+def _pmi_server(num_proc: int, backend: str) -> contextlib.AbstractContextManager[Any]:
+    """A PMI server for an mpi job (every rank on this host), else nothing."""
+    if backend != "mpi":
+        return contextlib.nullcontext()
+    from spark_estimators.driver.pmi import PMIServer, process_mapping
+
+    return PMIServer(num_proc, "127.0.0.1", mapping=process_mapping(["localhost"] * num_proc))
 
 
 def _parent_death_signal() -> Callable[[], None] | None:
@@ -282,20 +316,20 @@ def run_local(
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
             pickle.dump((list(sys.path), cloudpickle.dumps((fn, tuple(args), kwargs or {}))), f)
-        base = dict(os.environ)
-        base.update(env or {})
-        envs = [{**base, **rank_env} for rank_env in rank_envs(num_proc, backend)]
-        command = [sys.executable, "-m", "spark_estimators.launch", _WORKER_FLAG, payload]
-        supervisor = _Supervisor(
-            [command] * num_proc,
-            envs,
-            stdout,
-            stderr,
-            fail_fast=fail_fast,
-            grace=grace,
-            stdin_lifeline=True,
-        )
-        codes = supervisor.run()
+        base = _base_env(env, backend)
+        with _pmi_server(num_proc, backend) as pmi:
+            envs = [{**base, **rank_env} for rank_env in rank_envs(num_proc, backend, pmi=pmi)]
+            command = [sys.executable, "-m", "spark_estimators.launch", _WORKER_FLAG, payload]
+            supervisor = _Supervisor(
+                [command] * num_proc,
+                envs,
+                stdout,
+                stderr,
+                fail_fast=fail_fast,
+                grace=grace,
+                stdin_lifeline=True,
+            )
+            codes = supervisor.run()
         results, failures, stopped = _collect(tmp, codes, supervisor)
     if failures and not return_failures:
         first = supervisor.first_failure
@@ -435,23 +469,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra[ev.COLLECTIVE_TIMEOUT] = str(opts.collective_timeout)
     if opts.fusion_threshold_mb is not None:
         extra[ev.FUSION_THRESHOLD] = str(int(opts.fusion_threshold_mb * 1024 * 1024))
-    base = {**os.environ, **extra}
-    envs = [
-        {**base, **e} for e in rank_envs(opts.num_proc, opts.backend, "127.0.0.1", opts.master_port)
-    ]
-    supervisor = _Supervisor(
-        [[sys.executable, "-u", *target]] * opts.num_proc,
-        envs,
-        None,
-        None,
-        timestamp=opts.prefix_output_with_timestamp,
-        grace=opts.grace,
-    )
-    try:
-        codes = supervisor.run()
-    except KeyboardInterrupt:
-        sys.stderr.write("spark_estimators.launch: interrupted; all ranks were killed\n")
-        return 130
+    base = _base_env(extra, opts.backend)
+    with _pmi_server(opts.num_proc, opts.backend) as pmi:
+        envs = [
+            {**base, **e}
+            for e in rank_envs(opts.num_proc, opts.backend, "127.0.0.1", opts.master_port, pmi)
+        ]
+        supervisor = _Supervisor(
+            [[sys.executable, "-u", *target]] * opts.num_proc,
+            envs,
+            None,
+            None,
+            timestamp=opts.prefix_output_with_timestamp,
+            grace=opts.grace,
+        )
+        try:
+            codes = supervisor.run()
+        except KeyboardInterrupt:
+            sys.stderr.write("spark_estimators.launch: interrupted; all ranks were killed\n")
+            return 130
     failed = supervisor.first_failure
     if failed is None:
         return 0

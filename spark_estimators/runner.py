@@ -8,6 +8,10 @@ and runs ``fn`` in a fresh child process whose environment carries torchrun's va
 :func:`spark_estimators.collective.init`). ``fn``, its arguments and its result travel as
 cloudpickle inside the signed RPC, never through the Spark closure.
 
+With ``backend="mpi"`` the driver also serves MPICH's PMI-1 protocol
+(:mod:`spark_estimators.driver.pmi`), so the ranks' ``MPI_COMM_WORLD`` is the job (see
+``docs/mpi.md``).
+
 Any rank that raises or dies fails the whole job: the other ranks are killed within about a
 second, the Spark job group is cancelled, and :class:`TrainingFailedError` names the rank(s),
 host(s) and remote traceback.
@@ -301,11 +305,23 @@ def run(
         output=_OutputPrinter(stdout, stderr, prefix_output_with_timestamp),
         events=event_callback,
     )
+    pmi = None
+    if collective_backend == "mpi":  # the driver serves PMI: the ranks form one MPI_COMM_WORLD
+        from spark_estimators.driver.pmi import serve_mpi_job
+
+        pmi = serve_mpi_job(svc, driver_host)
     launcher = _Launch(spark, svc, num_proc, job_id, timeout, collective_backend, use_gpu, secret)
     try:
         return launcher.run(verbose)
     finally:
+        if pmi is not None:
+            pmi.close()
         svc.close()
+
+
+def _is_consequence(message: str) -> bool:
+    """True for a failure that only reports a peer's death (a collective that lost its peer)."""
+    return message.startswith("CollectiveError")
 
 
 class _Launch:
@@ -394,10 +410,12 @@ class _Launch:
     def _collect_results(self) -> list[Any]:
         state = self.svc.state
         if state.failures:
-            ranks = ", ".join(str(r) for r in sorted(state.failures))
+            # A rank that dies makes its peers raise CollectiveError: name the cause first.
+            primary = [r for r, f in state.failures.items() if not _is_consequence(f.message)]
+            ranks = ", ".join(str(r) for r in sorted(primary or state.failures))
             raise TrainingFailedError(
-                f"{len(state.failures)} of {self.num_proc} ranks failed (rank {ranks}); "
-                "the other ranks were stopped",
+                f"rank {ranks} failed ({len(state.failures)} of {self.num_proc} ranks reported "
+                "a failure); the other ranks were stopped",
                 dict(state.failures),
             )
         if "error" in self.box:
@@ -408,3 +426,10 @@ class _Launch:
         if missing:
             raise TrainingFailedError(f"ranks {missing} finished without reporting a result")
         return [cloudpickle.loads(state.results[r]) for r in range(self.num_proc)]
+
+
+def run_elastic(*args: Any, **kwargs: Any) -> list[Any]:
+    """Fault-tolerant :func:`run`; see :func:`spark_estimators.elastic.run_elastic`."""
+    from spark_estimators.elastic.launcher import run_elastic as _run_elastic
+
+    return list(_run_elastic(*args, **kwargs))

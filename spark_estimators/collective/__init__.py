@@ -35,7 +35,7 @@ from spark_estimators.collective.backend import (
     register_backend,
 )
 from spark_estimators.collective.engine import Handle
-from spark_estimators.errors import CollectiveError
+from spark_estimators.errors import CollectiveError, ConfigurationError
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ _atexit_registered = False
 def init(
     backend: str | None = None,
     *,
+    comm: Any = None,
     start_timeout: float | None = None,
     timeout: float | None = None,
 ) -> None:
@@ -62,8 +63,13 @@ def init(
     Parameters
     ----------
     backend
-        ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``"auto"`` (nccl when this rank has a CUDA device,
-        else gloo). Default: ``SPARK_ESTIMATORS_BACKEND`` (set by the launchers), else auto.
+        ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``"auto"`` (under ``mpiexec``: mpi; else nccl when
+        this rank has a CUDA device, else gloo). Default: ``SPARK_ESTIMATORS_BACKEND`` (set by
+        the launchers), else auto.
+    comm
+        MPI only, as ``hvd.init(comm=...)``: an mpi4py intracommunicator, or a list of
+        ``COMM_WORLD`` ranks, to run the collectives on instead of ``COMM_WORLD``; rank, size
+        and local ranks are then this communicator's. Implies ``backend="mpi"``.
     start_timeout
         Seconds to wait for every rank at the rendezvous; default
         ``SPARK_ESTIMATORS_START_TIMEOUT`` (60).
@@ -86,13 +92,24 @@ def init(
     with _engine.lock():
         if _engine.current() is not None:
             return
-        topology = _settings.topology_from_env()
-        name = _settings.resolve_backend(_settings.requested_backend(backend))
+        requested = _settings.requested_backend(backend)
+        extra: dict[str, Any] = {}
+        if comm is not None:
+            if backend not in (None, "auto", "mpi"):
+                raise ConfigurationError(
+                    f"init(comm=...) is an MPI communicator, but backend={backend!r}; use "
+                    "backend='mpi' (or leave it out)"
+                )
+            requested, extra = "mpi", {"comm": comm}
+        name = _settings.resolve_backend(requested)
+        # The MPI backend takes its rank and size from the communicator: no rendezvous address.
+        topology = _settings.topology_from_env(rendezvous=name != "mpi")
         cls = backend_class(name)
         impl = cls(
             topology,
             timeout=_settings.collective_timeout(timeout),
             start_timeout=_settings.start_timeout(start_timeout),
+            **extra,
         )
         impl.start()
         engine = _engine.Engine(impl)
@@ -101,6 +118,7 @@ def init(
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+        topology = impl.topology  # the MPI backend may have refined it
         log = logger.info if topology.rank == 0 else logger.debug
         log("collective init: rank %d of %d, backend %s", topology.rank, topology.size, name)
 

@@ -3,8 +3,11 @@
 Our variables (set by :func:`spark_estimators.run` and ``python -m spark_estimators.launch``) are
 read first; torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) are the fallback, so the
-same script also runs under ``torchrun``. With neither, the process is a job of one (Horovod
-does the same when a script is started without its launcher).
+same script also runs under ``torchrun``. Then an MPI launcher's (``mpiexec`` of MPICH sets
+``PMI_RANK``/``PMI_SIZE``, Open MPI's ``OMPI_COMM_WORLD_RANK``/``..._SIZE``): under ``mpiexec
+-n N python script.py`` the ``"auto"`` backend is ``mpi``, which needs no rendezvous address.
+With none of them, the process is a job of one (Horovod does the same when a script is started
+without its launcher).
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ from spark_estimators.errors import ConfigurationError
 #: torchrun sets this next to GROUP_RANK (number of nodes); used when ours is absent.
 GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
 BACKEND_CHOICES = ("auto", "gloo", "nccl", "mpi")
+#: Rank / size / local rank / local size variables of MPI launchers (MPICH hydra, Open MPI).
+MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
+MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+MPI_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+MPI_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
 def _first_int(names: tuple[str, ...], default: int) -> int:
@@ -43,8 +51,18 @@ def _first_str(names: tuple[str, ...]) -> str | None:
     return None
 
 
-def topology_from_env() -> Topology:
+def launched_by_mpi() -> bool:
+    """True in a process started by ``mpiexec`` / ``mpirun`` rather than by our launchers."""
+    return os.environ.get(ev.SE_SIZE) is None and _first_str(MPI_SIZE_VARS) is not None
+
+
+def topology_from_env(rendezvous: bool = True) -> Topology:
     """The :class:`~spark_estimators.collective.backend.Topology` of this process.
+
+    Parameters
+    ----------
+    rendezvous
+        Whether the backend needs a rendezvous address for ``size > 1`` (MPI does not).
 
     Raises
     ------
@@ -52,16 +70,18 @@ def topology_from_env() -> Topology:
         A variable is not an integer, a rank is out of range, or ``size > 1`` without a
         rendezvous address.
     """
-    size = _first_int((ev.SE_SIZE, ev.WORLD_SIZE), 1)
-    rank = _first_int((ev.SE_RANK, ev.RANK), 0)
+    size = _first_int((ev.SE_SIZE, ev.WORLD_SIZE, *MPI_SIZE_VARS), 1)
+    rank = _first_int((ev.SE_RANK, ev.RANK, *MPI_RANK_VARS), 0)
     # Without local information assume one host, as a plain multi-process launch would be.
-    local_size = _first_int((ev.SE_LOCAL_SIZE, ev.LOCAL_WORLD_SIZE), size)
-    local_rank = _first_int((ev.SE_LOCAL_RANK, ev.LOCAL_RANK), rank % max(local_size, 1))
+    local_size = _first_int((ev.SE_LOCAL_SIZE, ev.LOCAL_WORLD_SIZE, *MPI_LOCAL_SIZE_VARS), size)
+    local_rank = _first_int(
+        (ev.SE_LOCAL_RANK, ev.LOCAL_RANK, *MPI_LOCAL_RANK_VARS), rank % max(local_size, 1)
+    )
     cross_rank = _first_int((ev.SE_CROSS_RANK, ev.GROUP_RANK), 0)
     cross_size = _first_int((ev.SE_CROSS_SIZE, GROUP_WORLD_SIZE), max(1, size // local_size))
     addr = _first_str((ev.SE_MASTER_ADDR, ev.MASTER_ADDR))
     port = _first_int((ev.SE_MASTER_PORT, ev.MASTER_PORT), 0)
-    if size > 1 and (addr is None or port <= 0):
+    if size > 1 and rendezvous and (addr is None or port <= 0):
         raise ConfigurationError(
             f"size={size} ranks need a rendezvous point: set {ev.SE_MASTER_ADDR} and "
             f"{ev.SE_MASTER_PORT} (or MASTER_ADDR/MASTER_PORT), or start the script with "
@@ -95,9 +115,15 @@ def requested_backend(backend: str | None = None) -> str:
 
 
 def resolve_backend(name: str) -> str:
-    """Turn ``"auto"`` into a concrete name: nccl with a CUDA device, else gloo (else mpi)."""
+    """Turn ``"auto"`` into a concrete name.
+
+    Under ``mpiexec`` (with mpi4py installed): mpi. Otherwise nccl with a CUDA device, else
+    gloo, else mpi.
+    """
     if name != "auto":
         return name
+    if launched_by_mpi() and importlib.util.find_spec("mpi4py") is not None:
+        return "mpi"
     if importlib.util.find_spec("torch") is not None:
         import torch
 

@@ -43,6 +43,7 @@ from spark_estimators.collective import (
     shutdown,
     size,
 )
+from spark_estimators.collective import torch_elastic as elastic  # noqa: E402  (hvd.elastic.run)
 from spark_estimators.collective.engine import Handle
 from spark_estimators.collective.torch_compression import (
     Compression,
@@ -85,6 +86,7 @@ from spark_estimators.collective.torch_sync_bn import SyncBatchNorm
 
 __all__ = [
     "Adasum",
+    "elastic",
     "Average",
     "Compression",
     "Compressor",

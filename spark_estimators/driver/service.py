@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,11 +136,24 @@ class DriverService:
         self._output = output
         self._events = events
         self._extra = dict(extra_handlers or {})
+        self._rank_env: Callable[[RankSettings], dict[str, str]] | None = None
+        self._unset_env: tuple[str, ...] = ()
+        self._provisional: set[int] = set()  # failures a rank's own later report may replace
         self.server = RpcServer(secret, self._handle, host=host, on_disconnect=self._disconnected)
 
     @property
     def address(self) -> tuple[str, int]:
         return self.server.address
+
+    def set_rank_env(
+        self, rank_env: Callable[[RankSettings], dict[str, str]], unset: Sequence[str] = ()
+    ) -> None:
+        """Add per-rank variables to each rank's environment, and remove the ``unset`` ones.
+
+        Used by the MPI launch (PMI variables); call before the tasks register.
+        """
+        self._rank_env = rank_env
+        self._unset_env = tuple(unset)
 
     # -- handlers --------------------------------------------------------------------------------
     def _handle(self, kind: str, data: Any, conn: Connection) -> Any:
@@ -167,7 +180,10 @@ class DriverService:
                 raise RuntimeError(f"job aborted before start: {self.state.abort_reason}")
             settings = self.state.settings[reg.index]
             conn.attrs["rank"] = settings.rank
-        return {"settings": settings, "env": self.state.env}
+        env = dict(self.state.env)
+        if self._rank_env is not None:
+            env.update(self._rank_env(settings))
+        return {"settings": settings, "env": env, "unset": self._unset_env}
 
     def _on_fetch_fn(self, data: Any, conn: Connection) -> bytes:
         conn.attrs["rank"] = int(data)
@@ -226,13 +242,38 @@ class DriverService:
             )
 
     # -- used by the runner ----------------------------------------------------------------------
-    def record_failure(self, failure: RemoteError) -> None:
+    def record_failure(self, failure: RemoteError, provisional: bool = False) -> None:
+        """Record a rank's failure and abort the job.
+
+        The first report of a rank is kept (it carries the traceback), unless it was
+        ``provisional``: then the rank's own later report replaces it.
+        """
         with self._cond:
-            # Keep the first report of a rank: it carries the traceback.
-            self.state.failures.setdefault(failure.rank, failure)
+            if failure.rank in self._provisional and not provisional:
+                self._provisional.discard(failure.rank)
+                self.state.failures[failure.rank] = failure
+            elif failure.rank not in self.state.failures:
+                self.state.failures[failure.rank] = failure
+                if provisional:
+                    self._provisional.add(failure.rank)
             if self.state.abort_reason is None:
                 self.state.abort_reason = f"rank {failure.rank} failed"
             self._cond.notify_all()
+
+    def report_lost_rank(self, rank: int, message: str) -> None:
+        """A rank process was seen dying from outside (e.g. its MPI connection dropped).
+
+        Ignored once the job is aborting (the launcher kills ranks then) or when the rank has
+        already reported; otherwise a provisional failure that aborts the job at once.
+        """
+        with self._cond:
+            state = self.state
+            if state.abort_reason is not None or rank in state.results or rank in state.failures:
+                return
+            hosts = [r.host for i, r in state.registrations.items()
+                     if i in state.settings and state.settings[i].rank == rank]  # fmt: skip
+        failure = RemoteError(rank=rank, host=hosts[0] if hosts else "?", message=message)
+        self.record_failure(failure, provisional=True)
 
     def abort(self, reason: str) -> None:
         with self._cond:

@@ -177,6 +177,17 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         pass
 
 
+def _abort_child(proc: subprocess.Popen[bytes], aborted: threading.Event) -> None:
+    """Kill the rank because the job aborts.
+
+    Only a rank that was still alive counts as aborted: one that died on its own (the cause of
+    the abort) is still reported as the failure it is.
+    """
+    if proc.poll() is None:
+        aborted.set()
+    _kill_group(proc)
+
+
 def _watch_abort(
     config: TaskConfig,
     proc: subprocess.Popen[bytes],
@@ -193,13 +204,11 @@ def _watch_abort(
         while not stop.is_set() and proc.poll() is None:
             reply = client.call("watch", WATCH_INTERVAL_S)
             if reply["abort"] is not None:
-                aborted.set()
-                _kill_group(proc)
+                _abort_child(proc, aborted)
                 return
     except Exception:
         if not stop.is_set():
-            aborted.set()
-            _kill_group(proc)
+            _abort_child(proc, aborted)
     finally:
         client.close()
 
@@ -236,6 +245,8 @@ def run_rank(
         env = dict(os.environ)
         env.update(rank_environment(settings, gpus, config.backend))
         env.update(reply["env"])
+        for name in reply.get("unset", ()):  # e.g. another MPI launcher's PMI_FD
+            env.pop(name, None)
         proc = subprocess.Popen(
             [sys.executable, "-m", "spark_estimators.task.child"],
             stdin=subprocess.PIPE,

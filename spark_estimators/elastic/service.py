@@ -1,0 +1,341 @@
+"""The driver service of an elastic job: workers, rendezvous rounds, results, resets.
+
+A *worker* is one attempt of one Spark task (``"<partition>.<attempt>"``). It joins when
+its task starts, and its rank process asks for a ``rendezvous`` before training and after every
+reset. The service forms a *round* (ranks, size, rendezvous point) when every live worker is
+waiting and there are at least ``min_num_proc`` of them; it waits a little longer
+(``rejoin_wait``) for the replacement of a worker that just died, since Spark is retrying its
+task, and never takes more than ``max_num_proc`` (extra workers wait for the next round).
+Ranks that survive keep their order, so rank 0 of a new round always holds the committed state.
+
+Rounds after the first are *resets*; more than ``reset_limit`` of them aborts the job. The job
+is done when every rank of the current round reported a result.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from spark_estimators.driver.rpc import Connection, RpcServer
+from spark_estimators.driver.service import RankSettings, Registration, assign_ranks
+from spark_estimators.errors import RemoteError
+
+logger = logging.getLogger(__name__)
+
+JOINING, WAITING, RUNNING, FINISHED, DEAD = "joining", "waiting", "running", "finished", "dead"
+POLL_S = 0.2
+
+
+@dataclass
+class Worker:
+    """One attempt of one Spark task."""
+
+    worker_id: str
+    index: int
+    attempt: int
+    host: str
+    host_hash: str
+    address: str
+    seq: int
+    status: str = JOINING
+    port: int = 0
+    rank: int | None = None  # rank in the round it last took part in
+    died_at: float | None = None
+
+
+@dataclass
+class ElasticPolicy:
+    """Sizes and timeouts of an elastic job (validated by ``run_elastic``)."""
+
+    num_proc: int
+    min_num_proc: int
+    max_num_proc: int
+    start_timeout: float
+    elastic_timeout: float
+    reset_limit: int | None
+    rejoin_wait: float
+
+
+@dataclass
+class ElasticState:
+    workers: dict[str, Worker] = field(default_factory=dict)
+    round: int = 0
+    members: list[str] = field(default_factory=list)  # worker ids of the round, by rank
+    settings: dict[str, RankSettings] = field(default_factory=dict)
+    results: dict[int, bytes] = field(default_factory=dict)  # rank -> value, current round
+    failures: list[RemoteError] = field(default_factory=list)
+    resets: int = 0
+    done: bool = False
+    abort_reason: str | None = None
+    abort_error: str = ""  # "reset_limit" | "min_num_proc" | "start_timeout"
+    pending_since: float | None = None
+
+
+class ElasticDriverService:
+    """Serves one elastic job over :class:`RpcServer`; see the module docstring."""
+
+    def __init__(
+        self,
+        policy: ElasticPolicy,
+        secret: bytes,
+        payload: bytes,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        output: Callable[[int, str, list[str]], None] | None = None,
+        events: Callable[[int, str, Any], None] | None = None,
+    ):
+        self.policy = policy
+        self.payload = payload
+        self.env = dict(env or {})
+        self.state = ElasticState()
+        self._cond = threading.Condition()
+        self._output, self._events = output, events
+        self._seq = 0
+        self._started = time.monotonic()
+        self.server = RpcServer(secret, self._handle, host=host, on_disconnect=self._disconnected)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.address
+
+    def _handle(self, kind: str, data: Any, conn: Connection) -> Any:
+        method = getattr(self, "_on_" + kind, None)
+        if method is None:
+            raise ValueError(f"unknown request {kind!r}")
+        return method(data, conn)
+
+    # -- task side -------------------------------------------------------------------------------
+    def _on_join(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        with self._cond:
+            if self.state.done or self.state.abort_reason is not None:
+                return {"status": "over"}
+            self._seq += 1
+            wid = f"{data['index']}.{data['attempt']}"
+            self.state.workers[wid] = Worker(
+                worker_id=wid,
+                index=int(data["index"]),
+                attempt=int(data["attempt"]),
+                host=data["host"],
+                host_hash=data["host_hash"],
+                address=data["address"],
+                seq=self._seq,
+            )
+            conn.attrs["worker_id"] = wid
+            self._cond.notify_all()
+        return {"status": "ok", "worker_id": wid, "env": self.env}
+
+    def _on_failure(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        """A rank process failed; the answer tells its task whether Spark should retry it."""
+        wid = data.pop("worker_id")
+        with self._cond:
+            worker = self.state.workers.get(wid)
+            rank = worker.rank if worker is not None and worker.rank is not None else -1
+            self.state.failures.append(RemoteError(rank=rank, **data))
+            self._mark_dead(wid)
+            retry = not self.state.done and self.state.abort_reason is None
+        return {"retry": retry}
+
+    def _on_task_done(self, data: Any, conn: Connection) -> None:
+        with self._cond:
+            conn.attrs["task_done"] = True
+            self._cond.notify_all()
+
+    def _on_watch(self, data: Any, conn: Connection) -> dict[str, Any]:
+        with self._cond:
+            self._cond.wait_for(lambda: self.state.abort_reason is not None, float(data or 1.0))
+            return {"abort": self.state.abort_reason}
+
+    # -- rank process side -----------------------------------------------------------------------
+    def _on_fetch_fn(self, data: Any, conn: Connection) -> bytes:
+        return self.payload
+
+    def _on_rendezvous(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
+        wid = data["worker_id"]
+        conn.attrs["child_of"] = wid
+        with self._cond:
+            worker = self.state.workers[wid]
+            if worker.status == DEAD:
+                raise RuntimeError(f"worker {wid} was declared dead")
+            worker.status, worker.port = WAITING, int(data["port"])
+            if self.state.pending_since is None:
+                self.state.pending_since = time.monotonic()
+            self._cond.notify_all()
+            while True:
+                if self.state.abort_reason is not None:
+                    raise RuntimeError(f"elastic job aborted: {self.state.abort_reason}")
+                if self.state.done:
+                    return {"done": True}
+                if worker.status == RUNNING:
+                    return {"round": self.state.round, "settings": self.state.settings[wid]}
+                self._maybe_form_round()
+                if worker.status != RUNNING:
+                    self._cond.wait(POLL_S)
+
+    def _on_host_updates(self, data: Any, conn: Connection) -> bool:
+        """True when a worker waits to join or a member of the round is gone."""
+        with self._cond:
+            members = set(self.state.members)
+            for worker in self.state.workers.values():
+                if worker.status == WAITING and worker.worker_id not in members:
+                    return True
+                if worker.status == DEAD and worker.worker_id in members:
+                    return True
+        return False
+
+    def _on_result(self, data: dict[str, Any], conn: Connection) -> None:
+        with self._cond:
+            worker = self.state.workers[data["worker_id"]]
+            if int(data["round"]) != self.state.round:
+                return  # a straggler of an old round
+            worker.status = FINISHED
+            self.state.results[int(data["rank"])] = data["value"]
+            if len(self.state.results) == len(self.state.members):
+                self.state.done = True
+            self._cond.notify_all()
+
+    def _on_log(self, data: dict[str, Any], conn: Connection) -> None:
+        if self._output is not None:
+            self._output(int(data["rank"]), data["stream"], data["lines"])
+
+    def _on_event(self, data: dict[str, Any], conn: Connection) -> None:
+        if self._events is not None:
+            self._events(int(data["rank"]), data["kind"], data["data"])
+
+    def _disconnected(self, conn: Connection) -> None:
+        wid = conn.attrs.get("child_of") or conn.attrs.get("worker_id")
+        if wid is None or conn.attrs.get("task_done"):
+            return
+        with self._cond:
+            worker = self.state.workers.get(wid)
+            if worker is not None and worker.status not in (FINISHED, DEAD):
+                self._mark_dead(wid)
+
+    # -- rounds ----------------------------------------------------------------------------------
+    def _mark_dead(self, wid: str) -> None:
+        worker = self.state.workers.get(wid)
+        if worker is None or worker.status == DEAD:
+            return
+        was_member = wid in self.state.members
+        worker.status, worker.died_at = DEAD, time.monotonic()
+        if was_member and self.state.results and not self.state.done:
+            # Some ranks already returned: the round cannot be formed again.
+            self._abort(f"worker {wid} died after other ranks had finished", "finished")
+        self._cond.notify_all()
+
+    def _abort(self, reason: str, kind: str) -> None:
+        if self.state.abort_reason is None:
+            self.state.abort_reason, self.state.abort_error = reason, kind
+        self._cond.notify_all()
+
+    def _replacement_expected(self, now: float) -> bool:
+        """A task died recently and Spark's retry of it has not joined yet."""
+        live = {w.index for w in self.state.workers.values() if w.status != DEAD}
+        for worker in self.state.workers.values():
+            if (
+                worker.status == DEAD
+                and worker.index not in live
+                and worker.died_at is not None
+                and now - worker.died_at < self.policy.rejoin_wait
+            ):
+                return True
+        return False
+
+    def _maybe_form_round(self) -> None:
+        policy, state, now = self.policy, self.state, time.monotonic()
+        live = [w for w in state.workers.values() if w.status in (JOINING, WAITING, RUNNING)]
+        waiting = [w for w in live if w.status == WAITING]
+        if not waiting:
+            return
+        first = state.round == 0
+        since = self._started if first else (state.pending_since or now)
+        waited = now - since
+        limit = policy.start_timeout if first else policy.elastic_timeout
+        everyone = len(waiting) == len(live)
+        enough = len(waiting) >= (policy.num_proc if first else policy.min_num_proc)
+        full = len(waiting) >= policy.max_num_proc
+        ready = enough and (full or (everyone and not self._replacement_expected(now)))
+        if not ready and enough and waited >= limit:
+            ready = True  # stragglers had their time: go on without them
+        if not ready:
+            if waited >= limit:
+                what = "start_timeout" if first else "elastic_timeout"
+                self._abort(
+                    f"only {len(waiting)} worker(s) at the rendezvous after {what}={limit:g}s "
+                    f"(need {policy.num_proc if first else policy.min_num_proc})",
+                    "start_timeout" if first else "min_num_proc",
+                )
+            return
+        if not first:
+            if policy.reset_limit is not None and state.resets + 1 > policy.reset_limit:
+                self._abort(f"reset_limit={policy.reset_limit} reached", "reset_limit")
+                return
+            state.resets += 1
+        self._form(waiting[: policy.max_num_proc])
+
+    def _form(self, chosen: list[Worker]) -> None:
+        state = self.state
+        # Survivors first, in their old rank order (rank 0 holds the committed state).
+        ordered = sorted(chosen, key=lambda w: (w.rank is None, w.rank or 0, w.index, w.seq))
+        regs = [
+            Registration(
+                index=i, host=w.host, host_hash=w.host_hash, pid=0, address=w.address, port=w.port
+            )
+            for i, w in enumerate(ordered)
+        ]
+        by_position = assign_ranks(regs)
+        state.round += 1
+        state.settings = {w.worker_id: by_position[i] for i, w in enumerate(ordered)}
+        state.members = [
+            w.worker_id for w in sorted(ordered, key=lambda w: state.settings[w.worker_id].rank)
+        ]
+        state.results = {}
+        state.pending_since = None
+        for w in ordered:
+            w.status = RUNNING
+            w.rank = state.settings[w.worker_id].rank
+        logger.info(
+            "elastic round %d: %d rank(s) %s (resets so far: %d)",
+            state.round,
+            len(ordered),
+            state.members,
+            state.resets,
+        )
+        self._cond.notify_all()
+
+    # -- used by the launcher --------------------------------------------------------------------
+    def tick(self) -> None:
+        """Re-evaluate timeouts while no request arrives (called by the launcher's loop)."""
+        with self._cond:
+            if any(w.status == WAITING for w in self.state.workers.values()):
+                self._maybe_form_round()
+            elif (
+                self.state.round == 0
+                and not self.state.done
+                and time.monotonic() - self._started > self.policy.start_timeout
+            ):
+                self._abort(
+                    f"no worker reached the rendezvous within start_timeout="
+                    f"{self.policy.start_timeout:g}s",
+                    "start_timeout",
+                )
+
+    def abort(self, reason: str) -> None:
+        with self._cond:
+            self._abort(reason, "driver")
+
+    def wait(self, predicate: Callable[[ElasticState], bool], timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.state), timeout=timeout)
+
+    def notify(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self.abort("driver service closed")
+        self.server.close()

@@ -1,0 +1,140 @@
+"""What runs inside one ordinary (non-barrier) Spark task of an elastic job.
+
+The task joins the driver, starts the rank process (``python -m spark_estimators.elastic.worker``)
+and supervises it like a fixed-size task does (output forwarding, abort watch, stdin lifeline).
+When the rank process fails while the job goes on, the task **raises**, so that Spark retries
+it (``spark.task.maxFailures``; ``local[N,F]`` in local mode): the retry joins the driver again
+as a new worker and enters the next rendezvous round.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from spark_estimators.driver.rpc import RpcClient
+from spark_estimators.errors import SparkEstimatorsError
+from spark_estimators.task.spark_task import (
+    TaskConfig,
+    _kill_group,
+    _OutputForwarder,
+    _task_gpus,
+    _watch_abort,
+    describe_exit,
+    host_hash,
+    write_child_config,
+)
+
+
+class ElasticWorkerFailed(SparkEstimatorsError):
+    """Raised in the Spark task when its rank process failed, so Spark retries the task."""
+
+
+def _supervise(
+    config: TaskConfig, client: RpcClient, wid: str, index: int, env: dict[str, str]
+) -> tuple[int, bool, list[str]]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spark_estimators.elastic.worker"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    forwarder = _OutputForwarder(client, index)  # output is prefixed with the partition index
+    forwarder.attach(proc.stdout, "stdout")
+    forwarder.attach(proc.stderr, "stderr")
+    stop, aborted = threading.Event(), threading.Event()
+    watcher = threading.Thread(target=_watch_abort, args=(config, proc, stop, aborted), daemon=True)
+    watcher.start()
+    try:
+        write_child_config(
+            proc.stdin,
+            {
+                "driver_address": config.driver_address,
+                "secret": config.secret,
+                "worker_id": wid,
+                "index": index,
+                "backend": config.backend,
+            },
+        )
+    except BrokenPipeError:
+        pass
+    code = proc.wait()
+    stop.set()
+    _kill_group(proc)
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    forwarder.close()
+    return code, aborted.is_set(), forwarder.stderr_tail
+
+
+def run_worker(config: TaskConfig, index: int, attempt: int, gpus: tuple[str, ...]) -> str:
+    """Join the driver, run one rank process to its end; raise when Spark should retry."""
+    client = RpcClient(config.driver_address, config.secret, timeout=config.start_timeout + 30)
+    try:
+        hostname = socket.gethostname()
+        reply = client.call(
+            "join",
+            {
+                "index": index,
+                "attempt": attempt,
+                "host": hostname,
+                "host_hash": host_hash(),
+                "address": client.local_address(),
+            },
+        )
+        if reply["status"] != "ok":
+            return "over"
+        wid = reply["worker_id"]
+        env = dict(os.environ)
+        env.update(reply["env"])
+        env["PYTHONUNBUFFERED"] = "1"
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        code, aborted, tail = _supervise(config, client, wid, index, env)
+        retry = False
+        if code != 0 and not aborted:
+            text = "\n".join(tail)
+            answer = client.call(
+                "failure",
+                {
+                    "worker_id": wid,
+                    "host": hostname,
+                    "message": f"worker {wid}: {describe_exit(code)}",
+                    "traceback": ("last stderr lines:\n" + text) if text else "",
+                    "exit_code": code,
+                },
+            )
+            retry = bool(answer["retry"])
+        client.call("task_done", wid)
+        if retry:
+            raise ElasticWorkerFailed(
+                f"elastic worker {wid} failed ({describe_exit(code)}); Spark retries the task"
+            )
+        return wid
+    finally:
+        client.close()
+
+
+def elastic_task(config: TaskConfig, rows: Iterable[Any]) -> Iterator[str]:
+    """The ``rdd.mapPartitions`` function: one elastic worker per partition attempt."""
+    from pyspark import TaskContext
+
+    for _ in rows:
+        pass
+    ctx = TaskContext.get()
+    assert ctx is not None
+    yield run_worker(
+        config, ctx.partitionId(), ctx.attemptNumber(), _task_gpus(ctx, config.use_gpu)
+    )

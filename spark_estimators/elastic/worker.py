@@ -1,0 +1,105 @@
+"""Entry point of an elastic rank process: ``python -m spark_estimators.elastic.worker``.
+
+Like :mod:`spark_estimators.task.child`, but the rank is not fixed: before the user's function
+runs and after every reset, :func:`rendezvous` asks the driver for this worker's place in the
+next round and rewrites the rank environment (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ours)
+in this process, so :func:`spark_estimators.collective.init` joins the new group. It installs the
+driver hooks of :mod:`spark_estimators.collective.elastic`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+from spark_estimators.task.child import _flush, _lifeline, _read_config
+
+
+class _Rendezvous:
+    """The link of this worker to the elastic driver service."""
+
+    def __init__(self, client: Any, worker_id: str, backend: str):
+        self.client, self.worker_id, self.backend = client, worker_id, backend
+        self.round = 0
+        self.rank = -1
+
+    def __call__(self) -> bool:
+        """Join the next round; False when the job finished without this worker."""
+        from spark_estimators.task.spark_task import free_port, rank_environment
+
+        reply = self.client.call("rendezvous", {"worker_id": self.worker_id, "port": free_port()})
+        if reply.get("done"):
+            return False
+        settings = reply["settings"]
+        self.round, self.rank = int(reply["round"]), int(settings.rank)
+        os.environ.update(rank_environment(settings, (), self.backend))
+        return True
+
+    def reset(self) -> None:
+        if not self():
+            # The job finished while this worker waited: nothing left to do.
+            _flush()
+            os._exit(0)
+
+    def host_updates(self) -> bool:
+        return bool(self.client.call("host_updates", self.round))
+
+
+def main() -> None:
+    config = _read_config()
+    threading.Thread(target=_lifeline, name="se-lifeline", daemon=True).start()
+
+    import cloudpickle
+
+    from spark_estimators.collective import elastic
+    from spark_estimators.driver.rpc import RpcClient
+    from spark_estimators.task import context
+
+    wid = str(config["worker_id"])
+    client = RpcClient(tuple(config["driver_address"]), config["secret"], timeout=None)
+    context.set_driver_client(client, int(config["index"]))
+    link = _Rendezvous(client, wid, str(config.get("backend") or "auto"))
+    code = 0
+    try:
+        if not link():
+            _flush()
+            os._exit(0)
+        elastic.set_driver_hooks(link.reset, link.host_updates)
+        fn, args, kwargs = cloudpickle.loads(client.call("fetch_fn", wid))
+        value = fn(*args, **(kwargs or {}))
+        _flush()
+        client.call(
+            "result",
+            {
+                "worker_id": wid,
+                "round": link.round,
+                "rank": link.rank,
+                "value": cloudpickle.dumps(value),
+            },
+        )
+    except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
+        code = 1
+        tb = traceback.format_exc()
+        _flush()
+        try:
+            client.call(
+                "failure",
+                {
+                    "worker_id": wid,
+                    "host": socket.gethostname(),
+                    "message": f"{type(exc).__name__}: {exc}",
+                    "traceback": tb,
+                },
+            )
+        except Exception:
+            sys.stderr.write(tb)
+    _flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
