@@ -1,7 +1,12 @@
 """Data path: prepare_data vs df.write.parquet, and reader rows/s vs raw pyarrow (and petastorm).
 
 Usage: .venv/bin/python bench/data.py [--rows 1000000] [--batch-size 256] [--repeats 3]
-       [--layout array|scalars]
+       [--layout array|scalars] [--store DIR] [--skip-write]
+       python bench/data.py --read-only --store DIR   (no Spark: reader comparison on DIR's dataset)
+
+``--store DIR`` keeps the prepared dataset there. ``--read-only`` compares the readers on it without
+Spark, e.g. in the petastorm environment (requirements-petastorm.txt + torch), so petastorm runs in
+the same process as the raw scan and our reader.
 
 Dataset: ``rows`` x 32 float32 features + a float32 label, cached in Spark memory first so both
 writers measure shuffle + write only. ``--layout array`` (default) keeps the features in one
@@ -28,8 +33,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable
 
-from spark_estimators.core.session import create_local_session
-from spark_estimators.data import make_batch_reader, prepare_data, torch_batches
+from spark_estimators.data import DatasetMetadata, make_batch_reader, prepare_data, torch_batches
 from spark_estimators.store import LocalStore
 
 N_FEATURES = 32
@@ -163,6 +167,17 @@ def bench_read(store, meta, features, batch_size: int, repeats: int) -> dict[str
     return best_rows_per_s(cases, repeats)
 
 
+def report_read(speeds: dict[str, float]) -> None:
+    raw = speeds["raw pyarrow.dataset -> numpy"]
+    for name, value in speeds.items():
+        print(f"  {name:50s} {value / 1e6:6.2f} M rows/s  {value / raw:5.2f}x raw")
+    ours = speeds["ours, torch, no shuffle"]
+    print(f"  ours / raw = {ours / raw:.2f}x (target >= 0.8)")
+    peta = speeds.get("petastorm make_batch_reader + BatchedDataLoader")
+    if peta:
+        print(f"  ours / petastorm = {ours / peta:.2f}x (target >= 3)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
@@ -171,7 +186,20 @@ def main() -> None:
     parser.add_argument("--layout", choices=["array", "scalars"], default="array")
     parser.add_argument("--partitions-per-process", type=int, default=None)
     parser.add_argument("--skip-write", action="store_true", help="only the reader comparison")
+    parser.add_argument("--store", default=None, help="keep (or, with --read-only, find) data here")
+    parser.add_argument("--read-only", action="store_true", help="readers only, on --store")
     args = parser.parse_args()
+
+    if args.read_only:
+        if not args.store:
+            parser.error("--read-only needs --store DIR (a store prepared by an earlier run)")
+        store = LocalStore(args.store)
+        meta = DatasetMetadata.load(store)
+        print(f"read-only: {meta.train_rows} rows from {args.store}, batch_size={args.batch_size}")
+        report_read(bench_read(store, meta, meta.feature_cols, args.batch_size, args.repeats))
+        return
+
+    from spark_estimators.core.session import create_local_session
 
     spark = create_local_session("local[2]", spark__driver__memory="4g")
     spark.sparkContext.setLogLevel("ERROR")
@@ -187,24 +215,17 @@ def main() -> None:
         ratio = med["prepare_data"] / med["repartition+write.parquet"]
         print(f"  prepare_data / write.parquet = {ratio:.2f}x (target <= 1.15)")
 
-    root = tempfile.mkdtemp(prefix="bench-read-")
+    root = args.store or tempfile.mkdtemp(prefix="bench-read-")
     store = LocalStore(root)
     meta = prepare_data(2, store, df, features, ["label"], verbose=0)
     print(
         f"prepared: {len(meta.train_files)} files, {meta.train_bytes / 1e6:.0f} MB, "
-        f"row groups per file {meta.train_files[0].row_groups[:3]}..."
+        f"row groups per file {meta.train_files[0].row_groups}"
     )
-    speeds = bench_read(store, meta, features, args.batch_size, args.repeats)
-    raw = speeds["raw pyarrow.dataset -> numpy"]
-    for name, value in speeds.items():
-        print(f"  {name:50s} {value / 1e6:6.2f} M rows/s  {value / raw:5.2f}x raw")
-    ours = speeds["ours, torch, no shuffle"]
-    print(f"  ours / raw = {ours / raw:.2f}x (target >= 0.8)")
-    peta = speeds.get("petastorm make_batch_reader + BatchedDataLoader")
-    if peta:
-        print(f"  ours / petastorm = {ours / peta:.2f}x (target >= 3)")
-    shutil.rmtree(root, ignore_errors=True)
     spark.stop()
+    report_read(bench_read(store, meta, features, args.batch_size, args.repeats))
+    if not args.store:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

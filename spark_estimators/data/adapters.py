@@ -13,9 +13,10 @@ from typing import Any
 class TorchBatches:
     """Iterable of ``{column: torch.Tensor}`` per batch; ``len()`` is the reader's steps.
 
-    Tensors share memory with the numpy batches (``torch.from_numpy``, no copy). ``shapes`` reshapes
-    columns per row (e.g. ``{"image": (1, 28, 28)}``); ``dtypes`` converts (e.g.
-    ``{"features": torch.float32}``).
+    Each decoded block becomes tensors once, in the reader's background thread
+    (``torch.from_numpy``, no copy; ``shapes`` and ``dtypes`` applied there too), and batches are
+    views of them. ``shapes`` reshapes columns per row (e.g. ``{"image": (1, 28, 28)}``);
+    ``dtypes`` converts (e.g. ``{"features": torch.float32}``).
     """
 
     def __init__(
@@ -34,17 +35,25 @@ class TorchBatches:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         import torch
 
+        from spark_estimators.data.reader import BlockFormat
+
         shapes, dtypes = self.shapes, self.dtypes
-        for batch in self.reader:
+
+        def to_tensors(block: dict[str, Any]) -> dict[str, Any]:
             out = {}
-            for name, values in batch.items():
+            for name, values in block.items():
                 tensor = torch.from_numpy(values)
                 if name in shapes:
                     tensor = tensor.reshape(-1, *shapes[name])
                 if name in dtypes:
                     tensor = tensor.to(dtypes[name])
                 out[name] = tensor
-            yield out
+            return out
+
+        iter_epoch = getattr(self.reader, "iter_epoch", None)
+        if iter_epoch is not None:
+            return iter(iter_epoch(BlockFormat(convert=to_tensors, concat=torch.cat)))
+        return (to_tensors(batch) for batch in self.reader)  # readers without blocks (petastorm)
 
 
 def torch_batches(

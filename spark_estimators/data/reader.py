@@ -185,26 +185,34 @@ class BatchReader:
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[Batch]:
+        return self.iter_epoch()
+
+    def iter_epoch(self, block_format: BlockFormat | None = None) -> Iterator[dict[str, Any]]:
+        """Run the next epoch; ``block_format`` converts whole blocks (e.g. to torch) first.
+
+        Converting once per decoded block in the background thread, rather than once per batch in
+        the training thread, leaves the training thread only the slicing.
+        """
         epoch = self.epoch
         self.epoch += 1
-        return self._batches(epoch)
+        return self._batches(epoch, block_format or NUMPY_BLOCKS)
 
     # ----------------------------------------------------------------------- consumer side
-    def _batches(self, epoch: int) -> Iterator[Batch]:
+    def _batches(self, epoch: int, fmt: BlockFormat) -> Iterator[dict[str, Any]]:
         """Cut blocks into batches of exactly ``batch_size`` rows, ``steps_per_epoch`` of them."""
         bs, steps = self.batch_size, self.steps_per_epoch
         emitted = 0
-        rest: Batch | None = None
-        with _Prefetcher(self._blocks(epoch), self.prefetch) as blocks:
+        rest: dict[str, Any] | None = None
+        with _Prefetcher(self._converted(epoch, fmt), self.prefetch) as blocks:
             for block in blocks:
                 n = _rows(block)
                 start = 0
                 if rest is not None:
                     need = bs - _rows(rest)
                     if n < need:
-                        rest = _concat([rest, block])
+                        rest = _concat([rest, block], fmt.concat)
                         continue
-                    yield _concat([rest, _take(block, 0, need)])
+                    yield _concat([rest, _take(block, 0, need)], fmt.concat)
                     emitted, start, rest = emitted + 1, need, None
                     if emitted == steps:
                         return
@@ -220,7 +228,15 @@ class BatchReader:
         )
 
     # ----------------------------------------------------------------------- producer side
-    def _blocks(self, epoch: int) -> Iterator[Batch]:
+    def _converted(self, epoch: int, fmt: BlockFormat) -> Iterator[dict[str, Any]]:
+        blocks = self._blocks(epoch)
+        try:
+            for block in blocks:
+                yield fmt.convert(block)
+        finally:
+            blocks.close()
+
+    def _blocks(self, epoch: int) -> Generator[Batch, None, None]:
         """Decoded (and shuffled) blocks, passing over the shard until an epoch's rows are out."""
         needed = self.steps_per_epoch * self.batch_size
         produced = 0
@@ -442,8 +458,8 @@ def _take(block: Batch, start: int, stop: int) -> Batch:
     return {k: v[start:stop] for k, v in block.items()}
 
 
-def _concat(blocks: list[Batch]) -> Batch:
-    return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
+def _concat(blocks: list[Any], concat: Callable[[list[Any]], Any] = np.concatenate) -> Any:
+    return {k: concat([b[k] for b in blocks]) for k in blocks[0]}
 
 
 def _permuted(blocks: list[Batch], rng: np.random.Generator) -> Batch:
@@ -471,6 +487,24 @@ def _apply_transformation(fn: TransformFn, arrays: Batch) -> Batch:
             out[str(name)] = np.ascontiguousarray(col.to_numpy())
     return out
 
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """How batches are made from decoded numpy blocks: ``convert`` a whole block, then slice.
+
+    ``convert`` runs in the reader's background thread; ``concat`` joins the pieces of a batch that
+    spans two blocks. The torch adapter uses ``torch.from_numpy`` and ``torch.cat``.
+    """
+
+    convert: Callable[[Batch], dict[str, Any]]
+    concat: Callable[[list[Any]], Any]
+
+
+def _same(block: Batch) -> Batch:
+    return block
+
+
+NUMPY_BLOCKS = BlockFormat(convert=_same, concat=np.concatenate)
 
 _END = object()
 

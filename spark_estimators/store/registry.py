@@ -32,6 +32,12 @@ def create_store(prefix_path: str, **kwargs: Any) -> Store:
             "'s3://bucket/exp'"
         )
     scheme = url_scheme(prefix_path)
+    options = kwargs.pop("storage_options", None)
+    if options and (scheme in ("", "file", "hdfs", "dbfs") or is_dbfs_path(prefix_path)):
+        raise ConfigurationError(
+            f"storage_options only apply to fsspec stores (s3://, gs://, abfs://, ...), not to "
+            f"{prefix_path!r}; leave them out"
+        )
     # Databricks rules: dbfs:/ always means the FUSE mount; /dbfs/ and file:///dbfs/ only on
     # Databricks (elsewhere they are ordinary local paths).
     if scheme == "dbfs":
@@ -55,4 +61,4 @@ def create_store(prefix_path: str, **kwargs: Any) -> Store:
                 f"{', '.join(repr(s) for s in KNOWN_SCHEMES)} (or a plain local path)"
             ) from exc
         raise
-    return FilesystemStore(prefix_path, **kwargs)
+    return FilesystemStore(prefix_path, storage_options=options, **kwargs)

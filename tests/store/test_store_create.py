@@ -168,3 +168,9 @@ def test_run_ids_must_be_single_path_components(bad, tmp_path):
 def test_non_dbfs_path_is_refused_by_dbfs_store():
     with pytest.raises(ConfigurationError, match="not a DBFS path"):
         DBFSLocalStore("/tmp/x")
+
+
+def test_storage_options_are_accepted_empty_and_refused_where_meaningless(tmp_path):
+    assert type(Store.create(str(tmp_path), storage_options=None)) is LocalStore
+    with pytest.raises(ConfigurationError, match="storage_options only apply to fsspec stores"):
+        Store.create(str(tmp_path), storage_options={"key": "k"})

@@ -51,7 +51,7 @@ def test_compact_form_round_trips_and_respects_slices():
         [{"size": 5, "i": [0, 4], "v": [1.0, 2.0]}, [1.0] * 5, {"size": 5, "i": [], "v": []}]
     )
     compact = vector_udt_parts(arr.slice(1, 2)).to_arrow()
-    assert compact.type.names == ["indices", "values"]
+    assert [f.name for f in compact.type] == ["indices", "values"]
     info = ColumnInfo("v", "sparse_vector", "float64", (5,))
     np.testing.assert_array_equal(column_to_numpy(compact, info), [[1] * 5, [0] * 5])
     parts = compact_parts(compact)

@@ -281,3 +281,19 @@ def test_tf_dataset_feeds_keras_shaped_batches_one_epoch_per_pass(store):
     epochs = [[int(i) for (_, ids), _ in ds for i in ids.numpy()] for _ in range(2)]
     assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(24))
     assert epochs[0] != epochs[1]  # the second pass is the next epoch
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("rows", "size", "batch_size"), [(120, 2, 10), (101, 2, 8)])
+def test_petastorm_reader_keeps_the_equal_steps_contract(store, rows, size, batch_size):
+    pytest.importorskip("petastorm", reason="petastorm runs in its own pinned environment only")
+    meta = write_dataset(store, rows, files=4, row_group=7)
+    epoch = read_epoch(store, meta, size, batch_size, reader="petastorm", seed=2)
+    reads = Counter()
+    for batches in epoch.values():
+        assert len(batches) == steps_per_epoch(rows, size, batch_size)
+        for b in batches:
+            assert b["arr"].shape == (batch_size, 2) and b["arr"].dtype == np.float32
+            np.testing.assert_array_equal(b["arr"][:, 1], -b["id"])
+            reads.update(b["id"].tolist())
+    assert set(reads) == set(range(rows))
