@@ -1,7 +1,9 @@
 """The Model (Transformer) base: batched inference with Arrow, persistence, history.
 
 ``transform(df)`` converts ML vector feature columns with ``vector_to_array`` (a SQL expression,
-no Python row mapping), then runs ``mapInArrow`` over Arrow batches. Each Python worker loads the
+no Python row mapping) and scores Arrow batches with a scalar-iterator ``arrow_udf`` (Spark >= 4.1:
+only the feature columns travel to Python and back comes one struct of outputs) or, on older
+Spark, ``mapInArrow`` over whole rows. Each Python worker loads the
 model **once** (cached by model key across the tasks it serves) and predicts ``transformBatchSize``
 rows at a time, on the task's GPU when there is one. Output columns are ``<label>__output`` by
 default (``setOutputCols`` renames); array outputs keep their shape.
@@ -80,6 +82,40 @@ def predict_batches(spec: dict[str, Any], batches: Iterator[Any]) -> Iterator[An
             columns.append(tensors.numpy_to_arrow(values))
             names.append(name)
         yield pa.RecordBatch.from_arrays(columns, names=names)
+
+
+def _predict_arrays(
+    spec: dict[str, Any], arrays: list[Any], predictor: Predictor, model: Any
+) -> Any:
+    """Predict one chunk of Arrow feature arrays; returns a struct array of the outputs."""
+    import numpy as np
+    import pyarrow as pa
+
+    features = spec["feature_cols"]
+    cols = {c: tensors.arrow_to_numpy(a) for c, a in zip(features, arrays, strict=True)}
+    n = len(arrays[0])
+    outs: list[list[Any]] = [[] for _ in spec["output_cols"]]
+    step = spec["batch_size"]
+    for start in range(0, n, step):
+        part = {c: a[start : start + step] for c, a in cols.items()}
+        inputs = tensors.model_inputs(part, spec["feature_cols"], spec["input_shapes"])
+        for i, out in enumerate(predictor.predict(model, inputs)):
+            outs[i].append(out)
+    fields = []
+    for i, _name in enumerate(spec["output_cols"]):
+        shape = spec["output_shapes"][i]
+        values = np.concatenate(outs[i]).reshape((n, *shape)) if n else np.zeros((0, *shape))
+        fields.append(tensors.numpy_to_arrow(values))
+    return pa.StructArray.from_arrays(fields, names=list(spec["output_cols"]))
+
+
+def predict_udf(spec: dict[str, Any], batches: Iterator[Any]) -> Iterator[Any]:
+    """Scalar-iterator Arrow UDF body: the model loads once per task, only features travel."""
+    predictor: Predictor = spec["predictor"]
+    model = _cached_model(spec["key"], predictor, spec["blob"])
+    for batch in batches:
+        arrays = list(batch) if isinstance(batch, tuple | list) else [batch]
+        yield _predict_arrays(spec, arrays, predictor, model)
 
 
 class ModelParams(HasOutputCols):
@@ -242,4 +278,18 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
             "batch_size": self.getTransformBatchSize(),
             "keep": keep,
         }
+        if hasattr(F, "arrow_udf"):  # Spark >= 4.1: only the feature columns go to Python
+            from pyspark.sql.functions import ArrowUDFType
+
+            out_type = StructType(schema.fields[len(df.columns) :])
+            make_udf: Any = F.arrow_udf
+            udf = make_udf(
+                partial(predict_udf, spec), out_type, functionType=ArrowUDFType.SCALAR_ITER
+            )
+            tmp = "__se_predictions"
+            scored = df.withColumn(tmp, udf(*extra))
+            return scored.select(
+                *[F.col(f"`{c}`") for c in df.columns],
+                *[F.col(tmp).getField(name).alias(name) for name in outputs],
+            )
         return wide.mapInArrow(partial(predict_batches, spec), schema)
