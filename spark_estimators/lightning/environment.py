@@ -1,0 +1,92 @@
+"""Lightning ``ClusterEnvironment`` for rank processes started by spark_estimators.
+
+Every rank of :func:`spark_estimators.run` (and so of :class:`LightningEstimator`) is one process
+that drives exactly one device: the task's GPU (masked so it is ``cuda:0``) or the CPU. Lightning
+is told so with ``Trainer(devices=1, num_nodes=world_size)``: each rank is a "node" of one device,
+so Lightning's ``node_rank * devices + local_rank`` is our global rank. The rendezvous point is the
+one our driver assigned (``SPARK_ESTIMATORS_MASTER_ADDR`` / ``_PORT``, a free port on rank 0's
+host); Lightning's DDP strategy creates the ``torch.distributed`` group there.
+
+>>> from pytorch_lightning import Trainer  # doctest: +SKIP
+>>> env = SparkClusterEnvironment()  # doctest: +SKIP
+>>> trainer = Trainer(strategy=DDPStrategy(cluster_environment=env), devices=1,
+...                   num_nodes=env.world_size())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+
+from lightning_fabric.plugins.environments.cluster_environment import ClusterEnvironment
+from lightning_fabric.utilities.rank_zero import rank_zero_only
+
+from spark_estimators import envvars as ev
+from spark_estimators.errors import ConfigurationError
+
+
+class SparkClusterEnvironment(ClusterEnvironment):
+    """Rank, world size and rendezvous point from the variables our launcher sets.
+
+    ``local_rank()`` is always 0 and ``node_rank()`` is the global rank: a rank process owns one
+    device (see the module docstring). Outside a launched rank (no ``SPARK_ESTIMATORS_RANK``) the
+    process is a job of one on ``127.0.0.1``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from spark_estimators.collective.settings import topology_from_env
+
+        self._topology = topology_from_env()
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        # The Spark tasks start the rank processes; Lightning must not spawn any.
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return str(self._topology.master_addr)
+
+    @property
+    def main_port(self) -> int:
+        return int(self._topology.master_port)
+
+    @staticmethod
+    def detect() -> bool:
+        """True inside a rank process started by spark_estimators."""
+        return ev.SE_RANK in os.environ and ev.SE_SIZE in os.environ
+
+    def world_size(self) -> int:
+        return int(self._topology.size)
+
+    def set_world_size(self, size: int) -> None:
+        if size != self.world_size():
+            raise ConfigurationError(
+                f"Lightning computed a world size of {size} but spark_estimators started "
+                f"{self.world_size()} ranks: use Trainer(devices=1, num_nodes={self.world_size()})"
+            )
+
+    def global_rank(self) -> int:
+        return int(self._topology.rank)
+
+    def set_global_rank(self, rank: int) -> None:
+        if rank != self.global_rank():
+            raise ConfigurationError(
+                f"Lightning computed global rank {rank} but this process is rank "
+                f"{self.global_rank()}: use Trainer(devices=1, num_nodes={self.world_size()})"
+            )
+        rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+    def local_rank(self) -> int:
+        return 0
+
+    def node_rank(self) -> int:
+        return self.global_rank()
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        if num_devices != 1 or num_nodes != self.world_size():
+            raise ConfigurationError(
+                f"Trainer(devices={num_devices}, num_nodes={num_nodes}) does not match the "
+                f"{self.world_size()} rank processes of this job, each driving one device: use "
+                f"Trainer(devices=1, num_nodes={self.world_size()})"
+            )

@@ -1,0 +1,362 @@
+"""LightningEstimator: fit a ``LightningModule`` on a Spark DataFrame with Lightning's DDP.
+
+>>> est = LightningEstimator(num_proc=2, model=MyModule(), feature_cols=["features"],
+...                          label_cols=["label"], batch_size=64, epochs=5,
+...                          validation=0.1)  # doctest: +SKIP
+>>> lightning_model = est.fit(df)  # doctest: +SKIP
+>>> lightning_model.transform(test_df).select("label__output").show()  # doctest: +SKIP
+
+The module's own ``configure_optimizers``, ``training_step`` and ``validation_step`` train it;
+a batch is a dict ``{column: tensor}`` of the feature, label (and sample weight) columns.
+Each rank is a Spark task running Lightning's standard DDP strategy (see
+:mod:`spark_estimators.lightning.remote`); checkpoints and logs go into the store.
+
+Learning rate: **not scaled**. ``configure_optimizers`` owns the optimizer and its schedulers,
+as in horovod's Lightning estimator, which did not scale it either. The effective batch is
+``num_proc * batch_size``; to follow Horovod's rule, multiply the rate in ``configure_optimizers``
+by ``self.trainer.world_size``. ``scale_lr=True`` is refused with that advice.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import inspect
+from typing import Any
+
+from pyspark.ml.param import TypeConverters
+
+from spark_estimators.core.estimator import SparkEstimator
+from spark_estimators.core.params import make_param
+from spark_estimators.errors import ConfigurationError, TrainingFailedError
+from spark_estimators.lightning.callbacks import FRAMEWORK
+from spark_estimators.lightning.model import LightningModel
+from spark_estimators.lightning.remote import LightningTrainSpec, LightningUserObjects, train
+
+#: The oldest pytorch_lightning this estimator supports (horovod's example imports the name).
+MIN_PL_VERSION = "2.0.0"
+
+#: Trainer arguments the estimator sets itself: the param to use instead.
+_RESERVED_TRAINER_ARGS = {
+    "strategy": "nothing: the estimator runs Lightning's DDP strategy across its Spark tasks",
+    "devices": "num_proc (one device per rank)",
+    "num_nodes": "num_proc (one device per rank)",
+    "accelerator": "num_gpus / use_gpu",
+    "max_epochs": "epochs",
+    "callbacks": "callbacks",
+    "logger": "logger",
+    "profiler": "profiler",
+    "log_every_n_steps": "log_every_n_steps",
+    "accumulate_grad_batches": "backward_passes_per_step",
+    "use_distributed_sampler": "nothing: the estimator's reader already shards the data",
+    "enable_checkpointing": "nothing: checkpoints into the store are needed for hot-start",
+    "plugins": "nothing: the estimator sets the cluster environment",
+    "default_root_dir": "store (checkpoints and logs go into the run's directory)",
+}
+_NOT_FOR_LIGHTNING = {
+    "optimizer": ("optimizer", "configure_optimizers() of the module builds the optimizer"),
+    "loss": ("loss", "training_step() of the module computes the loss"),
+    "lossConstructors": ("loss_constructors", "training_step() of the module computes the loss"),
+    "lossWeights": ("loss_weights", "training_step() of the module computes the loss"),
+    "metrics": ("metrics", "log metrics with self.log(...) (torchmetrics work) in the module"),
+    "gradientCompression": (
+        "gradient_compression",
+        "LightningEstimator runs DDP without gradient compression",
+    ),
+}
+_PROFILERS = ("simple", "advanced", "pytorch")
+
+
+def _listify(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else TypeConverters.toInt(value)
+
+
+class LightningEstimator(SparkEstimator):
+    """Spark ML Estimator that trains a ``pytorch_lightning.LightningModule`` with DDP.
+
+    Parameters are horovod.spark.lightning's (snake_case keywords or camelCase Params):
+    ``num_proc, backend, store, model, feature_cols, label_cols, sample_weight_col,
+    input_shapes, label_shapes, validation, callbacks, batch_size, val_batch_size, epochs,
+    train_steps_per_epoch, validation_steps_per_epoch, shuffle, random_seed, run_id,
+    transformation_fn, inmemory_cache_all, use_gpu, num_gpus, logger, log_every_n_steps,
+    trainer_args, profiler, terminate_on_nan, loader_num_epochs, partitions_per_process,
+    train_reader_num_workers, val_reader_num_workers, reader, verbose``; plus
+    ``collective_backend`` ("auto", "gloo" or "nccl"), ``backward_passes_per_step`` (Lightning's
+    ``accumulate_grad_batches``), ``start_timeout`` and ``transform_batch_size``.
+
+    ``num_gpus``: None uses the task's GPU when Spark assigned one, 0 trains on the CPU, 1
+    requires a GPU per rank. ``logger``: None writes TensorBoard logs into the run's ``logs/``
+    in the store; a Lightning logger is used as given; False turns logging off.
+    ``trainer_args`` is merged into ``Trainer(...)`` (e.g. ``precision``, ``gradient_clip_val``);
+    arguments the estimator owns are refused with the param to use instead.
+    ``loader_num_epochs`` is accepted for horovod compatibility and has no effect: the reader
+    delivers exactly one pass over each rank's shard per epoch. A ``ModelCheckpoint`` with a
+    ``monitor`` among ``callbacks`` makes the returned model hold its best checkpoint (as horovod
+    did); otherwise it holds the final weights.
+    """
+
+    _framework = "lightning"
+
+    numGpus = make_param("numGpus", "GPUs per rank: None (auto), 0 or 1", _int_or_none)
+    logger = make_param("logger", "Lightning logger (default TensorBoard into the store)")
+    logEveryNSteps = make_param(
+        "logEveryNSteps", "Trainer(log_every_n_steps=...)", TypeConverters.toInt
+    )
+    trainerArgs = make_param("trainerArgs", "dict of extra Trainer(...) arguments")
+    profiler = make_param("profiler", "'simple', 'advanced', 'pytorch' or a Lightning Profiler")
+    terminateOnNan = make_param(
+        "terminateOnNan", "stop with an error on a NaN/inf loss or weight", TypeConverters.toBoolean
+    )
+    loaderNumEpochs = make_param(
+        "loaderNumEpochs", "horovod compatibility; no effect (one pass per epoch)", _int_or_none
+    )
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._setDefault(
+            numGpus=None,
+            logger=None,
+            logEveryNSteps=50,
+            trainerArgs=None,
+            profiler=None,
+            terminateOnNan=False,
+            loaderNumEpochs=None,
+            scaleLr=False,
+        )
+        self.setParams(**kwargs)
+
+    def getNumGpus(self) -> int | None:
+        return self.getOrDefault(self.numGpus)
+
+    def getLogger(self) -> Any:
+        return self.getOrDefault(self.logger)
+
+    def getLogEveryNSteps(self) -> int:
+        return self.getOrDefault(self.logEveryNSteps)
+
+    def getTrainerArgs(self) -> dict[str, Any]:
+        return dict(self.getOrDefault(self.trainerArgs) or {})
+
+    def getProfiler(self) -> Any:
+        return self.getOrDefault(self.profiler)
+
+    def getTerminateOnNan(self) -> bool:
+        return self.getOrDefault(self.terminateOnNan)
+
+    def getLoaderNumEpochs(self) -> int | None:
+        return self.getOrDefault(self.loaderNumEpochs)
+
+    # -- validation ------------------------------------------------------------------------------
+    def _validate_framework(self) -> None:
+        try:
+            import pytorch_lightning as pl
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ImportError(
+                "LightningEstimator needs PyTorch Lightning: pip install "
+                "'spark-estimators[lightning]'"
+            ) from exc
+        model = self.getModel()
+        if not isinstance(model, pl.LightningModule):
+            hint = (
+                " For a plain torch.nn.Module use spark_estimators.torch.TorchEstimator."
+                if _is_torch_module(model)
+                else ""
+            )
+            raise ConfigurationError(
+                f"model must be a pytorch_lightning.LightningModule, got {type(model).__name__}."
+                + hint
+            )
+        for name, (keyword, why) in _NOT_FOR_LIGHTNING.items():
+            value = self.getOrDefault(name)
+            if value is not None and value != []:
+                raise ConfigurationError(
+                    f"{keyword}= (a {type(value).__name__}) is not used with a LightningModule: "
+                    f"{why}. Remove {keyword}=."
+                )
+        if self.getScaleLr():
+            raise ConfigurationError(
+                "scale_lr=True is not supported by LightningEstimator: configure_optimizers() "
+                "owns the learning rate. Multiply it there by self.trainer.world_size to scale "
+                "it with the number of ranks."
+            )
+        if self.getCollectiveBackend() not in ("auto", "gloo", "nccl"):
+            raise ConfigurationError(
+                f"collective_backend={self.getCollectiveBackend()!r} is invalid for "
+                "LightningEstimator: Lightning's DDP runs on torch.distributed, use 'auto', "
+                "'gloo' or 'nccl'"
+            )
+        if self.getNumGpus() not in (None, 0, 1):
+            raise ConfigurationError(
+                f"num_gpus={self.getNumGpus()!r} is invalid: each rank drives one device, so use "
+                "None (the task's GPU if any), 0 or 1, and raise num_proc for more GPUs"
+            )
+        if self.getNumGpus() == 1 and self.getUseGpu() is False:
+            raise ConfigurationError("num_gpus=1 conflicts with use_gpu=False: set one of them")
+        if self.getLogEveryNSteps() < 1:
+            raise ConfigurationError(
+                f"log_every_n_steps={self.getLogEveryNSteps()!r} is invalid: expected an int >= 1"
+            )
+        epochs = self.getLoaderNumEpochs()
+        if epochs is not None and epochs < 1:
+            raise ConfigurationError(
+                f"loader_num_epochs={epochs!r} is invalid: expected None or an int >= 1"
+            )
+        shapes = self.getLabelShapes()
+        if shapes is not None and len(shapes) != len(self.getLabelCols()):
+            raise ConfigurationError(
+                f"label_shapes has {len(shapes)} entries but there are "
+                f"{len(self.getLabelCols())} label columns: give one shape per label column"
+            )
+        self._validate_trainer_args()
+        self._validate_lightning_objects(pl)
+
+    def _validate_trainer_args(self) -> None:
+        raw = self.getOrDefault(self.trainerArgs)
+        if raw is not None and not isinstance(raw, dict):
+            raise ConfigurationError(
+                f"trainer_args={raw!r} is invalid: expected a dict of Trainer(...) arguments"
+            )
+        import pytorch_lightning as pl
+
+        known = [p for p in inspect.signature(pl.Trainer.__init__).parameters if p != "self"]
+        for key in raw or {}:
+            if key in _RESERVED_TRAINER_ARGS:
+                raise ConfigurationError(
+                    f"trainer_args[{key!r}] is set by LightningEstimator; use "
+                    f"{_RESERVED_TRAINER_ARGS[key]} instead"
+                )
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=3)
+                hint = f" Did you mean {', '.join(close)}?" if close else ""
+                raise ConfigurationError(
+                    f"trainer_args[{key!r}] is not an argument of pytorch_lightning.Trainer.{hint}"
+                )
+
+    def _validate_lightning_objects(self, pl: Any) -> None:
+        for cb in _listify(self.getCallbacks()):
+            if not isinstance(cb, pl.Callback):
+                raise ConfigurationError(
+                    f"callbacks must be pytorch_lightning.Callback objects, got {type(cb).__name__}"
+                )
+        log = self.getLogger()
+        if log is not None and log is not False:
+            from pytorch_lightning.loggers import Logger
+
+            if not all(isinstance(one, Logger) for one in _listify(log)):
+                raise ConfigurationError(
+                    f"logger={log!r} is invalid: expected a pytorch_lightning logger, a list "
+                    "of them, None (TensorBoard into the store) or False (no logging)"
+                )
+        profiler = self.getProfiler()
+        if isinstance(profiler, str) and profiler not in _PROFILERS:
+            raise ConfigurationError(
+                f"profiler={profiler!r} is invalid: expected one of {_PROFILERS}, a "
+                "pytorch_lightning Profiler or None"
+            )
+        if profiler is not None and not isinstance(profiler, str):
+            from pytorch_lightning.profilers import Profiler
+
+            if not isinstance(profiler, Profiler):
+                raise ConfigurationError(
+                    f"profiler={profiler!r} is invalid: expected one of {_PROFILERS}, a "
+                    "pytorch_lightning Profiler or None"
+                )
+
+    # -- training --------------------------------------------------------------------------------
+    def _training_spec(
+        self, meta: Any, store: Any, run_id: str, num_proc: int
+    ) -> LightningTrainSpec:
+        from spark_estimators.runner import dumps_by_value
+        from spark_estimators.torch.remote import read_checkpoint_info
+
+        user = LightningUserObjects(
+            model=self.getModel(),
+            callbacks=_listify(self.getCallbacks()),
+            logger=self.getLogger(),
+            profiler=self.getProfiler(),
+            transformation_fn=self.getTransformationFn(),
+        )
+        roots = [user.model, *user.callbacks, *_listify(user.logger), user.transformation_fn]
+        info = read_checkpoint_info(store, run_id)
+        if info is not None and info.get("framework") != FRAMEWORK:
+            raise ConfigurationError(
+                f"run_id={run_id!r} holds checkpoints of another estimator; use a new run_id "
+                "or delete the run with store.delete_run(run_id)"
+            )
+        return LightningTrainSpec(
+            user_blob=dumps_by_value(user, roots=[r for r in roots if r not in (None, False)]),
+            store=store.to_remote(run_id) if hasattr(store, "to_remote") else store,
+            meta=meta,
+            run_id=run_id,
+            feature_cols=self.getFeatureCols(),
+            label_cols=self.getLabelCols(),
+            sample_weight_col=self.getSampleWeightCol(),
+            input_shapes=self.getInputShapes(),
+            label_shapes=self.getLabelShapes(),
+            batch_size=self.getBatchSize(),
+            val_batch_size=self.getValBatchSize() or self.getBatchSize(),
+            epochs=self.getEpochs(),
+            start_epoch=0 if info is None else int(info["epoch"]) + 1,
+            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
+            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
+            shuffle=self.getShuffle(),
+            seed=self.getRandomSeed(),
+            inmemory_cache_all=self.getInmemoryCacheAll(),
+            use_gpu=self.getUseGpu(),
+            num_gpus=self.getNumGpus(),
+            collective_backend=self.getCollectiveBackend(),
+            backward_passes_per_step=self.getBackwardPassesPerStep(),
+            log_every_n_steps=self.getLogEveryNSteps(),
+            trainer_args=self.getTrainerArgs(),
+            terminate_on_nan=self.getTerminateOnNan(),
+            reader=self.getReader(),
+            train_reader_num_workers=self.getTrainReaderNumWorkers(),
+            val_reader_num_workers=self.getValReaderNumWorkers(),
+            verbose=self.getVerbose(),
+            checkpoint_file=None if info is None else str(info["checkpoint"]),
+            history=[] if info is None else list(info.get("history", [])),
+        )
+
+    def _remote_trainer(self) -> Any:
+        return train
+
+    def _create_model(self, results: list[Any], meta: Any, run_id: str) -> LightningModel:
+        first = results[0]
+        fingerprints = {r["fingerprint"] for r in results}
+        if len(fingerprints) != 1:
+            raise TrainingFailedError(
+                f"ranks ended with different weights ({len(fingerprints)} distinct); this is a "
+                "bug, please report it"
+            )
+        module = copy.deepcopy(self.getModel()).cpu()
+        module.load_state_dict(first["state_dict"])
+        module.eval()
+        model = LightningModel(
+            model=module,
+            history=first["history"],
+            run_id=run_id,
+            output_shapes=first["output_shapes"],
+            logged_metrics=first["logged_metrics"],
+            forward_error=first["forward_error"],
+            featureCols=self.getFeatureCols(),
+            labelCols=self.getLabelCols(),
+            inputShapes=self.getInputShapes(),
+            transformBatchSize=self.getTransformBatchSize(),
+        )
+        if self.getOutputCols():
+            model.setOutputCols(self.getOutputCols())
+        return model
+
+
+def _is_torch_module(value: Any) -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, torch.nn.Module)
