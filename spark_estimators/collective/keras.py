@@ -1,0 +1,244 @@
+"""The Keras adapter: ``import spark_estimators.collective.keras as hvd``.
+
+It replaces ``import horovod.tensorflow.keras as hvd`` for Keras 3 on TensorFlow: ``init``,
+``rank``, ``size``, ``local_rank``, ... (shared with :mod:`spark_estimators.collective`),
+:func:`DistributedOptimizer`, the callbacks (``hvd.callbacks.BroadcastGlobalVariablesCallback``,
+``MetricAverageCallback``, ``LearningRateWarmupCallback``, ``LearningRateScheduleCallback``,
+also importable from this module), :func:`load_model`, ``Compression``, and eager tensor ops
+(:func:`allreduce`, :func:`allgather`, :func:`broadcast`, :func:`broadcast_variables`, the
+``*_object`` helpers, :func:`barrier`) on TensorFlow tensors, Keras variables or numpy arrays.
+
+Why the optimizer (and not ``MultiWorkerMirroredStrategy``): see
+:mod:`spark_estimators.collective.keras_optimizer`. In short, ``model.fit`` keeps its real
+semantics (compile-time metrics, every callback, ``History``) and gradients are averaged in
+``Optimizer.apply`` with one fused allreduce per step.
+
+A Horovod script ports by changing its import::
+
+    import spark_estimators.collective.keras as hvd
+
+    hvd.init()
+    opt = hvd.DistributedOptimizer(keras.optimizers.Adam(1e-3 * hvd.size()))
+    model.compile(optimizer=opt, loss="mse", metrics=["mae"], jit_compile=False)
+    model.fit(dataset, epochs=5, verbose=1 if hvd.rank() == 0 else 0, callbacks=[
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(initial_lr=1e-3 * hvd.size(), warmup_epochs=2),
+    ])
+
+Run it with ``python -m spark_estimators.launch -np 2 train.py`` or inside
+:func:`spark_estimators.run`. ``jit_compile=False`` is required (XLA cannot compile the
+allreduce's ``py_function``); :func:`DistributedOptimizer` cannot enforce it, ``fit`` then
+fails with an XLA error naming ``EagerPyFunc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+try:
+    import keras
+    import tensorflow as tf
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "spark_estimators.collective.keras needs TensorFlow and Keras 3: "
+        "pip install 'spark-estimators[keras]'"
+    ) from exc
+
+import numpy as np
+
+from spark_estimators import collective as _core
+from spark_estimators.collective import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    backend_name,
+    barrier,
+    cross_rank,
+    cross_size,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    shutdown,
+    size,
+)
+from spark_estimators.collective import keras_callbacks as callbacks
+from spark_estimators.collective.backend import resolve_op
+from spark_estimators.collective.keras_callbacks import (
+    BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
+    MetricAverageCallback,
+    broadcast_variables,
+)
+from spark_estimators.collective.keras_optimizer import (
+    Compression,
+    Compressor,
+    DistributedOptimizer,
+    FP16Compressor,
+    NoneCompressor,
+    is_distributed,
+)
+
+is_distributed_optimizer = is_distributed
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    return np.ascontiguousarray(keras.ops.convert_to_numpy(value))
+
+
+def _like(result: np.ndarray, value: Any) -> Any:
+    """Return numpy for numpy input, else a TensorFlow tensor."""
+    if isinstance(value, np.ndarray):
+        return result
+    return tf.convert_to_tensor(result)
+
+
+def allreduce(
+    value: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    op: ReduceOp | int | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+) -> Any:
+    """Reduce a tensor (or numpy array, or variable) across ranks; eager mode.
+
+    Parameters are Horovod's; ``op`` defaults to ``Average``. Returns a tensor (numpy for
+    numpy input).
+    """
+    resolved = resolve_op(op, average)
+    out = np.array(_to_numpy(value), copy=True)
+    wire = compression.compress(out)  # ``out`` itself when not compressed
+    _core.allreduce_(wire, resolved, name, prescale_factor, postscale_factor)
+    compression.decompress(wire, out)
+    return _like(out, value)
+
+
+def allgather(value: Any, name: str | None = None) -> Any:
+    """Concatenate every rank's tensor on the first dimension (which may differ)."""
+    return _like(_core.allgather(_to_numpy(value), name=name), value)
+
+
+def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
+    """``root_rank``'s tensor on every rank."""
+    return _like(_core.broadcast(_to_numpy(value), root_rank, name=name), value)
+
+
+def reducescatter(value: Any, op: ReduceOp | int | None = None, name: str | None = None) -> Any:
+    """Reduce across ranks; rank r gets block r of the first dimension."""
+    return _like(_core.reducescatter(_to_numpy(value), resolve_op(op, None), name=name), value)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order."""
+    return _core.allgather_object(obj, name)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """``root_rank``'s picklable ``obj`` on every rank."""
+    return _core.broadcast_object(obj, root_rank, name)
+
+
+def broadcast_global_variables(root_rank: int) -> None:
+    """TF1 API of Horovod; with Keras 3 use :class:`BroadcastGlobalVariablesCallback`."""
+    raise NotImplementedError(
+        "broadcast_global_variables is TensorFlow 1 only: use "
+        "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in fit(), or "
+        "hvd.broadcast_variables(model.variables, root_rank)"
+    )
+
+
+def load_model(
+    filepath: str,
+    custom_optimizers: list[type] | None = None,
+    custom_objects: dict[str, Any] | None = None,
+    compression: type[Compressor] = Compression.none,
+) -> Any:
+    """Load a ``.keras`` model and wrap its optimizer in :func:`DistributedOptimizer`.
+
+    Parameters
+    ----------
+    filepath
+        A model saved with ``model.save(...)`` (with or without a distributed optimizer).
+    custom_optimizers
+        Optimizer classes not built into Keras (added to ``custom_objects`` by name).
+    custom_objects
+        Custom layers, losses, metrics... as for ``keras.saving.load_model``.
+    compression
+        Gradient compression of the wrapped optimizer.
+    """
+    objects = dict(custom_objects or {})
+    for cls in custom_optimizers or []:
+        objects.setdefault(cls.__name__, cls)
+    model = keras.saving.load_model(filepath, custom_objects=objects or None)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and not is_distributed(optimizer):
+        model.optimizer = DistributedOptimizer(optimizer, compression=compression)
+        model.make_train_function(force=True)
+    return model
+
+
+__all__ = [
+    "Adasum",
+    "Average",
+    "BroadcastGlobalVariablesCallback",
+    "Compression",
+    "Compressor",
+    "DistributedOptimizer",
+    "FP16Compressor",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+    "Max",
+    "MetricAverageCallback",
+    "Min",
+    "NoneCompressor",
+    "Product",
+    "ReduceOp",
+    "Sum",
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "backend_name",
+    "barrier",
+    "broadcast",
+    "broadcast_global_variables",
+    "broadcast_object",
+    "broadcast_variables",
+    "callbacks",
+    "cross_rank",
+    "cross_size",
+    "gloo_built",
+    "gloo_enabled",
+    "init",
+    "is_distributed_optimizer",
+    "is_homogeneous",
+    "is_initialized",
+    "load_model",
+    "local_rank",
+    "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
+    "rank",
+    "reducescatter",
+    "shutdown",
+    "size",
+]

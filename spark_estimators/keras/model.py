@@ -1,0 +1,119 @@
+"""KerasModel: the Transformer a KerasEstimator returns.
+
+``transform`` is the shared batched mechanism of :class:`~spark_estimators.core.model.SparkModel`
+(Arrow batches through ``mapInArrow``, the model loaded once per Python worker); each batch of
+``transformBatchSize`` rows goes through ``model.predict_on_batch``. The model travels as
+``.keras`` bytes plus the ``custom_objects`` (pickled by value, so classes defined in a notebook
+or test file load on executors too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+from typing import Any
+
+import cloudpickle
+
+from spark_estimators.core.model import Predictor, SparkModel
+
+logger = logging.getLogger(__name__)
+
+
+def dumps_custom_objects(custom_objects: dict[str, Any] | None) -> bytes:
+    """Pickle ``custom_objects``; classes from the user's own modules go by value."""
+    from spark_estimators.runner import dumps_by_value
+
+    objects = dict(custom_objects or {})
+    return dumps_by_value(objects, roots=list(objects.values()))
+
+
+def load_keras_model(data: bytes, custom_objects: dict[str, Any] | None) -> Any:
+    """``.keras`` bytes -> a Keras model, compiled when its loss and metrics can be loaded.
+
+    A compiled model needs every custom loss/metric in ``custom_objects``; when one is missing
+    the model is loaded uncompiled (``predict`` works) and a warning says what to add.
+    """
+    import keras
+
+    from spark_estimators.keras.remote import model_from_bytes
+
+    with keras.saving.custom_object_scope(custom_objects or {}):
+        try:
+            return model_from_bytes(data, custom_objects, compile=True)
+        except (TypeError, ValueError) as exc:
+            logger.warning(
+                "loaded the trained model without its compile state (%s); pass the custom "
+                "losses/metrics in custom_objects to get a compiled model",
+                exc,
+            )
+            return model_from_bytes(data, custom_objects, compile=False)
+
+
+class KerasPredictor(Predictor):
+    """Loads the Keras model once per Python worker and predicts numpy batches."""
+
+    def load(self, blob: bytes) -> Any:
+        if "tensorflow" not in sys.modules:
+            # An executor's Python worker: quiet TensorFlow before its first import.
+            os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+            os.environ.setdefault("KERAS_BACKEND", "tensorflow")
+        state = pickle.loads(blob)
+        custom = cloudpickle.loads(state["custom_objects"]) or {}
+        return load_keras_model(state["keras"], custom)
+
+    def predict(self, model: Any, inputs: list[Any]) -> list[Any]:
+        import numpy as np
+
+        out = model.predict_on_batch(inputs[0] if len(inputs) == 1 else inputs)
+        outs = list(out) if isinstance(out, list | tuple) else [out]
+        return [np.asarray(o, dtype=np.float64) for o in outs]
+
+
+class KerasModel(SparkModel):
+    """A trained Keras model as a Spark ML Transformer.
+
+    ``transform(df)`` appends one column per model output (``<label>__output`` by default,
+    ``setOutputCols`` renames); ``getModel()`` returns the ``keras.Model`` (compiled with the
+    plain optimizer when its loss and metrics can be loaded); ``getHistory()`` the per-epoch
+    metrics averaged over the ranks (``epoch``, ``loss``, metrics, ``val_*``);
+    ``write().save(path)`` / ``KerasModel.load(path)`` and Pipeline persistence work as for any
+    Spark ML model.
+    """
+
+    def __init__(
+        self,
+        model: Any = None,
+        history: list[dict[str, Any]] | None = None,
+        run_id: str | None = None,
+        output_shapes: list[tuple[int, ...]] | None = None,
+        custom_objects: dict[str, Any] | None = None,
+        **params: Any,
+    ) -> None:
+        super().__init__(model, history, run_id, output_shapes, **params)
+        self._custom_objects = dict(custom_objects or {})
+        self._rank_fingerprints: list[str] = []
+
+    def getCustomObjects(self) -> dict[str, Any]:
+        """The ``custom_objects`` the model is loaded with."""
+        return dict(self._custom_objects)
+
+    def _model_to_bytes(self) -> bytes:
+        from spark_estimators.keras.remote import model_to_bytes
+
+        return pickle.dumps(
+            {
+                "keras": model_to_bytes(self._model),
+                "custom_objects": dumps_custom_objects(self._custom_objects),
+            }
+        )
+
+    def _model_from_bytes(self, blob: bytes) -> Any:
+        state = pickle.loads(blob)
+        self._custom_objects = cloudpickle.loads(state["custom_objects"]) or {}
+        return load_keras_model(state["keras"], self._custom_objects)
+
+    def _predictor(self) -> Predictor:
+        return KerasPredictor()
