@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import IO, Any
@@ -71,6 +72,12 @@ class SparkBackend(Backend):
         self.collective_backend = collective_backend
         self.prefix_output_with_timestamp = prefix_output_with_timestamp
         self.spark = spark
+
+    def with_num_proc(self, num_proc: int) -> SparkBackend:
+        """A copy of this backend that starts ``num_proc`` ranks."""
+        clone = copy.copy(self)
+        clone._num_proc = num_proc
+        return clone
 
     def num_processes(self) -> int:
         if self._num_proc is None:

@@ -18,7 +18,11 @@ from spark_estimators.core.backend import Backend, SparkBackend
 from spark_estimators.core.params import ALIASES, EstimatorParams, to_camel
 from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.core.progress import EpochProgress
-from spark_estimators.errors import ConfigurationError
+from spark_estimators.errors import (
+    ConfigurationError,
+    ElasticResetLimitError,
+    TrainingFailedError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +129,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
                 f"num_proc={num_proc} conflicts with backend.num_processes()="
                 f"{backend.num_processes()}: set one of them"
             )
+        self._validate_elastic(num_proc)
         store = self.getStore()
         if store is not None:
             from spark_estimators.store import Store
@@ -168,6 +173,26 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
                     f"{columns!r}. Check feature_cols, label_cols, sample_weight_col, validation."
                 )
         self._validate_framework()
+
+    def _validate_elastic(self, num_proc: int | None) -> None:
+        elastic = self.getElastic()
+        if not isinstance(elastic, bool):
+            raise _bad("elastic", elastic, "True or False")
+        limit = self.getResetLimit()
+        if isinstance(limit, bool) or limit < 0:
+            raise _bad("reset_limit", limit, "an int >= 0 (relaunches allowed within one fit)")
+        low = self.getMinNumProc()
+        if low is None:
+            return
+        if isinstance(low, bool) or low < 1:
+            raise _bad("min_num_proc", low, "a positive int or None (num_proc)")
+        if not elastic:
+            raise _bad("min_num_proc", low, "None unless elastic=True", "Set elastic=True too.")
+        if num_proc is not None and low > num_proc:
+            raise ConfigurationError(
+                f"min_num_proc={low} is larger than num_proc={num_proc}: a relaunch can only go "
+                "on with fewer ranks, never more; lower min_num_proc"
+            )
 
     def _validate_framework(self) -> None:
         """Framework-specific checks (model type, optimizer, loss)."""
@@ -250,13 +275,60 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         run_id = self.getRunId() or f"run_{uuid.uuid4().hex[:12]}"
         store = self._store()
         backend = self._launch_backend()
-        spec = self._training_spec(meta, store, run_id, backend.num_processes())
-        progress = EpochProgress(self.getEpochs(), self.getVerbose(), spec.start_epoch)
-        try:
-            results = backend.run(self._remote_trainer(), args=(spec,), event_callback=progress)
-        finally:
-            progress.close()
+        failures: list[TrainingFailedError] = []
+        while True:
+            spec = self._training_spec(meta, store, run_id, backend.num_processes())
+            progress = EpochProgress(self.getEpochs(), self.getVerbose(), spec.start_epoch)
+            try:
+                results = backend.run(self._remote_trainer(), args=(spec,), event_callback=progress)
+                break
+            except TrainingFailedError as exc:
+                if not self.getElastic():
+                    raise
+                failures.append(exc)
+                if len(failures) > self.getResetLimit():
+                    raise self._reset_limit_error(failures) from exc
+                backend = self._relaunch_backend(backend, exc, len(failures))
+            finally:
+                progress.close()
         return self._create_model(results, meta, run_id)
+
+    # -- elastic: relaunch within the same fit ---------------------------------------------------
+    def _relaunch_backend(self, backend: Backend, exc: TrainingFailedError, reset: int) -> Backend:
+        """The backend of the next attempt: the same ranks, or fewer when slots are missing.
+
+        Barrier mode needs every rank's slot at once. On a cluster that lost an executor Spark
+        may take a while to bring one back; a relaunch then goes on with the free slots when
+        there are at least ``min_num_proc`` (the reader re-shards the same files by the new
+        size, and the learning rate is re-scaled from the user's rate).
+        """
+        n = backend.num_processes()
+        if isinstance(backend, SparkBackend):
+            from spark_estimators.core.session import available_task_slots, get_spark
+
+            low = self.getMinNumProc() or n
+            slots = available_task_slots(get_spark(backend.spark), needed=n, wait_s=30.0)
+            if slots is not None and low <= slots < n:
+                backend = backend.with_num_proc(slots)
+        logger.warning(
+            "elastic: training failed (%s); relaunching from the last checkpoint "
+            "with %d ranks (reset %d of at most %d)",
+            _summary(exc),
+            backend.num_processes(),
+            reset,
+            self.getResetLimit(),
+        )
+        return backend
+
+    def _reset_limit_error(self, failures: list[TrainingFailedError]) -> ElasticResetLimitError:
+        lines = [f"attempt {i + 1}: {_summary(exc)}" for i, exc in enumerate(failures)]
+        return ElasticResetLimitError(
+            f"elastic fit stopped: reset_limit={self.getResetLimit()} reached after "
+            f"{len(failures)} failed attempts ({'; '.join(lines)}). Fix the failure shown below "
+            "(the last attempt's), or raise reset_limit; a refit with the same run_id resumes "
+            "from the last checkpoint",
+            failures[-1].worker_failures,
+        )
 
     # -- framework hooks -------------------------------------------------------------------------
     def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> Any:
@@ -267,3 +339,14 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
 
     def _create_model(self, results: list[Any], meta: Any, run_id: str) -> Any:
         raise NotImplementedError
+
+
+def _summary(exc: TrainingFailedError) -> str:
+    """One line per failure: which ranks and what they reported, without the tracebacks."""
+    if exc.worker_failures:
+        return ", ".join(
+            f"rank {f.rank}: {f.message}" + (f" (exit code {f.exit_code})" if f.exit_code else "")
+            for _, f in sorted(exc.worker_failures.items())
+        )
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -73,6 +73,8 @@ ALIASES: dict[str, str] = {
     "terminate_on_nan": "terminateOnNan",
     "loader_num_epochs": "loaderNumEpochs",
     "transform_batch_size": "transformBatchSize",
+    "min_num_proc": "minNumProc",
+    "reset_limit": "resetLimit",
 }
 
 
@@ -153,6 +155,19 @@ class EstimatorParams(HasOutputCols):
     transformBatchSize = make_param(
         "transformBatchSize", "rows per inference batch in transform()", TypeConverters.toInt
     )
+    elastic = make_param(
+        "elastic",
+        "when a rank fails, relaunch the training within the same fit from the last checkpoint",
+        TypeConverters.toBoolean,
+    )
+    minNumProc = make_param(
+        "minNumProc",
+        "elastic: fewest ranks a relaunch may go on with when slots are missing (default numProc)",
+        _to_int_or_none,
+    )
+    resetLimit = make_param(
+        "resetLimit", "elastic: most relaunches within one fit", TypeConverters.toInt
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -195,6 +210,9 @@ class EstimatorParams(HasOutputCols):
             startTimeout=60.0,
             verbose=1,
             transformBatchSize=1024,
+            elastic=False,
+            minNumProc=None,
+            resetLimit=3,
             outputCols=[],
         )
 
@@ -309,3 +327,12 @@ class EstimatorParams(HasOutputCols):
 
     def getTransformBatchSize(self) -> int:
         return self.getOrDefault(self.transformBatchSize)
+
+    def getElastic(self) -> bool:
+        return self.getOrDefault(self.elastic)
+
+    def getMinNumProc(self) -> int | None:
+        return self.getOrDefault(self.minNumProc)
+
+    def getResetLimit(self) -> int:
+        return self.getOrDefault(self.resetLimit)

@@ -20,13 +20,13 @@ from typing import Any
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import SparkEstimatorsError
 from spark_estimators.task.spark_task import (
+    OutputForwarder,
     TaskConfig,
-    _kill_group,
-    _OutputForwarder,
-    _task_gpus,
-    _watch_abort,
     describe_exit,
     host_hash,
+    kill_group,
+    task_gpus,
+    watch_abort,
     write_child_config,
 )
 
@@ -49,11 +49,11 @@ def _supervise(
     assert proc.stdin is not None
     assert proc.stdout is not None
     assert proc.stderr is not None
-    forwarder = _OutputForwarder(client, index)  # output is prefixed with the partition index
+    forwarder = OutputForwarder(client, index)  # output is prefixed with the partition index
     forwarder.attach(proc.stdout, "stdout")
     forwarder.attach(proc.stderr, "stderr")
     stop, aborted = threading.Event(), threading.Event()
-    watcher = threading.Thread(target=_watch_abort, args=(config, proc, stop, aborted), daemon=True)
+    watcher = threading.Thread(target=watch_abort, args=(config, proc, stop, aborted), daemon=True)
     watcher.start()
     try:
         write_child_config(
@@ -70,7 +70,7 @@ def _supervise(
         pass
     code = proc.wait()
     stop.set()
-    _kill_group(proc)
+    kill_group(proc)
     try:
         proc.stdin.close()
     except OSError:
@@ -135,6 +135,4 @@ def elastic_task(config: TaskConfig, rows: Iterable[Any]) -> Iterator[str]:
         pass
     ctx = TaskContext.get()
     assert ctx is not None
-    yield run_worker(
-        config, ctx.partitionId(), ctx.attemptNumber(), _task_gpus(ctx, config.use_gpu)
-    )
+    yield run_worker(config, ctx.partitionId(), ctx.attemptNumber(), task_gpus(ctx, config.use_gpu))

@@ -98,7 +98,7 @@ def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict
     return env
 
 
-def _task_gpus(ctx: Any, use_gpu: bool | None) -> tuple[str, ...]:
+def task_gpus(ctx: Any, use_gpu: bool | None) -> tuple[str, ...]:
     if use_gpu is False:
         return ()
     try:
@@ -115,7 +115,7 @@ def write_child_config(stream: IO[bytes], config: dict[str, Any]) -> None:
     stream.flush()
 
 
-class _OutputForwarder:
+class OutputForwarder:
     """Reads a child's stdout/stderr and sends the lines to the driver in batches."""
 
     def __init__(self, client: RpcClient, rank: int):
@@ -170,7 +170,7 @@ class _OutputForwarder:
         self._sender.join(timeout)
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -185,10 +185,10 @@ def _abort_child(proc: subprocess.Popen[bytes], aborted: threading.Event) -> Non
     """
     if proc.poll() is None:
         aborted.set()
-    _kill_group(proc)
+    kill_group(proc)
 
 
-def _watch_abort(
+def watch_abort(
     config: TaskConfig,
     proc: subprocess.Popen[bytes],
     stop: threading.Event,
@@ -198,7 +198,7 @@ def _watch_abort(
     try:
         client = RpcClient(config.driver_address, config.secret, timeout=WATCH_INTERVAL_S + 30)
     except OSError:
-        _kill_group(proc)
+        kill_group(proc)
         return
     try:
         while not stop.is_set() and proc.poll() is None:
@@ -258,12 +258,12 @@ def run_rank(
         assert proc.stdin is not None
         assert proc.stdout is not None
         assert proc.stderr is not None
-        forwarder = _OutputForwarder(client, settings.rank)
+        forwarder = OutputForwarder(client, settings.rank)
         forwarder.attach(proc.stdout, "stdout")
         forwarder.attach(proc.stderr, "stderr")
         stop, aborted = threading.Event(), threading.Event()
         watcher = threading.Thread(
-            target=_watch_abort, args=(config, proc, stop, aborted), daemon=True
+            target=watch_abort, args=(config, proc, stop, aborted), daemon=True
         )
         watcher.start()
         try:
@@ -279,7 +279,7 @@ def run_rank(
             pass
         code = proc.wait()
         stop.set()
-        _kill_group(proc)  # leave no grandchild behind
+        kill_group(proc)  # leave no grandchild behind
         try:
             proc.stdin.close()
         except OSError:
@@ -312,7 +312,7 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
         pass
     ctx = BarrierTaskContext.get()
     index = ctx.partitionId()
-    gpus = _task_gpus(ctx, config.use_gpu)
+    gpus = task_gpus(ctx, config.use_gpu)
     started = time.time()
     try:
         executor_address = ctx.getTaskInfos()[index].address

@@ -273,6 +273,12 @@ def hvd_rank() -> int:
     return int(rank())
 
 
+def hvd_size() -> int:
+    from spark_estimators.collective import size
+
+    return int(size())
+
+
 def _average(hvd: Any, loss_sum: float, rows: float, metric_sums: list[float]) -> list[float]:
     import torch
 
@@ -290,7 +296,13 @@ def _save_checkpoint(
     ckpt, info = checkpoint_paths(spec.store, spec.run_id)
     buf = io.BytesIO()
     torch.save(
-        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, buf
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "epoch": epoch,
+            "size": hvd_size(),
+        },
+        buf,
     )
     spec.store.write_bytes_atomic(ckpt, buf.getvalue())
     # Written second: an info file always names a complete checkpoint.
@@ -358,6 +370,12 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
         state = torch.load(io.BytesIO(spec.store.read_bytes(ckpt)), map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        saved_size = int(state.get("size", size))
+        if spec.scale_lr and saved_size != size:
+            # The saved rates were scaled for the ranks of that run (an elastic relaunch can
+            # have fewer): rescale, keeping whatever a callback or schedule did to them.
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * size / saved_size
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     compression = Compression.fp16 if spec.compression == "fp16" else Compression.none

@@ -5,6 +5,8 @@
   in the middle of an epoch; each fit fails within 10 s of the kill naming the rank, the last
   complete checkpoint is the one on disk, and a refit with the same run_id resumes from it
   (the finished epochs are not trained again) and converges.
+* ``elastic=True``: the same kill is recovered inside the same ``fit`` (relaunch from the last
+  checkpoint); a rank dying at every attempt stops at ``reset_limit``.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ torch = pytest.importorskip("torch")
 
 from pyspark.ml.linalg import Vectors  # noqa: E402
 
-from spark_estimators.errors import StoreError, TrainingFailedError  # noqa: E402
+from spark_estimators.errors import (  # noqa: E402
+    ElasticResetLimitError,
+    StoreError,
+    TrainingFailedError,
+)
 from spark_estimators.store import LocalStore  # noqa: E402
 from spark_estimators.torch import TorchEstimator  # noqa: E402
 from spark_estimators.torch.remote import checkpoint_paths, read_checkpoint_info  # noqa: E402
 
 STOP_BOUND_S = 10.0
+RELAUNCH_BOUND_S = 60.0  # kill -> failure noticed, job relaunched, remaining epochs trained
 START_S = 180  # rank start-up on a loaded 2-core machine; bounds count from the fault instead
 N_FEATURES = 3
 TRUE_W = np.array([2.0, -1.0, 0.5])
@@ -52,10 +59,11 @@ def test_store_write_failing_halfway_keeps_the_old_file(tmp_path):
 class Fragile(torch.nn.Module):
     """A linear model whose ``kill_rank`` SIGKILLs itself on forward call ``kill_at``."""
 
-    def __init__(self, kill_at=None, kill_rank=1, clock=""):
+    def __init__(self, kill_at=None, kill_rank=1, clock="", once=False):
         super().__init__()
         self.fc = torch.nn.Linear(N_FEATURES, 1)
         self.kill_at, self.kill_rank, self.clock, self.calls = kill_at, kill_rank, clock, 0
+        self.once = once  # only when the clock file does not exist yet (the first attempt)
 
     def forward(self, x):
         import os
@@ -63,7 +71,11 @@ class Fragile(torch.nn.Module):
         import time
 
         self.calls += 1
-        if self.kill_at == self.calls and os.environ.get("RANK") == str(self.kill_rank):
+        if (
+            self.kill_at == self.calls
+            and os.environ.get("RANK") == str(self.kill_rank)
+            and not (self.once and os.path.exists(self.clock))
+        ):
             with open(self.clock, "w") as f:
                 f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -111,7 +123,21 @@ def df(spark):
     return spark.createDataFrame(rows, ["features", "y"]).cache()
 
 
-def _estimator(store, run_id, model, epochs, callbacks=()):
+class EpochLog:
+    """Callback: rank 0 appends every epoch it starts to a file (survives the process)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_epoch_begin(self, epoch, logs):
+        import os
+
+        if os.environ.get("RANK") == "0":
+            with open(self.path, "a") as f:
+                f.write(f"{epoch}\n")
+
+
+def _estimator(store, run_id, model, epochs, callbacks=(), **extra):
     torch.manual_seed(0)
     model.fc.reset_parameters()
     return TorchEstimator(
@@ -129,6 +155,7 @@ def _estimator(store, run_id, model, epochs, callbacks=()):
         callbacks=list(callbacks),
         start_timeout=START_S,
         verbose=0,
+        **extra,
     )
 
 
@@ -197,3 +224,53 @@ def test_rank_killed_mid_epoch_refit_resumes_from_last_checkpoint(df, tmp_path, 
             "SIGKILL report, so the error blamed rank 0; see docs/reliability.md"
         )
     assert "SIGKILL" in info.value.worker_failures[1].message
+
+
+@pytest.mark.spark
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_elastic_fit_relaunches_from_last_checkpoint_within_the_same_fit(
+    df, tmp_path, clock, caplog
+):
+    store = LocalStore(str(tmp_path / "store"))
+    epochs_log = tmp_path / "epochs"
+    # Forward call 20 of rank 1 is step 4 of epoch 2; the relaunched rank 1 is spared (once).
+    fragile = Fragile(kill_at=20, kill_rank=1, clock=str(clock), once=True)
+    est = _estimator(
+        store, "elastic", fragile, 4, [EpochLog(str(epochs_log))], elastic=True, reset_limit=2
+    )
+    with caplog.at_level("WARNING", logger="spark_estimators.core.estimator"):
+        model = est.fit(df)
+    recovered = seconds_since_fault(clock)  # the fit returned this long after the kill
+    assert recovered < RELAUNCH_BOUND_S, f"fit returned {recovered:.1f}s after the kill"
+    # Epochs 0 and 1 were checkpointed and not trained again; epoch 2 was cut short and re-run.
+    started = [int(line) for line in epochs_log.read_text().split()]
+    assert started == [0, 1, 2, 2, 3]
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [0, 1, 2, 3]
+    assert history[-1]["loss"] < 0.05 * history[0]["loss"]
+    weights = model.getModel().fc.weight.detach().numpy().ravel()
+    np.testing.assert_allclose(weights, TRUE_W, atol=0.1)
+    warnings = [r.getMessage() for r in caplog.records if "relaunching" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert "SIGKILL" in warnings[0] and "reset 1 of at most 2" in warnings[0]
+    assert "with 2 ranks" in warnings[0]
+
+
+@pytest.mark.spark
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_elastic_fit_stops_at_reset_limit(df, tmp_path, clock):
+    store = LocalStore(str(tmp_path / "store"))
+    epochs_log = tmp_path / "epochs"
+    fragile = Fragile(kill_at=3, kill_rank=1, clock=str(clock))  # dies at every attempt
+    est = _estimator(
+        store, "doomed", fragile, 3, [EpochLog(str(epochs_log))], elastic=True, reset_limit=1
+    )
+    with pytest.raises(ElasticResetLimitError) as info:
+        est.fit(df)
+    assert seconds_since_fault(clock) < STOP_BOUND_S  # the last attempt's kill -> the error
+    message = str(info.value)
+    assert "reset_limit=1 reached after 2 failed attempts" in message
+    assert "attempt 1: " in message and "attempt 2: " in message and "SIGKILL" in message
+    assert epochs_log.read_text().split() == ["0", "0"]  # two attempts, both died in epoch 0

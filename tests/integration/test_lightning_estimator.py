@@ -95,6 +95,32 @@ class RankRecorder(pl.Callback):
         )
 
 
+class KillOnceMidEpoch(pl.Callback):
+    """Rank 1 SIGKILLs itself at step 2 of ``epoch`` unless ``clock`` exists; rank 0 logs epochs."""
+
+    def __init__(self, epoch, clock, epochs_log):
+        self.epoch, self.clock, self.epochs_log = epoch, clock, epochs_log
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.global_rank == 0:
+            with open(self.epochs_log, "a") as f:
+                f.write(f"{trainer.current_epoch}\n")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import signal
+        import time
+
+        if (
+            trainer.current_epoch == self.epoch
+            and batch_idx == 2
+            and trainer.global_rank == 1
+            and not os.path.exists(self.clock)
+        ):
+            with open(self.clock, "w") as f:
+                f.write(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def load_ranks(out_dir):
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(2)]
 
@@ -223,6 +249,22 @@ def test_hot_start_resumes_from_the_saved_epoch(df, store, tmp_path):
     assert [sorted(r["batches"]) for r in load_ranks(out_dir)] == [[2], [2]]
     assert torch.load(ckpt_path, weights_only=False)["global_step"] == steps_after_two * 3 // 2
     assert history[2]["loss"] < history[1]["loss"] < 0.5 * history[0]["loss"]
+
+
+def test_elastic_fit_relaunches_from_the_last_checkpoint(df, store, tmp_path, caplog):
+    clock, epochs_log = tmp_path / "clock", tmp_path / "epochs"
+    killer = KillOnceMidEpoch(2, str(clock), str(epochs_log))
+    est = make_estimator(store, run_id="elastic", callbacks=[killer], elastic=True)
+    with caplog.at_level("WARNING", logger="spark_estimators.core.estimator"):
+        model = est.fit(df)
+    assert clock.exists(), "rank 1 was never killed"
+    # Epochs 0 and 1 came from the checkpoint; only the cut epoch 2 was trained again.
+    assert [int(e) for e in epochs_log.read_text().split()] == [0, 1, 2, 2, 3]
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [0, 1, 2, 3]
+    assert history[3]["loss"] < 0.5 * history[0]["loss"]
+    relaunches = [r.getMessage() for r in caplog.records if "relaunching" in r.getMessage()]
+    assert len(relaunches) == 1 and "rank 1" in relaunches[0] and "SIGKILL" in relaunches[0]
 
 
 def test_early_stopping_stops_all_ranks_together(df, store, tmp_path):

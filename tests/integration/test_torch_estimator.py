@@ -242,6 +242,10 @@ def test_early_stopping_stops_all_ranks(df, store):
         ({"loss_weights": [1.0, 2.0]}, "loss_weights has 2 entries"),
         ({"store": "/tmp/x"}, "store='/tmp/x' is invalid.*Store.create"),
         ({"collective_backend": "tcp"}, "collective_backend='tcp' is invalid"),
+        ({"elastic": True, "reset_limit": -1}, "reset_limit=-1 is invalid.*>= 0"),
+        ({"min_num_proc": 1}, "min_num_proc=1 is invalid.*unless elastic=True"),
+        ({"elastic": True, "min_num_proc": 3}, "min_num_proc=3 is larger than num_proc=2"),
+        ({"elastic": True, "min_num_proc": 0}, "min_num_proc=0 is invalid"),
         (
             {"optimizer": torch.optim.SGD(Linear().parameters(), lr=0.1)},
             "optimizer holds parameters that are not the model's",
