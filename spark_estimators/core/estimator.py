@@ -330,6 +330,70 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
             failures[-1].worker_failures,
         )
 
+    # -- shared pieces of the framework specs ----------------------------------------------------
+    def _spec_fields(
+        self,
+        user: Any,
+        roots: list[Any],
+        store: Any,
+        remote_store: Any,
+        meta: Any,
+        run_id: str,
+        info: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The :class:`~spark_estimators.core.spec.TrainSpec` fields every framework shares.
+
+        ``user`` is pickled by value together with the modules of ``roots`` (the user's model,
+        losses, callbacks, ...); ``info`` is the run's checkpoint info (None: start at epoch 0).
+        """
+        from spark_estimators.runner import dumps_by_value
+
+        return {
+            "user_blob": dumps_by_value(user, roots=[r for r in roots if r not in (None, False)]),
+            "store": remote_store,
+            "meta": meta,
+            "run_id": run_id,
+            "feature_cols": self.getFeatureCols(),
+            "label_cols": self.getLabelCols(),
+            "sample_weight_col": self.getSampleWeightCol(),
+            "input_shapes": self.getInputShapes(),
+            "label_shapes": self.getLabelShapes(),
+            "batch_size": self.getBatchSize(),
+            "val_batch_size": self.getValBatchSize() or self.getBatchSize(),
+            "epochs": self.getEpochs(),
+            "start_epoch": 0 if info is None else int(info["epoch"]) + 1,
+            "train_steps_per_epoch": self.getTrainStepsPerEpoch(),
+            "validation_steps_per_epoch": self.getValidationStepsPerEpoch(),
+            "shuffle": self.getShuffle(),
+            "seed": self.getRandomSeed(),
+            "inmemory_cache_all": self.getInmemoryCacheAll(),
+            "use_gpu": self.getUseGpu(),
+            "reader": self.getReader(),
+            "train_reader_num_workers": self.getTrainReaderNumWorkers(),
+            "val_reader_num_workers": self.getValReaderNumWorkers(),
+            "history": [] if info is None else list(info.get("history", [])),
+        }
+
+    @staticmethod
+    def _check_fingerprints(results: list[Any]) -> list[str]:
+        """Every rank must end with the same weights; returns the fingerprints by rank."""
+        fingerprints = [r["fingerprint"] for r in results]
+        if len(set(fingerprints)) != 1:
+            raise TrainingFailedError(
+                f"ranks ended with different weights ({len(set(fingerprints))} distinct); this "
+                "is a bug, please report it"
+            )
+        return fingerprints
+
+    def _model_params(self) -> dict[str, Any]:
+        """Params every fitted model copies from its estimator."""
+        return {
+            "featureCols": self.getFeatureCols(),
+            "labelCols": self.getLabelCols(),
+            "inputShapes": self.getInputShapes(),
+            "transformBatchSize": self.getTransformBatchSize(),
+        }
+
     # -- framework hooks -------------------------------------------------------------------------
     def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> Any:
         raise NotImplementedError

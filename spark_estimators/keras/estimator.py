@@ -39,7 +39,7 @@ from typing import Any
 
 from spark_estimators.core.estimator import SparkEstimator
 from spark_estimators.core.params import make_param
-from spark_estimators.errors import ConfigurationError, TrainingFailedError
+from spark_estimators.errors import ConfigurationError
 from spark_estimators.keras.model import KerasModel, dumps_custom_objects
 
 
@@ -204,7 +204,6 @@ class KerasEstimator(SparkEstimator):
             optimizer_recipe,
             read_checkpoint_info,
         )
-        from spark_estimators.runner import dumps_by_value
 
         custom = self.getCustomObjects()
         user = KerasUserObjects(
@@ -229,38 +228,16 @@ class KerasEstimator(SparkEstimator):
                 f"the model cannot be saved in the .keras format ({type(exc).__name__}: {exc}); "
                 "custom layers need get_config() (and custom_objects=...)"
             ) from exc
+        remote_store = store.to_remote() if hasattr(store, "to_remote") else store
         info = read_checkpoint_info(store, run_id)
-        start_epoch = 0 if info is None else int(info["epoch"]) + 1
         return KerasTrainSpec(
+            **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
             model_bytes=model_bytes,
             custom_objects_blob=dumps_custom_objects(custom),
-            user_blob=dumps_by_value(user, roots=[r for r in roots if r is not None]),
-            store=store.to_remote() if hasattr(store, "to_remote") else store,
-            meta=meta,
-            run_id=run_id,
-            feature_cols=self.getFeatureCols(),
-            label_cols=self.getLabelCols(),
-            sample_weight_col=self.getSampleWeightCol(),
-            input_shapes=self.getInputShapes(),
-            label_shapes=self.getLabelShapes(),
             loss_weights=self.getLossWeights(),
-            batch_size=self.getBatchSize(),
-            val_batch_size=self.getValBatchSize() or self.getBatchSize(),
-            epochs=self.getEpochs(),
-            start_epoch=start_epoch,
-            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
-            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
-            shuffle=self.getShuffle(),
-            seed=self.getRandomSeed(),
-            inmemory_cache_all=self.getInmemoryCacheAll(),
-            use_gpu=self.getUseGpu(),
             compression=self._compression_name(),
             scale_lr=self.getScaleLr(),
-            reader=self.getReader(),
-            train_reader_num_workers=self.getTrainReaderNumWorkers(),
-            val_reader_num_workers=self.getValReaderNumWorkers(),
             verbose=self.getVerbose(),
-            history=[] if info is None else list(info.get("history", [])),
         )
 
     def _remote_trainer(self) -> Any:
@@ -271,12 +248,7 @@ class KerasEstimator(SparkEstimator):
     def _create_model(self, results: list[Any], meta: Any, run_id: str) -> KerasModel:
         from spark_estimators.keras.remote import model_from_bytes
 
-        fingerprints = [r["fingerprint"] for r in results]
-        if len(set(fingerprints)) != 1:
-            raise TrainingFailedError(
-                f"ranks ended with different weights ({len(set(fingerprints))} distinct); this "
-                "is a bug, please report it"
-            )
+        fingerprints = self._check_fingerprints(results)
         first = results[0]
         custom = self.getCustomObjects()
         model = model_from_bytes(first["model"], custom, compile=True)
@@ -286,10 +258,7 @@ class KerasEstimator(SparkEstimator):
             run_id=run_id,
             output_shapes=first["output_shapes"],
             custom_objects=custom,
-            featureCols=self.getFeatureCols(),
-            labelCols=self.getLabelCols(),
-            inputShapes=self.getInputShapes(),
-            transformBatchSize=self.getTransformBatchSize(),
+            **self._model_params(),
         )
         keras_model._rank_fingerprints = fingerprints
         if self.getOutputCols():

@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from spark_estimators import envvars
@@ -40,7 +40,8 @@ if os.environ.get(envvars.SE_RANK) is not None:
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from spark_estimators.core import tensors  # noqa: E402
+from spark_estimators.core import tensors
+from spark_estimators.core.spec import TrainSpec  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -48,39 +49,16 @@ CHECKPOINT_FILE = "checkpoint.keras"
 CHECKPOINT_INFO = "checkpoint.json"
 
 
-@dataclass
-class KerasTrainSpec:
+@dataclass(kw_only=True)
+class KerasTrainSpec(TrainSpec):
     """Everything a rank needs. User objects travel pickled; the model as ``.keras`` bytes."""
 
     model_bytes: bytes
     custom_objects_blob: bytes
-    user_blob: bytes
-    store: Any
-    meta: Any
-    run_id: str
-    feature_cols: list[str]
-    label_cols: list[str]
-    sample_weight_col: str | None
-    input_shapes: list[Any] | None
-    label_shapes: list[Any] | None
     loss_weights: list[float] | None
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    start_epoch: int
-    train_steps_per_epoch: int | None
-    validation_steps_per_epoch: int | None
-    shuffle: bool
-    seed: int | None
-    inmemory_cache_all: bool
-    use_gpu: bool | None
     compression: str
     scale_lr: bool
-    reader: str
-    train_reader_num_workers: int
-    val_reader_num_workers: int
     verbose: int
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

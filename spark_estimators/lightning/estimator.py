@@ -28,7 +28,7 @@ from pyspark.ml.param import TypeConverters
 
 from spark_estimators.core.estimator import SparkEstimator
 from spark_estimators.core.params import make_param
-from spark_estimators.errors import ConfigurationError, TrainingFailedError
+from spark_estimators.errors import ConfigurationError
 from spark_estimators.lightning.callbacks import FRAMEWORK
 from spark_estimators.lightning.model import LightningModel
 from spark_estimators.lightning.remote import LightningTrainSpec, LightningUserObjects, train
@@ -272,7 +272,6 @@ class LightningEstimator(SparkEstimator):
     def _training_spec(
         self, meta: Any, store: Any, run_id: str, num_proc: int
     ) -> LightningTrainSpec:
-        from spark_estimators.runner import dumps_by_value
         from spark_estimators.torch.remote import read_checkpoint_info
 
         user = LightningUserObjects(
@@ -289,51 +288,25 @@ class LightningEstimator(SparkEstimator):
                 f"run_id={run_id!r} holds checkpoints of another estimator; use a new run_id "
                 "or delete the run with store.delete_run(run_id)"
             )
+        remote_store = store.to_remote(run_id) if hasattr(store, "to_remote") else store
         return LightningTrainSpec(
-            user_blob=dumps_by_value(user, roots=[r for r in roots if r not in (None, False)]),
-            store=store.to_remote(run_id) if hasattr(store, "to_remote") else store,
-            meta=meta,
-            run_id=run_id,
-            feature_cols=self.getFeatureCols(),
-            label_cols=self.getLabelCols(),
-            sample_weight_col=self.getSampleWeightCol(),
-            input_shapes=self.getInputShapes(),
-            label_shapes=self.getLabelShapes(),
-            batch_size=self.getBatchSize(),
-            val_batch_size=self.getValBatchSize() or self.getBatchSize(),
-            epochs=self.getEpochs(),
-            start_epoch=0 if info is None else int(info["epoch"]) + 1,
-            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
-            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
-            shuffle=self.getShuffle(),
-            seed=self.getRandomSeed(),
-            inmemory_cache_all=self.getInmemoryCacheAll(),
-            use_gpu=self.getUseGpu(),
+            **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
             num_gpus=self.getNumGpus(),
             collective_backend=self.getCollectiveBackend(),
             backward_passes_per_step=self.getBackwardPassesPerStep(),
             log_every_n_steps=self.getLogEveryNSteps(),
             trainer_args=self.getTrainerArgs(),
             terminate_on_nan=self.getTerminateOnNan(),
-            reader=self.getReader(),
-            train_reader_num_workers=self.getTrainReaderNumWorkers(),
-            val_reader_num_workers=self.getValReaderNumWorkers(),
             verbose=self.getVerbose(),
             checkpoint_file=None if info is None else str(info["checkpoint"]),
-            history=[] if info is None else list(info.get("history", [])),
         )
 
     def _remote_trainer(self) -> Any:
         return train
 
     def _create_model(self, results: list[Any], meta: Any, run_id: str) -> LightningModel:
+        self._check_fingerprints(results)
         first = results[0]
-        fingerprints = {r["fingerprint"] for r in results}
-        if len(fingerprints) != 1:
-            raise TrainingFailedError(
-                f"ranks ended with different weights ({len(fingerprints)} distinct); this is a "
-                "bug, please report it"
-            )
         module = copy.deepcopy(self.getModel()).cpu()
         module.load_state_dict(first["state_dict"])
         module.eval()
@@ -344,10 +317,7 @@ class LightningEstimator(SparkEstimator):
             output_shapes=first["output_shapes"],
             logged_metrics=first["logged_metrics"],
             forward_error=first["forward_error"],
-            featureCols=self.getFeatureCols(),
-            labelCols=self.getLabelCols(),
-            inputShapes=self.getInputShapes(),
-            transformBatchSize=self.getTransformBatchSize(),
+            **self._model_params(),
         )
         if self.getOutputCols():
             model.setOutputCols(self.getOutputCols())

@@ -20,54 +20,32 @@ import sys
 import tempfile
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from spark_estimators import envvars as ev
 from spark_estimators.core import tensors
+from spark_estimators.core.spec import TrainSpec
 
 logger = logging.getLogger(__name__)
 
 _PROFILERS = ("simple", "advanced", "pytorch")
 
 
-@dataclass
-class LightningTrainSpec:
+@dataclass(kw_only=True)
+class LightningTrainSpec(TrainSpec):
     """Everything a rank needs; user objects travel pickled in ``user_blob``."""
 
-    user_blob: bytes
-    store: Any
-    meta: Any
-    run_id: str
-    feature_cols: list[str]
-    label_cols: list[str]
-    sample_weight_col: str | None
-    input_shapes: list[Any] | None
-    label_shapes: list[Any] | None
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    start_epoch: int
-    train_steps_per_epoch: int | None
-    validation_steps_per_epoch: int | None
-    shuffle: bool
-    seed: int | None
-    inmemory_cache_all: bool
-    use_gpu: bool | None
     num_gpus: int | None
     collective_backend: str
     backward_passes_per_step: int
     log_every_n_steps: int
     trainer_args: dict[str, Any]
     terminate_on_nan: bool
-    reader: str
-    train_reader_num_workers: int
-    val_reader_num_workers: int
     verbose: int
     checkpoint_file: str | None = None
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

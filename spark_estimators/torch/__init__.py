@@ -1,15 +1,32 @@
-"""PyTorch estimator: ``TorchEstimator`` -> ``TorchModel``. Needs the ``torch`` extra."""
+"""PyTorch estimator: ``TorchEstimator`` -> ``TorchModel``. Needs the ``torch`` extra.
 
-try:
-    import torch  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "spark_estimators.torch needs PyTorch: pip install 'spark-estimators[torch]'"
-    ) from exc
+The names load lazily: a rank process importing ``spark_estimators.torch.remote`` does not pay
+for the driver-side estimator (``pyspark.ml``, pandas).
+"""
 
-from spark_estimators.core.backend import Backend, SparkBackend
-from spark_estimators.torch.callbacks import EarlyStopping
-from spark_estimators.torch.estimator import TorchEstimator
-from spark_estimators.torch.model import TorchModel
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from spark_estimators import _lazy
+
+_lazy.require("spark_estimators.torch", ("torch",), "spark-estimators[torch]")
+
+if TYPE_CHECKING:
+    from spark_estimators.core.backend import Backend, SparkBackend
+    from spark_estimators.torch.callbacks import EarlyStopping
+    from spark_estimators.torch.estimator import TorchEstimator
+    from spark_estimators.torch.model import TorchModel
 
 __all__ = ["Backend", "EarlyStopping", "SparkBackend", "TorchEstimator", "TorchModel"]
+
+__getattr__, __dir__ = _lazy.exports(
+    __name__,
+    {
+        "Backend": ("spark_estimators.core.backend", "Backend"),
+        "SparkBackend": ("spark_estimators.core.backend", "SparkBackend"),
+        "EarlyStopping": ("spark_estimators.torch.callbacks", "EarlyStopping"),
+        "TorchEstimator": ("spark_estimators.torch.estimator", "TorchEstimator"),
+        "TorchModel": ("spark_estimators.torch.model", "TorchModel"),
+    },
+)

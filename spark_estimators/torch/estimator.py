@@ -23,7 +23,7 @@ from typing import Any
 
 from spark_estimators.core.estimator import SparkEstimator
 from spark_estimators.core.params import make_param
-from spark_estimators.errors import ConfigurationError, TrainingFailedError
+from spark_estimators.errors import ConfigurationError
 from spark_estimators.torch.model import TorchModel
 from spark_estimators.torch.remote import (
     TorchTrainSpec,
@@ -124,8 +124,6 @@ class TorchEstimator(SparkEstimator):
 
     # -- training --------------------------------------------------------------------------------
     def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> TorchTrainSpec:
-        from spark_estimators.runner import dumps_by_value
-
         losses = self._losses()
         if len(losses) == 1 and len(self.getLabelCols()) > 1:
             losses = losses * len(self.getLabelCols())
@@ -146,49 +144,22 @@ class TorchEstimator(SparkEstimator):
             user.transformation_fn,
             user.train_minibatch_fn,
         ]
+        remote_store = store.to_remote() if hasattr(store, "to_remote") else store
         info = read_checkpoint_info(store, run_id)
-        start_epoch = 0 if info is None else int(info["epoch"]) + 1
         return TorchTrainSpec(
-            user_blob=dumps_by_value(user, roots=[r for r in roots if r is not None]),
-            store=store.to_remote() if hasattr(store, "to_remote") else store,
-            meta=meta,
-            run_id=run_id,
-            feature_cols=self.getFeatureCols(),
-            label_cols=self.getLabelCols(),
-            sample_weight_col=self.getSampleWeightCol(),
-            input_shapes=self.getInputShapes(),
-            label_shapes=self.getLabelShapes(),
+            **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
             loss_weights=self.getLossWeights(),
-            batch_size=self.getBatchSize(),
-            val_batch_size=self.getValBatchSize() or self.getBatchSize(),
-            epochs=self.getEpochs(),
-            start_epoch=start_epoch,
-            train_steps_per_epoch=self.getTrainStepsPerEpoch(),
-            validation_steps_per_epoch=self.getValidationStepsPerEpoch(),
-            shuffle=self.getShuffle(),
-            seed=self.getRandomSeed(),
-            inmemory_cache_all=self.getInmemoryCacheAll(),
-            use_gpu=self.getUseGpu(),
             backward_passes_per_step=self.getBackwardPassesPerStep(),
             compression=self._compression_name(),
             scale_lr=self.getScaleLr(),
-            reader=self.getReader(),
-            train_reader_num_workers=self.getTrainReaderNumWorkers(),
-            val_reader_num_workers=self.getValReaderNumWorkers(),
-            history=[] if info is None else list(info.get("history", [])),
         )
 
     def _remote_trainer(self) -> Any:
         return train
 
     def _create_model(self, results: list[Any], meta: Any, run_id: str) -> TorchModel:
+        self._check_fingerprints(results)
         first = results[0]
-        fingerprints = {r["fingerprint"] for r in results}
-        if len(fingerprints) != 1:
-            raise TrainingFailedError(
-                f"ranks ended with different weights ({len(fingerprints)} distinct); this is a "
-                "bug, please report it"
-            )
         model = copy.deepcopy(self.getModel()).cpu()
         model.load_state_dict(first["state_dict"])
         model.eval()
@@ -197,10 +168,7 @@ class TorchEstimator(SparkEstimator):
             history=first["history"],
             run_id=run_id,
             output_shapes=first["output_shapes"],
-            featureCols=self.getFeatureCols(),
-            labelCols=self.getLabelCols(),
-            inputShapes=self.getInputShapes(),
-            transformBatchSize=self.getTransformBatchSize(),
+            **self._model_params(),
         )
         if self.getOutputCols():
             torch_model.setOutputCols(self.getOutputCols())

@@ -12,19 +12,22 @@ atomic checkpoint, TensorBoard scalars and send the epoch's metrics to the drive
 from __future__ import annotations
 
 import hashlib
+import importlib
 import io
 import json
 import logging
 import sys
 import tempfile
+import threading
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from spark_estimators.core import tensors
+from spark_estimators.core.spec import TrainSpec
 
 logger = logging.getLogger(__name__)
 
@@ -32,37 +35,14 @@ CHECKPOINT_FILE = "checkpoint.pt"
 CHECKPOINT_INFO = "checkpoint.json"
 
 
-@dataclass
-class TorchTrainSpec:
+@dataclass(kw_only=True)
+class TorchTrainSpec(TrainSpec):
     """Everything a rank needs; user objects travel pickled in ``user_blob``."""
 
-    user_blob: bytes
-    store: Any
-    meta: Any
-    run_id: str
-    feature_cols: list[str]
-    label_cols: list[str]
-    sample_weight_col: str | None
-    input_shapes: list[Any] | None
-    label_shapes: list[Any] | None
     loss_weights: list[float] | None
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    start_epoch: int
-    train_steps_per_epoch: int | None
-    validation_steps_per_epoch: int | None
-    shuffle: bool
-    seed: int | None
-    inmemory_cache_all: bool
-    use_gpu: bool | None
     backward_passes_per_step: int
     compression: str
     scale_lr: bool
-    reader: str
-    train_reader_num_workers: int
-    val_reader_num_workers: int
-    history: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -343,6 +323,25 @@ class _TensorBoard:
             self.writer.close()
 
 
+def _preload_in_background(modules: tuple[str, ...]) -> None:
+    """Import ``modules`` on a thread while this rank meets the others and opens its data.
+
+    The first ``optimizer.step()`` imports ``torch._dynamo`` (about 2 s of CPU): started here it
+    overlaps the rendezvous, the parameter broadcast and the reader's first reads, which mostly
+    wait on sockets and files. An import error is left for the main thread to meet.
+    """
+
+    def load() -> None:
+        for name in modules:
+            if name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - the main thread imports it again and reports
+                    return
+
+    threading.Thread(target=load, name="se-preload", daemon=True).start()
+
+
 def train(spec: TorchTrainSpec) -> dict[str, Any]:
     """Train on this rank; rank 0 returns the state dict, every rank a weights fingerprint."""
     import cloudpickle
@@ -352,6 +351,7 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     from spark_estimators.collective.torch import Compression
     from spark_estimators.task import get_available_devices
 
+    _preload_in_background(("torch._dynamo",))
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     device_name = get_available_devices()[0]

@@ -1,0 +1,40 @@
+"""What every framework's rank needs: the base of the torch, Lightning and Keras train specs.
+
+A spec is built on the driver by :meth:`SparkEstimator._spec_fields` plus the framework's own
+fields, pickled into the launch, and read by the framework's ``remote.train`` on every rank.
+User objects (models, losses, callbacks) travel inside ``user_blob``, pickled by value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(kw_only=True)
+class TrainSpec:
+    """Fields shared by every framework's spec (all keyword-only)."""
+
+    user_blob: bytes
+    store: Any
+    meta: Any
+    run_id: str
+    feature_cols: list[str]
+    label_cols: list[str]
+    sample_weight_col: str | None
+    input_shapes: list[Any] | None
+    label_shapes: list[Any] | None
+    batch_size: int
+    val_batch_size: int
+    epochs: int
+    start_epoch: int
+    train_steps_per_epoch: int | None
+    validation_steps_per_epoch: int | None
+    shuffle: bool
+    seed: int | None
+    inmemory_cache_all: bool
+    use_gpu: bool | None
+    reader: str
+    train_reader_num_workers: int
+    val_reader_num_workers: int
+    history: list[dict[str, Any]] = field(default_factory=list)
