@@ -35,7 +35,7 @@ import cloudpickle
 from spark_estimators import envvars as ev
 from spark_estimators.core.session import available_task_slots, default_num_proc, get_spark
 from spark_estimators.driver.rpc import new_secret
-from spark_estimators.driver.service import DriverService, JobState
+from spark_estimators.driver.service import DriverService, JobState, is_consequence
 from spark_estimators.errors import (
     ConfigurationError,
     RendezvousTimeoutError,
@@ -319,11 +319,6 @@ def run(
         svc.close()
 
 
-def _is_consequence(message: str) -> bool:
-    """True for a failure that only reports a peer's death (a collective that lost its peer)."""
-    return message.startswith("CollectiveError")
-
-
 class _Launch:
     """One launch of a barrier job, waited on from the calling thread."""
 
@@ -411,7 +406,7 @@ class _Launch:
         state = self.svc.state
         if state.failures:
             # A rank that dies makes its peers raise CollectiveError: name the cause first.
-            primary = [r for r, f in state.failures.items() if not _is_consequence(f.message)]
+            primary = [r for r, f in state.failures.items() if not is_consequence(f.message)]
             ranks = ", ".join(str(r) for r in sorted(primary or state.failures))
             raise TrainingFailedError(
                 f"rank {ranks} failed ({len(state.failures)} of {self.num_proc} ranks reported "

@@ -38,3 +38,27 @@ class TrainSpec:
     train_reader_num_workers: int
     val_reader_num_workers: int
     history: list[dict[str, Any]] = field(default_factory=list)
+
+    def open_reader(self, split: str, rank: int, size: int, transformation_fn: Any) -> Any:
+        """The reader of ``split`` ("train" or "val") for one rank, with the batch settings."""
+        from spark_estimators.data import make_batch_reader
+
+        columns = list(self.feature_cols) + list(self.label_cols)
+        if self.sample_weight_col:
+            columns.append(self.sample_weight_col)
+        train = split == "train"
+        return make_batch_reader(
+            self.store,
+            self.meta,
+            split=split,
+            rank=rank,
+            size=size,
+            batch_size=self.batch_size if train else self.val_batch_size,
+            columns=columns,
+            shuffle=self.shuffle and train,
+            seed=self.seed if self.seed is not None else 0,
+            inmemory_cache=self.inmemory_cache_all,
+            transformation_fn=transformation_fn,
+            num_workers=self.train_reader_num_workers if train else self.val_reader_num_workers,
+            reader=self.reader,
+        )

@@ -5,6 +5,12 @@ Each Spark task registers (partition index, host, host hash, pid, GPUs, a free p
 contiguous, and every task receives its settings. The rank processes then fetch the function,
 stream output and events, and report a result or a failure. The first failure sets the abort
 flag, which every task watches, so the whole job stops within a second or two.
+
+Naming the cause: when a rank dies, its peers' collectives fail at once (``CollectiveError``),
+often before the dead rank's own task has reaped it and reported. Two things keep the error
+pointing at the dead rank: a rank process's connection dropping before it reported anything is
+recorded at once as that rank's (provisional) failure, and a ``CollectiveError`` report delays
+the abort by up to :data:`CAUSE_GRACE_S`, so the dead rank's report can still arrive first.
 """
 
 from __future__ import annotations
@@ -20,6 +26,14 @@ from spark_estimators.driver.rpc import Connection, RpcServer
 from spark_estimators.errors import RemoteError
 
 logger = logging.getLogger(__name__)
+
+CAUSE_GRACE_S = 1.0
+
+
+def is_consequence(message: str) -> bool:
+    """True for a failure that only reports a peer's death (a collective that lost its peer)."""
+    return message.startswith("CollectiveError")
+
 
 OutputSink = Callable[[int, str, list[str]], None]
 EventSink = Callable[[int, str, Any], None]
@@ -139,6 +153,7 @@ class DriverService:
         self._rank_env: Callable[[RankSettings], dict[str, str]] | None = None
         self._unset_env: tuple[str, ...] = ()
         self._provisional: set[int] = set()  # failures a rank's own later report may replace
+        self._pending_abort: threading.Timer | None = None
         self.server = RpcServer(secret, self._handle, host=host, on_disconnect=self._disconnected)
 
     @property
@@ -219,6 +234,15 @@ class DriverService:
             return {"abort": self.state.abort_reason}
 
     def _disconnected(self, conn: Connection) -> None:
+        if conn.attrs.get("child"):
+            # A rank process gone without a result or failure report: killed (a signal, the
+            # out-of-memory killer) or exited hard. Its task's report replaces this one.
+            self.report_lost_rank(
+                int(conn.attrs["rank"]),
+                "the rank process ended without reporting a result (killed by a signal?); "
+                "its task's report follows",
+            )
+            return
         index = conn.attrs.get("task_index")
         if index is None:
             return
@@ -257,7 +281,18 @@ class DriverService:
                 if provisional:
                     self._provisional.add(failure.rank)
             if self.state.abort_reason is None:
-                self.state.abort_reason = f"rank {failure.rank} failed"
+                reason = f"rank {failure.rank} failed"
+                if is_consequence(failure.message) and not provisional:
+                    # A peer's death seen from a collective: give the dead rank's own report
+                    # a moment to arrive before the tasks kill every rank process.
+                    if self._pending_abort is None:
+                        self._pending_abort = threading.Timer(
+                            CAUSE_GRACE_S, self.abort, args=(reason,)
+                        )
+                        self._pending_abort.daemon = True
+                        self._pending_abort.start()
+                else:
+                    self.state.abort_reason = reason
             self._cond.notify_all()
 
     def report_lost_rank(self, rank: int, message: str) -> None:
@@ -296,6 +331,8 @@ class DriverService:
         return ", ".join(f"task {r.index} on {r.host} (pid {r.pid})" for r in regs)
 
     def close(self) -> None:
+        if self._pending_abort is not None:
+            self._pending_abort.cancel()
         self.abort("driver service closed")
         self.server.close()
 

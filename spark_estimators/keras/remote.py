@@ -228,30 +228,6 @@ class EpochFeed:
                 close()
 
 
-def _open_reader(spec: KerasTrainSpec, split: str, rank: int, size: int, fn: Any) -> Any:
-    from spark_estimators.data import make_batch_reader
-
-    columns = list(spec.feature_cols) + list(spec.label_cols)
-    if spec.sample_weight_col:
-        columns.append(spec.sample_weight_col)
-    train = split == "train"
-    return make_batch_reader(
-        spec.store,
-        spec.meta,
-        split=split,
-        rank=rank,
-        size=size,
-        batch_size=spec.batch_size if train else spec.val_batch_size,
-        columns=columns,
-        shuffle=spec.shuffle and train,
-        seed=spec.seed if spec.seed is not None else 0,
-        inmemory_cache=spec.inmemory_cache_all,
-        transformation_fn=fn,
-        num_workers=spec.train_reader_num_workers if train else spec.val_reader_num_workers,
-        reader=spec.reader,
-    )
-
-
 def make_dataset(feed: EpochFeed, spec: KerasTrainSpec) -> Any:
     from spark_estimators.data import tf_dataset
 
@@ -446,12 +422,12 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
         _compile(model, user, spec, size)
     if spec.start_epoch > 0 and rank == 0:
         _restore(model, spec)  # the other ranks get it from the broadcast below
-    train_reader = _open_reader(spec, "train", rank, size, user.transformation_fn)
+    train_reader = spec.open_reader("train", rank, size, user.transformation_fn)
     steps, repeat = _steps(train_reader, spec.train_steps_per_epoch)
     feed = EpochFeed(train_reader, spec, spec.start_epoch, repeat)
     val_data, val_steps = None, None
     if spec.meta.has_val:
-        val_reader = _open_reader(spec, "val", rank, size, user.transformation_fn)
+        val_reader = spec.open_reader("val", rank, size, user.transformation_fn)
         val_steps, val_repeat = _steps(val_reader, spec.validation_steps_per_epoch)
         val_data = make_dataset(EpochFeed(val_reader, spec, 0, val_repeat), spec)
     history = list(spec.history)

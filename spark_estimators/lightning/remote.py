@@ -131,10 +131,7 @@ class ReaderLoader:
 
 
 def _open_reader(spec: LightningTrainSpec, split: str, transformation_fn: Any) -> Any:
-    from spark_estimators.torch.remote import _open_reader as open_torch_reader
-
-    return open_torch_reader(
-        spec,  # type: ignore[arg-type]  # same data fields as TorchTrainSpec
+    return spec.open_reader(
         split,
         int(os.environ.get(ev.SE_RANK, "0")),
         int(os.environ.get(ev.SE_SIZE, "1")),

@@ -170,6 +170,9 @@ class OutputForwarder:
         self._sender.join(timeout)
 
 
+ABORT_REAP_S = 0.5
+
+
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -181,9 +184,12 @@ def _abort_child(proc: subprocess.Popen[bytes], aborted: threading.Event) -> Non
     """Kill the rank because the job aborts.
 
     Only a rank that was still alive counts as aborted: one that died on its own (the cause of
-    the abort) is still reported as the failure it is.
+    the abort) is still reported as the failure it is. The abort can arrive while the task's
+    main thread is still reaping that rank (``poll()`` then answers None), so it waits briefly.
     """
-    if proc.poll() is None:
+    try:
+        proc.wait(timeout=ABORT_REAP_S)
+    except subprocess.TimeoutExpired:
         aborted.set()
     kill_group(proc)
 

@@ -154,32 +154,6 @@ def _as_list(outputs: Any) -> list[Any]:
     return list(outputs) if isinstance(outputs, list | tuple) else [outputs]
 
 
-def _open_reader(
-    spec: TorchTrainSpec, split: str, rank: int, size: int, transformation_fn: Any
-) -> Any:
-    from spark_estimators.data import make_batch_reader
-
-    columns = list(spec.feature_cols) + list(spec.label_cols)
-    if spec.sample_weight_col:
-        columns.append(spec.sample_weight_col)
-    train = split == "train"
-    return make_batch_reader(
-        spec.store,
-        spec.meta,
-        split=split,
-        rank=rank,
-        size=size,
-        batch_size=spec.batch_size if train else spec.val_batch_size,
-        columns=columns,
-        shuffle=spec.shuffle and train,
-        seed=spec.seed if spec.seed is not None else 0,
-        inmemory_cache=spec.inmemory_cache_all,
-        transformation_fn=transformation_fn,
-        num_workers=spec.train_reader_num_workers if train else spec.val_reader_num_workers,
-        reader=spec.reader,
-    )
-
-
 def _epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int:
     steps = int(reader.steps_per_epoch)
     if limit is not None:
@@ -386,9 +360,9 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
         backward_passes_per_step=spec.backward_passes_per_step,
     )
     batches = _Batches(spec, device, user.transformation_fn)
-    train_reader = _open_reader(spec, "train", rank, size, user.transformation_fn)
+    train_reader = spec.open_reader("train", rank, size, user.transformation_fn)
     val_reader = (
-        _open_reader(spec, "val", rank, size, user.transformation_fn) if spec.meta.has_val else None
+        spec.open_reader("val", rank, size, user.transformation_fn) if spec.meta.has_val else None
     )
     train_steps = _epoch_steps(
         train_reader, spec.train_steps_per_epoch, spec.backward_passes_per_step
