@@ -255,6 +255,7 @@ def _save_checkpoint(
             "optimizer": optimizer.state_dict(),
             "epoch": epoch,
             "size": hvd_size(),
+            "history": history,
         },
         buf,
     )
@@ -339,17 +340,25 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * size
     history = list(spec.history)
+    start_epoch = spec.start_epoch
     if spec.start_epoch > 0 and rank == 0:
         ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
         state = torch.load(io.BytesIO(spec.store.read_bytes(ckpt)), map_location=device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        if int(state.get("epoch", -1)) >= start_epoch and "history" in state:
+            # Rank 0 died between writing checkpoint.pt and checkpoint.json: the weights are
+            # a newer epoch's than the info file says; go on after that epoch, not repeat it.
+            start_epoch = int(state["epoch"]) + 1
+            history = list(state["history"])
         saved_size = int(state.get("size", size))
         if spec.scale_lr and saved_size != size:
             # The saved rates were scaled for the ranks of that run (an elastic relaunch can
             # have fewer): rescale, keeping whatever a callback or schedule did to them.
             for group in optimizer.param_groups:
                 group["lr"] = group["lr"] * size / saved_size
+    if spec.start_epoch > 0:
+        start_epoch = int(hvd.broadcast_object(start_epoch, root_rank=0, name="start_epoch"))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     compression = Compression.fp16 if spec.compression == "fp16" else Compression.none
@@ -372,7 +381,7 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     names = [metric_name(m) for m in user.metrics]
     _call(user.callbacks, "on_train_begin", {})
     try:
-        for epoch in range(spec.start_epoch, spec.epochs):
+        for epoch in range(start_epoch, spec.epochs):
             _call(user.callbacks, "on_epoch_begin", epoch, {})
             sums = _run_epoch(
                 model, train_reader, epoch, train_steps, batches, user, spec, dist_opt, train=True

@@ -123,6 +123,34 @@ def df(spark):
     return spark.createDataFrame(rows, ["features", "y"]).cache()
 
 
+class DieBeforeInfo:
+    """Callback: on rank 0 at ``epoch``, SIGKILL after ``checkpoint.pt``, before its info file."""
+
+    def __init__(self, epoch, clock):
+        self.epoch, self.clock = epoch, clock
+
+    def on_epoch_end(self, epoch, logs):
+        import os
+        import signal
+        import time
+
+        from spark_estimators.store.base import StoreBase
+
+        if epoch != self.epoch or os.environ.get("RANK") != "0":
+            return
+        original = StoreBase.write_bytes_atomic
+        clock = self.clock
+
+        def die_at_info(store, path, data):
+            if path.endswith("checkpoint.json"):
+                with open(clock, "w") as f:
+                    f.write(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(store, path, data)
+
+        StoreBase.write_bytes_atomic = die_at_info
+
+
 class EpochLog:
     """Callback: rank 0 appends every epoch it starts to a file (survives the process)."""
 
@@ -274,3 +302,28 @@ def test_elastic_fit_stops_at_reset_limit(df, tmp_path, clock):
     assert "reset_limit=1 reached after 2 failed attempts" in message
     assert "attempt 1: " in message and "attempt 2: " in message and "SIGKILL" in message
     assert epochs_log.read_text().split() == ["0", "0"]  # two attempts, both died in epoch 0
+
+
+@pytest.mark.spark
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_death_between_checkpoint_and_info_file_does_not_repeat_the_epoch(df, tmp_path, clock):
+    store = LocalStore(str(tmp_path / "store"))
+    run_id, epochs_log = "between", tmp_path / "epochs"
+    killer = DieBeforeInfo(epoch=1, clock=str(clock))
+    est = _estimator(store, run_id, Fragile(), 4, [killer, EpochLog(str(epochs_log))])
+    with pytest.raises(TrainingFailedError):
+        est.fit(df)
+    assert seconds_since_fault(clock) < STOP_BOUND_S
+    # checkpoint.pt holds epoch 1, the info file still names epoch 0: the torn window.
+    epoch, info_file = _saved_epoch(store, run_id)
+    assert epoch == 1 and info_file is not None and info_file["epoch"] == 0
+    model = _estimator(store, run_id, Fragile(), 4, [EpochLog(str(epochs_log))]).fit(df)
+    # The refit went on after epoch 1 (from checkpoint.pt), without training it again.
+    assert [int(e) for e in epochs_log.read_text().split()] == [0, 1, 2, 3]
+    history = model.getHistory()
+    assert [h["epoch"] for h in history] == [0, 1, 2, 3]
+    assert history[0] == info_file["history"][0]
+    assert history[3]["loss"] < history[0]["loss"]
+    _, info_after = _saved_epoch(store, run_id)
+    assert info_after["epoch"] == 3 and [h["epoch"] for h in info_after["history"]] == [0, 1, 2, 3]
