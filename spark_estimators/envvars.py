@@ -37,11 +37,16 @@ START_TIMEOUT = PREFIX + "START_TIMEOUT"
 COLLECTIVE_TIMEOUT = PREFIX + "COLLECTIVE_TIMEOUT"
 HOST_HASH_SALT = PREFIX + "HOST_HASH_SALT"
 FUSION_THRESHOLD = PREFIX + "FUSION_THRESHOLD"
+INLINE_LIMIT = PREFIX + "INLINE_LIMIT"
 MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
 
 DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
+#: Bytes a whole negotiation round may gather for inline allreduces (all ranks together).
+DEFAULT_INLINE_GATHER_BYTES = 1024 * 1024
+#: The most bytes one rank sends inline, whatever the job size.
+DEFAULT_INLINE_LIMIT_MAX = 256 * 1024
 
 
 def env_float(name: str, default: float) -> float:

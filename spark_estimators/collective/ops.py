@@ -20,7 +20,7 @@ import numpy as np
 
 from spark_estimators.collective import engine as eng
 from spark_estimators.collective.backend import DTYPES, FLOATING_DTYPES, Buffer, ReduceOp
-from spark_estimators.collective.engine import INLINE_BYTES, Agreement, Kind, Request
+from spark_estimators.collective.engine import Agreement, Kind, Request
 from spark_estimators.errors import ConfigurationError
 
 
@@ -159,8 +159,8 @@ def allreduce(
             np.multiply(data, data.dtype.type(prescale), out=data)
         return data.view(np.uint8)
 
-    small = dtype in _NUMPY_DTYPES and 0 < numel * _itemsize(dtype) <= INLINE_BYTES
-    inline = payload if small and device == "cpu" else None
+    # The engine sends it inline when it fits the negotiation's current room.
+    inline = payload if dtype in _NUMPY_DTYPES and numel > 0 and device == "cpu" else None
 
     def execute(agreement: Agreement) -> Sequence[Buffer]:
         if numel == 0:

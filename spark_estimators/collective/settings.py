@@ -169,3 +169,24 @@ def fusion_threshold(threshold: int | None = None) -> int:
             f"({ev.FUSION_THRESHOLD})"
         )
     return int(threshold)
+
+
+def inline_limit(size: int, limit: int | None = None) -> int:
+    """Largest CPU allreduce (bytes per rank) sent inside the negotiation message.
+
+    The argument, else ``SPARK_ESTIMATORS_INLINE_LIMIT``, else ``1 MiB / size`` capped at
+    256 KiB (a negotiation round gathers ``size`` times this many bytes on every rank). Values
+    below the engine's fixed inline room (512 bytes) mean that room only.
+    """
+    if limit is None:
+        default = min(ev.DEFAULT_INLINE_LIMIT_MAX, ev.DEFAULT_INLINE_GATHER_BYTES // max(size, 1))
+        try:
+            limit = ev.env_int(ev.INLINE_LIMIT, default)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+    if limit < 0:
+        raise ConfigurationError(
+            f"inline limit must be >= 0 bytes (0 keeps only the fixed 512-byte room), got "
+            f"{limit!r} ({ev.INLINE_LIMIT})"
+        )
+    return int(limit)

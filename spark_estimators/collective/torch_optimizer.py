@@ -13,6 +13,10 @@ How it works (Horovod's design, with DDP-style static buckets):
   ``backward_passes_per_step``-th pass the parameter is ready. Buckets are launched as
   asynchronous fused allreduces *in bucket order* when all their parameters are ready, so every
   rank submits the same ops in the same order whatever order autograd runs hooks in.
+* The last bucket is the exception: its gradients are the last backward produces, so nothing is
+  left to overlap it with. ``step()`` runs it in the caller's thread (when the earlier buckets
+  are done), which saves the hand-off to the engine thread and back; with the default 128 MiB
+  threshold most models are one bucket, i.e. one op per step on the caller's thread.
 * ``step()`` (or ``synchronize()``) launches what is left (a parameter without a gradient
   contributes zeros, as in Horovod), waits for every bucket, writes the averaged gradients back
   and calls the wrapped optimizer's ``step``.
@@ -42,6 +46,7 @@ from spark_estimators.collective.torch_ops import (
     _waited,
     broadcast_object,
     grouped_allreduce_async_,
+    waited_ops,
 )
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
@@ -144,7 +149,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._se_delay[key] == 0:
             b = self._se_bucket_of[key]
             self._se_ready[b] += 1
-            while self._se_next < len(self._se_buckets) and self._se_ready[self._se_next] == len(
+            last = len(self._se_buckets) - 1  # launched by synchronize(), see the module doc
+            while self._se_next < last and self._se_ready[self._se_next] == len(
                 self._se_buckets[self._se_next]
             ):
                 self._se_launch(self._se_next)
@@ -178,8 +184,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Call it yourself to clip or inspect averaged gradients, then call ``step()`` inside
         ``with optimizer.skip_synchronize():``.
         """
-        while self._se_next < len(self._se_buckets):
-            self._se_launch(self._se_next)
+        with waited_ops():
+            while self._se_next < len(self._se_buckets):
+                self._se_launch(self._se_next)
         inflight, self._se_inflight = self._se_inflight, []
         try:
             for b, handle, compressed in inflight:
@@ -218,7 +225,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._se_inflight:
+        if self._se_inflight or any(self._se_ready):
             raise CollectiveError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(); gradient allreduces are in flight"

@@ -4,7 +4,9 @@ One launch per backend runs the whole suite (``_op_suite``) and returns what eac
 the tests below assert on it. Add "mpi" to BACKENDS once its backend exists.
 
 Allreduces run twice: on small tensors (their data travels inside the negotiation message) and
-on tensors above ``INLINE_BYTES`` (a separate backend reduction); VARIANTS names the two.
+on tensors above ``INLINE_BYTES`` (a separate backend reduction); VARIANTS names the two. The
+suite runs with ``SPARK_ESTIMATORS_INLINE_LIMIT=0`` so the large ones keep taking the backend
+path (the growing inline room is tested in test_collective_inline.py).
 """
 
 from __future__ import annotations
@@ -211,7 +213,9 @@ def suite(request):
         and importlib.util.find_spec("spark_estimators.collective.mpi_backend") is None
     ):
         pytest.skip("the mpi backend is not implemented yet")
-    return run_local(_op_suite, num_proc=SIZE, backend=backend)
+    return run_local(
+        _op_suite, num_proc=SIZE, backend=backend, env={"SPARK_ESTIMATORS_INLINE_LIMIT": "0"}
+    )
 
 
 @pytest.fixture(scope="module")

@@ -329,3 +329,18 @@ def test_a_numpy_only_backend_serves_the_core_and_the_torch_adapter(clean_env):
 def test_topology_validation():
     with pytest.raises(ConfigurationError, match="local_rank=2"):
         Topology(rank=0, size=2, local_rank=2, local_size=2)
+
+
+def test_inline_limit(clean_env):
+    clean_env.delenv(ev.INLINE_LIMIT, raising=False)
+    # Default: a round gathers at most 1 MiB, and one rank sends at most 256 KiB.
+    assert settings.inline_limit(2) == 256 * 1024
+    assert settings.inline_limit(16) == 64 * 1024
+    clean_env.setenv(ev.INLINE_LIMIT, "4096")
+    assert settings.inline_limit(2) == 4096
+    assert settings.inline_limit(2, 100) == 100
+    clean_env.setenv(ev.INLINE_LIMIT, "lots")
+    with pytest.raises(ConfigurationError, match="SPARK_ESTIMATORS_INLINE_LIMIT='lots'"):
+        settings.inline_limit(2)
+    with pytest.raises(ConfigurationError, match="inline limit must be >= 0 bytes.*-1"):
+        settings.inline_limit(2, -1)
