@@ -86,7 +86,7 @@ def distributor_train(path: str, n_features: int, hidden: list[int], epochs: int
             if first is None:
                 first = time.time()
     dist.destroy_process_group()
-    return {"first_batch": first, "loss": float(loss)}
+    return {"first_batch": first, "loss": float(loss.detach())}
 
 
 def fit_ours(vdf: Any, cfg: dict[str, Any]) -> dict[str, float]:
