@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ torch = pytest.importorskip("torch")
 from pyspark.ml import Pipeline, PipelineModel  # noqa: E402
 from pyspark.ml.linalg import Vectors  # noqa: E402
 
+from spark_estimators.core.backend import SparkBackend  # noqa: E402
 from spark_estimators.errors import ConfigurationError  # noqa: E402
 from spark_estimators.store import LocalStore  # noqa: E402
 from spark_estimators.torch import EarlyStopping, TorchEstimator, TorchModel  # noqa: E402
@@ -220,6 +223,47 @@ def test_sample_weights_change_the_fit(spark, store):
     unweighted, weighted = fit(None), fit("w")
     assert abs(unweighted - 5.0) < 0.6  # mean of 0 and 10
     assert abs(weighted - 9.0) < 0.6  # (0*1 + 10*9) / 10
+
+
+class RecordingBackend(SparkBackend):
+    """The default backend, keeping what every rank returned (``backend=`` is public API)."""
+
+    results: list | None = None
+
+    def run(self, fn, args=(), kwargs=None, env=None, event_callback=None):
+        self.results = super().run(fn, args, kwargs, env, event_callback)
+        return self.results
+
+
+def _weights_sha256(module):
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_both_ranks_end_with_the_weights_of_the_returned_model(df, store):
+    backend = RecordingBackend(num_proc=2, verbose=0)
+    model = make_estimator(store, epochs=2, run_id="same_weights", backend=backend).fit(df)
+    results = backend.results
+    assert [r["rank"] for r in results] == [0, 1]
+    fingerprints = [r["fingerprint"] for r in results]
+    assert fingerprints[0] == fingerprints[1]
+    assert fingerprints[0] == _weights_sha256(model.getModel())
+    # Training moved the weights away from the (seeded) initial ones.
+    torch.manual_seed(0)
+    assert fingerprints[0] != _weights_sha256(Linear())
+
+
+def test_diverged_ranks_fail_the_fit():
+    from spark_estimators.core.estimator import SparkEstimator
+    from spark_estimators.errors import TrainingFailedError
+
+    same = [{"fingerprint": "a"}, {"fingerprint": "a"}]
+    assert SparkEstimator._check_fingerprints(same) == ["a", "a"]
+    with pytest.raises(TrainingFailedError, match="ranks ended with different weights"):
+        SparkEstimator._check_fingerprints([{"fingerprint": "a"}, {"fingerprint": "b"}])
 
 
 def test_early_stopping_stops_all_ranks(df, store):
