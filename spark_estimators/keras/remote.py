@@ -282,12 +282,15 @@ class StoreCheckpoint(keras.callbacks.Callback):
         spec: KerasTrainSpec,
         history: list[dict[str, Any]],
         local_dirs: dict[str, str],
+        size: int,
     ):
         super().__init__()
         self.spec = spec
         self.history = history
         self.local_dirs = local_dirs
         self.tmp = tempfile.mkdtemp(prefix="se-keras-ckpt-")
+        # The learning rate in the checkpoint is scaled for this many ranks (see _restore).
+        self.size = size
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         spec = self.spec
@@ -299,7 +302,10 @@ class StoreCheckpoint(keras.callbacks.Callback):
         self.model.save(local)
         spec.store.upload_file(local, ckpt, atomic=True)
         spec.store.write_bytes_atomic(
-            info, json.dumps({"epoch": int(epoch), "history": self.history}).encode("utf-8")
+            info,
+            json.dumps({"epoch": int(epoch), "size": self.size, "history": self.history}).encode(
+                "utf-8"
+            ),
         )
         from spark_estimators.store.base import CHECKPOINTS_SUBDIR, LOGS_SUBDIR
 
@@ -389,9 +395,17 @@ def _compile(model: Any, user: KerasUserObjects, spec: KerasTrainSpec, size: int
     )
 
 
-def _restore(model: Any, spec: KerasTrainSpec) -> None:
-    """Load the run's last checkpoint (weights and optimizer state) into ``model``."""
-    ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
+def _restore(model: Any, spec: KerasTrainSpec, size: int) -> None:
+    """Load the run's last checkpoint (weights and optimizer state) into ``model``.
+
+    The optimizer state includes the learning rate, scaled for the ranks of the run that saved
+    it; with ``scale_lr`` and another number of ranks now (an elastic relaunch with fewer, or a
+    hot start with another ``num_proc``) it is re-scaled to ``size``, keeping whatever a
+    callback such as ReduceLROnPlateau did to it.
+    """
+    ckpt, info_path = checkpoint_paths(spec.store, spec.run_id)
+    info = json.loads(spec.store.read_text(info_path)) if spec.store.exists(info_path) else {}
+    saved_size = int(info.get("size", size))
     tmp = tempfile.mkdtemp(prefix="se-keras-restore-")
     try:
         local = os.path.join(tmp, CHECKPOINT_FILE)
@@ -402,6 +416,8 @@ def _restore(model: Any, spec: KerasTrainSpec) -> None:
         model.load_weights(local)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if spec.scale_lr and saved_size != size:
+        scale_learning_rate(model.optimizer, size / saved_size)
 
 
 def train(spec: KerasTrainSpec) -> dict[str, Any]:
@@ -421,7 +437,7 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
         model = model_from_bytes(spec.model_bytes, custom_objects, compile=False)
         _compile(model, user, spec, size)
     if spec.start_epoch > 0 and rank == 0:
-        _restore(model, spec)  # the other ranks get it from the broadcast below
+        _restore(model, spec, size)  # the other ranks get it from the broadcast below
     train_reader = spec.open_reader("train", rank, size, user.transformation_fn)
     steps, repeat = _steps(train_reader, spec.train_steps_per_epoch)
     feed = EpochFeed(train_reader, spec, spec.start_epoch, repeat)
@@ -440,7 +456,7 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
         hvd.callbacks.StopTrainingAgreement(),
     ]
     if rank == 0:
-        callbacks += [FirstBatchEvent(), StoreCheckpoint(spec, history, local_dirs)]
+        callbacks += [FirstBatchEvent(), StoreCheckpoint(spec, history, local_dirs, size)]
     try:
         model.fit(
             make_dataset(feed, spec),

@@ -146,6 +146,16 @@ def test_hot_start_resumes_after_the_last_epoch(fitted, df, store):
     assert int(model.getModel().optimizer.iterations.numpy()) == 5 * steps
 
 
+def test_hot_start_on_fewer_ranks_rescales_the_learning_rate(df, store):
+    # scale_lr (the default): the rate is 0.05 x ranks. The checkpoint of a 2-rank run holds
+    # 0.1; a hot start on 1 rank (as after an elastic relaunch with fewer) must train at 0.05.
+    first = make_estimator(store, epochs=1, run_id="keras_resize").fit(df)
+    assert float(first.getModel().optimizer.learning_rate.numpy()) == pytest.approx(0.1)
+    resumed = make_estimator(store, epochs=2, run_id="keras_resize", num_proc=1).fit(df)
+    assert [h["epoch"] for h in resumed.getHistory()] == [0, 1]
+    assert float(resumed.getModel().optimizer.learning_rate.numpy()) == pytest.approx(0.05)
+
+
 def test_pipeline_save_load_round_trip(fitted, df, tmp_path):
     est, model = fitted
     pm = PipelineModel(stages=[model])

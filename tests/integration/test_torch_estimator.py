@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 
 import numpy as np
 import pytest
@@ -130,6 +131,24 @@ def test_hot_start_trains_exactly_the_missing_epochs(df, store):
     assert [h["epoch"] for h in second.getHistory()] == [0, 1, 2]
     # The first two epochs are the saved ones, not retrained.
     assert second.getHistory()[:2] == first.getHistory()
+
+
+def _saved_lr_and_size(store, run_id):
+    state = torch.load(
+        io.BytesIO(store.read_bytes(store.get_checkpoint_path(run_id) + "/checkpoint.pt")),
+        weights_only=False,
+    )
+    return state["optimizer"]["param_groups"][0]["lr"], state["size"]
+
+
+def test_hot_start_on_fewer_ranks_rescales_the_learning_rate(df, store):
+    # scale_lr (the default): the rate is 0.05 x ranks. The checkpoint of a 2-rank run holds
+    # 0.1; a hot start on 1 rank (as after an elastic relaunch with fewer) must train at 0.05.
+    make_estimator(store, epochs=1, run_id="torch_resize").fit(df)
+    assert _saved_lr_and_size(store, "torch_resize") == (pytest.approx(0.1), 2)
+    resumed = make_estimator(store, epochs=2, run_id="torch_resize", num_proc=1).fit(df)
+    assert [h["epoch"] for h in resumed.getHistory()] == [0, 1]
+    assert _saved_lr_and_size(store, "torch_resize") == (pytest.approx(0.05), 1)
 
 
 def test_pipeline_save_load_round_trip(fitted, df, tmp_path):
