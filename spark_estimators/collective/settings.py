@@ -156,19 +156,27 @@ def start_timeout(timeout: float | None = None) -> float:
     return value
 
 
-def fusion_threshold(threshold: int | None = None) -> int:
-    """Bytes per fused gradient bucket (argument, else env, default 128 MiB; 0 = no fusion)."""
-    if threshold is None:
+def _byte_count(value: int | None, env_name: str, default: int, what: str, zero: str) -> int:
+    """``value``, else the integer in ``env_name``, else ``default``; refuses negatives."""
+    if value is None:
         try:
-            threshold = ev.env_int(ev.FUSION_THRESHOLD, ev.DEFAULT_FUSION_THRESHOLD)
+            value = ev.env_int(env_name, default)
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
-    if threshold < 0:
-        raise ConfigurationError(
-            f"fusion threshold must be >= 0 bytes (0 disables fusion), got {threshold!r} "
-            f"({ev.FUSION_THRESHOLD})"
-        )
-    return int(threshold)
+    if value < 0:
+        raise ConfigurationError(f"{what} must be >= 0 bytes ({zero}), got {value!r} ({env_name})")
+    return int(value)
+
+
+def fusion_threshold(threshold: int | None = None) -> int:
+    """Bytes per fused gradient bucket (argument, else env, default 128 MiB; 0 = no fusion)."""
+    return _byte_count(
+        threshold,
+        ev.FUSION_THRESHOLD,
+        ev.DEFAULT_FUSION_THRESHOLD,
+        "fusion threshold",
+        "0 disables fusion",
+    )
 
 
 def inline_limit(size: int, limit: int | None = None) -> int:
@@ -178,15 +186,7 @@ def inline_limit(size: int, limit: int | None = None) -> int:
     256 KiB (a negotiation round gathers ``size`` times this many bytes on every rank). Values
     below the engine's fixed inline room (512 bytes) mean that room only.
     """
-    if limit is None:
-        default = min(ev.DEFAULT_INLINE_LIMIT_MAX, ev.DEFAULT_INLINE_GATHER_BYTES // max(size, 1))
-        try:
-            limit = ev.env_int(ev.INLINE_LIMIT, default)
-        except ValueError as exc:
-            raise ConfigurationError(str(exc)) from None
-    if limit < 0:
-        raise ConfigurationError(
-            f"inline limit must be >= 0 bytes (0 keeps only the fixed 512-byte room), got "
-            f"{limit!r} ({ev.INLINE_LIMIT})"
-        )
-    return int(limit)
+    default = min(ev.DEFAULT_INLINE_LIMIT_MAX, ev.DEFAULT_INLINE_GATHER_BYTES // max(size, 1))
+    return _byte_count(
+        limit, ev.INLINE_LIMIT, default, "inline limit", "0 keeps only the fixed 512-byte room"
+    )

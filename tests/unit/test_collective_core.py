@@ -147,7 +147,11 @@ def test_timeouts_and_fusion_threshold(clean_env):
     clean_env.setenv(ev.FUSION_THRESHOLD, "0")
     assert settings.fusion_threshold() == 0
     assert settings.fusion_threshold(1024) == 1024
-    with pytest.raises(ConfigurationError, match="0 disables fusion"):
+    with pytest.raises(
+        ConfigurationError,
+        match=r"fusion threshold must be >= 0 bytes \(0 disables fusion\), got -1 "
+        r"\(SPARK_ESTIMATORS_FUSION_THRESHOLD\)",
+    ):
         settings.fusion_threshold(-1)
 
 
