@@ -64,7 +64,10 @@ class BatchConverter:
 
     As horovod's Lightning estimator delivered them: one entry per feature, label (and sample
     weight) column, keyed by column name; a scalar column is ``[batch]``, an array or vector
-    column ``[batch, n]``; ``input_shapes`` / ``label_shapes`` (per-row shapes) reshape them.
+    column ``[batch, n]``; ``input_shapes`` / ``label_shapes`` reshape them by the rule of
+    :func:`spark_estimators.core.tensors.shape_column` (Horovod's ``[-1, 1, 28, 28]`` is the
+    whole batch's shape, a shape without the leading ``-1`` a per-row one), so training sees the
+    tensors ``transform`` feeds.
     Floats become float32, integers int64 (as in :mod:`spark_estimators.core.tensors`).
     """
 
@@ -88,8 +91,8 @@ class BatchConverter:
         out: dict[str, Any] = {}
         for col, shape in self.columns:
             values = tensors.as_model_array(np.asarray(arrays[col]))
-            if shape is not None:
-                values = values.reshape((values.shape[0], *[int(d) for d in shape]))
+            # The rule of TorchEstimator and transform(): [-1, ...] is the full shape.
+            values = tensors.shape_column(values, shape, scalar_as_column=False)
             out[col] = torch.from_numpy(np.ascontiguousarray(values))
         if self.sample_weight_col:
             weights = np.asarray(arrays[self.sample_weight_col], dtype=np.float32)

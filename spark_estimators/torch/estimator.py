@@ -24,6 +24,7 @@ from typing import Any
 from spark_estimators.core.estimator import SparkEstimator
 from spark_estimators.core.params import make_param
 from spark_estimators.errors import ConfigurationError
+from spark_estimators.torch import serialization
 from spark_estimators.torch.model import TorchModel
 from spark_estimators.torch.remote import (
     TorchTrainSpec,
@@ -101,6 +102,18 @@ class TorchEstimator(SparkEstimator):
                 f"{len(losses)} losses for {len(self.getLabelCols())} label columns: give one "
                 "loss, or one per label column"
             )
+        minibatch_fn = self.getOrDefault("trainMinibatchFn")
+        if minibatch_fn is not None and not callable(minibatch_fn):
+            raise ConfigurationError(
+                f"train_minibatch_fn={minibatch_fn!r} is not callable: pass fn(model, optimizer, "
+                "transform_outputs, loss_fn, inputs, labels, sample_weights) -> (outputs, loss)"
+            )
+        if minibatch_fn is not None and self.getBackwardPassesPerStep() > 1:
+            raise ConfigurationError(
+                f"backward_passes_per_step={self.getBackwardPassesPerStep()} cannot be combined "
+                "with train_minibatch_fn, which calls optimizer.step() on every batch itself: "
+                "use backward_passes_per_step=1, or drop train_minibatch_fn"
+            )
         compression = self.getGradientCompression()
         if compression is not None and self._compression_name() not in ("none", "fp16"):
             raise ConfigurationError(
@@ -127,9 +140,11 @@ class TorchEstimator(SparkEstimator):
         losses = self._losses()
         if len(losses) == 1 and len(self.getLabelCols()) > 1:
             losses = losses * len(self.getLabelCols())
+        # TorchScript modules cannot be pickled: they travel as torch.jit.save bytes.
+        model, optimizer = serialization.pack(self.getModel(), self.getOptimizer())
         user = UserObjects(
-            model=self.getModel(),
-            optimizer=self.getOptimizer(),
+            model=model,
+            optimizer=optimizer,
             losses=losses,
             metrics=_listify(self.getMetrics()),
             callbacks=_listify(self.getCallbacks()),

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import cloudpickle
-
 from spark_estimators.core.model import Predictor, SparkModel
+from spark_estimators.torch.serialization import model_from_bytes, model_to_bytes
 
 
 class TorchPredictor(Predictor):
@@ -17,7 +16,7 @@ class TorchPredictor(Predictor):
 
         from spark_estimators.task import get_available_devices
 
-        model = cloudpickle.loads(blob)
+        model = model_from_bytes(blob)
         device = get_available_devices()[0]
         device = device if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
         model = model.to(device)
@@ -45,12 +44,10 @@ class TorchModel(SparkModel):
     """
 
     def _model_to_bytes(self) -> bytes:
-        from spark_estimators.runner import dumps_by_value
-
-        return dumps_by_value(self._model)
+        return model_to_bytes(self._model)  # TorchScript modules through torch.jit.save
 
     def _model_from_bytes(self, blob: bytes) -> Any:
-        model = cloudpickle.loads(blob)
+        model = model_from_bytes(blob)
         model.eval()
         return model
 

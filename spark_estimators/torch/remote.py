@@ -11,8 +11,11 @@ atomic checkpoint, TensorBoard scalars and send the epoch's metrics to the drive
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import importlib
+import inspect
 import io
 import json
 import logging
@@ -28,6 +31,7 @@ import numpy as np
 
 from spark_estimators.core import tensors
 from spark_estimators.core.spec import TrainSpec
+from spark_estimators.torch import serialization
 
 logger = logging.getLogger(__name__)
 
@@ -124,23 +128,79 @@ def compute_loss(
     loss_weights: list[float] | None,
     sample_weights: Any,
 ) -> Any:
-    """Weighted sum of each label's loss; per-row sample weights need per-row losses."""
+    """Horovod's loss: ``sum_i loss_weights[i] * loss_i``, equal weights ``1/labels`` by default.
+
+    With ``sample_weights`` each loss must give one value per row (``losses`` are made so by
+    :func:`unreduced`); as in Horovod the weighted loss is ``mean(loss_row * weight_row)``,
+    not a weighted average, so two rows of equal weight count the same in any batch. A loss
+    with several values per row (an ``[n, k]`` output) is averaged over them first.
+    """
+    if loss_weights is None:
+        loss_weights = [1.0 / len(outputs)] * len(outputs)
     total = None
-    for i, (loss_fn, out, lab) in enumerate(zip(losses, outputs, labels, strict=True)):
+    for loss_fn, out, lab, weight in zip(losses, outputs, labels, loss_weights, strict=True):
         value = loss_fn(out, match_output(lab, out))
         if sample_weights is not None:
             if value.dim() == 0:
                 raise ValueError(
-                    "sample_weight_col needs a loss that returns one value per row, e.g. "
-                    "torch.nn.MSELoss(reduction='none'); the loss returned a scalar"
+                    f"sample_weight_col needs a loss that returns one value per row; "
+                    f"{metric_name(loss_fn)} returned a scalar. Use a torch loss module "
+                    "(e.g. torch.nn.MSELoss()), a functional loss with a `reduction` argument "
+                    "(e.g. torch.nn.functional.mse_loss) or one that returns per-row values"
                 )
             per_row = value.reshape(value.shape[0], -1).mean(dim=1)
-            value = (per_row * sample_weights).sum() / sample_weights.sum()
+            value = (per_row * sample_weights.reshape(-1)).mean()
         elif value.dim() != 0:
             value = value.mean()
-        weight = 1.0 if loss_weights is None else float(loss_weights[i])
-        total = value * weight if total is None else total + value * weight
+        total = value * float(weight) if total is None else total + value * float(weight)
     return total
+
+
+def unreduced(loss_fn: Any) -> Any:
+    """``loss_fn`` returning per-element losses, as Horovod calls it for sample weights.
+
+    A torch loss module (anything with a string ``reduction`` attribute) is copied with
+    ``reduction='none'``; a function that takes a ``reduction`` keyword (``F.mse_loss``,
+    ``F.cross_entropy``, ...) is called with ``reduction='none'``; anything else is used as it
+    is and must return per-row values itself.
+    """
+    import torch
+
+    reduction = getattr(loss_fn, "reduction", None)
+    if isinstance(loss_fn, torch.nn.Module) and isinstance(reduction, str):
+        if reduction == "none":
+            return loss_fn
+        clone = copy.copy(loss_fn)
+        clone.reduction = "none"  # type: ignore[assignment]
+        return clone
+    try:
+        params = inspect.signature(loss_fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return loss_fn
+    if "reduction" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        partial = functools.partial(loss_fn, reduction="none")
+        functools.update_wrapper(partial, loss_fn)
+        return partial
+    return loss_fn
+
+
+def transform_outputs(outputs: Any, labels: list[Any]) -> tuple[list[Any], list[Any]]:
+    """Horovod's ``transform_outputs``: outputs as a list, each label shaped like its output."""
+    outputs = _as_list(outputs)
+    return outputs, [match_output(lab, out) for lab, out in zip(labels, outputs)]
+
+
+class LossFn:
+    """Horovod's ``loss_fn(outputs, labels, sample_weights)`` handed to ``train_minibatch_fn``."""
+
+    def __init__(self, losses: list[Any], loss_weights: list[float] | None, weighted: bool):
+        self.losses = [unreduced(f) for f in losses] if weighted else list(losses)
+        self.loss_weights = loss_weights
+
+    def __call__(self, outputs: Any, labels: list[Any], sample_weights: Any = None) -> Any:
+        return compute_loss(
+            self.losses, _as_list(outputs), labels, self.loss_weights, sample_weights
+        )
 
 
 def match_output(label: Any, output: Any) -> Any:
@@ -178,6 +238,7 @@ def _run_epoch(
     user: UserObjects,
     spec: TorchTrainSpec,
     optimizer: Any,
+    loss_fn: LossFn,
     train: bool,
 ) -> tuple[float, float, list[float]]:
     """One pass; returns (sum of loss * rows, rows, sums of metric * rows) on this rank."""
@@ -195,13 +256,14 @@ def _run_epoch(
         n = float(inputs[0].shape[0])
         with torch.set_grad_enabled(train):
             if train and user.train_minibatch_fn is not None:
+                # Horovod's contract: the fn zeroes, steps and returns (outputs, loss) itself.
                 out, loss = user.train_minibatch_fn(
-                    model, optimizer, None, user.losses, inputs, labels, weights
+                    model, optimizer, transform_outputs, loss_fn, inputs, labels, weights
                 )
                 outputs = _as_list(out)
             else:
-                outputs = _as_list(model(*inputs))
-                loss = compute_loss(user.losses, outputs, labels, spec.loss_weights, weights)
+                outputs, matched = transform_outputs(model(*inputs), labels)
+                loss = loss_fn(outputs, matched, weights)
                 if train:
                     loss.backward()
                     if (step + 1) % k == 0:
@@ -336,7 +398,9 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     if spec.seed is not None:
         torch.manual_seed(spec.seed)
     user: UserObjects = cloudpickle.loads(spec.user_blob)
-    model, optimizer = user.model.to(device), user.optimizer
+    model, optimizer = serialization.unpack(user.model, user.optimizer)
+    model = model.to(device)
+    loss_fn = LossFn(user.losses, spec.loss_weights, weighted=bool(spec.sample_weight_col))
     if spec.scale_lr:
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * size
@@ -385,14 +449,32 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
         for epoch in range(start_epoch, spec.epochs):
             _call(user.callbacks, "on_epoch_begin", epoch, {})
             sums = _run_epoch(
-                model, train_reader, epoch, train_steps, batches, user, spec, dist_opt, train=True
+                model,
+                train_reader,
+                epoch,
+                train_steps,
+                batches,
+                user,
+                spec,
+                dist_opt,
+                loss_fn,
+                True,
             )
             avg = _average(hvd, *sums)
             logs: dict[str, Any] = {"epoch": epoch, "loss": avg[0]}
             logs.update({n: v for n, v in zip(names, avg[1:], strict=True)})
             if val_reader is not None and val_steps:
                 vsums = _run_epoch(
-                    model, val_reader, epoch, val_steps, batches, user, spec, dist_opt, train=False
+                    model,
+                    val_reader,
+                    epoch,
+                    val_steps,
+                    batches,
+                    user,
+                    spec,
+                    dist_opt,
+                    loss_fn,
+                    False,
                 )
                 vavg = _average(hvd, *vsums)
                 logs["val_loss"] = vavg[0]

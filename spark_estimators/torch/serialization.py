@@ -1,0 +1,112 @@
+"""Moving torch models between the driver, the ranks and saved models, TorchScript included.
+
+A scripted module (``torch.jit.script`` / ``torch.jit.trace``) cannot be pickled, so it travels
+as ``torch.jit.save`` bytes (:class:`ScriptedModel`); its optimizer, which pickled alone would
+lose its link to the parameters, travels as an :class:`OptimizerRecipe` (class, hyper-parameters
+and parameter positions per group, state) and is rebuilt on the loaded module, as Horovod's
+TorchEstimator rebuilt every optimizer. Plain modules keep travelling pickled (cloudpickle).
+
+Saved :class:`~spark_estimators.torch.TorchModel` blobs of a scripted module start with
+:data:`SCRIPT_MAGIC`; :func:`model_from_bytes` reads both kinds.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+SCRIPT_MAGIC = b"SPARK_ESTIMATORS_TORCHSCRIPT\n"
+
+
+def is_script_module(model: Any) -> bool:
+    """True for a ``torch.jit.ScriptModule`` (scripted or traced)."""
+    import torch
+
+    return isinstance(model, torch.jit.ScriptModule)
+
+
+def script_to_bytes(model: Any) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.jit.save(model, buf)
+    return buf.getvalue()
+
+
+def script_from_bytes(blob: bytes, map_location: Any = "cpu") -> Any:
+    import torch
+
+    return torch.jit.load(io.BytesIO(blob), map_location=map_location)
+
+
+@dataclass
+class ScriptedModel:
+    """A TorchScript module as ``torch.jit.save`` bytes (picklable)."""
+
+    blob: bytes
+
+    def load(self) -> Any:
+        return script_from_bytes(self.blob)
+
+
+@dataclass
+class OptimizerRecipe:
+    """How to rebuild an optimizer on a module's parameters after the module was re-loaded."""
+
+    cls: type
+    groups: list[dict[str, Any]]  # each group's options plus "params": positions in parameters()
+    state: dict[str, Any]
+
+    @classmethod
+    def of(cls, optimizer: Any, model: Any) -> OptimizerRecipe:
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        groups = []
+        for group in optimizer.param_groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            options["params"] = [position[id(p)] for p in group["params"]]
+            groups.append(options)
+        return cls(type(optimizer), groups, optimizer.state_dict())
+
+    def build(self, model: Any) -> Any:
+        params = list(model.parameters())
+        groups = [{**g, "params": [params[i] for i in g["params"]]} for g in self.groups]
+        optimizer = self.cls(groups)
+        optimizer.load_state_dict(self.state)
+        return optimizer
+
+
+def pack(model: Any, optimizer: Any) -> tuple[Any, Any]:
+    """(model, optimizer) as they travel to the ranks: scripted ones as bytes and a recipe."""
+    if optimizer is not None and is_script_module(model):
+        return ScriptedModel(script_to_bytes(model)), OptimizerRecipe.of(optimizer, model)
+    if is_script_module(model):
+        return ScriptedModel(script_to_bytes(model)), optimizer
+    return model, optimizer
+
+
+def unpack(model: Any, optimizer: Any) -> tuple[Any, Any]:
+    """The inverse of :func:`pack`, on a rank."""
+    if isinstance(model, ScriptedModel):
+        model = model.load()
+    if isinstance(optimizer, OptimizerRecipe):
+        optimizer = optimizer.build(model)
+    return model, optimizer
+
+
+def model_to_bytes(model: Any) -> bytes:
+    """A trained model as bytes: TorchScript modules through ``torch.jit.save``."""
+    if is_script_module(model):
+        return SCRIPT_MAGIC + script_to_bytes(model)
+    from spark_estimators.runner import dumps_by_value
+
+    return dumps_by_value(model)
+
+
+def model_from_bytes(blob: bytes) -> Any:
+    """Read :func:`model_to_bytes`'s output (on the CPU)."""
+    if blob.startswith(SCRIPT_MAGIC):
+        return script_from_bytes(blob[len(SCRIPT_MAGIC) :])
+    import cloudpickle
+
+    return cloudpickle.loads(blob)
