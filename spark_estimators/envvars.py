@@ -39,6 +39,44 @@ HOST_HASH_SALT = PREFIX + "HOST_HASH_SALT"
 FUSION_THRESHOLD = PREFIX + "FUSION_THRESHOLD"
 INLINE_LIMIT = PREFIX + "INLINE_LIMIT"
 MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
+#: Path of the collective timeline (per-rank Chrome trace); see collective/timeline.py.
+TIMELINE = PREFIX + "TIMELINE"
+
+# Horovod's variables that have an equivalent here (ours win when both are set); the table in
+# docs/collective.md lists them with the ignored ones (IGNORED_HOROVOD below).
+HOROVOD_TIMELINE = "HOROVOD_TIMELINE"
+HOROVOD_FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
+HOROVOD_GLOO_TIMEOUT_SECONDS = "HOROVOD_GLOO_TIMEOUT_SECONDS"
+HOROVOD_START_TIMEOUT = "HOROVOD_START_TIMEOUT"
+HOROVOD_SPARK_START_TIMEOUT = "HOROVOD_SPARK_START_TIMEOUT"
+HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
+HOROVOD_DYNAMIC_PROCESS_SETS = "HOROVOD_DYNAMIC_PROCESS_SETS"
+#: Horovod variables read nowhere here, with what to do instead (a warning names them).
+IGNORED_HOROVOD: dict[str, str] = {
+    "HOROVOD_CYCLE_TIME": "there is no background cycle: each op is negotiated when submitted",
+    "HOROVOD_TIMELINE_MARK_CYCLES": "there are no cycles to mark",
+    "HOROVOD_AUTOTUNE": "autotuning is not provided; set the fusion threshold yourself",
+    "HOROVOD_AUTOTUNE_LOG": "autotuning is not provided",
+    "HOROVOD_CACHE_CAPACITY": "there is no response cache (negotiation is one allgather)",
+    "HOROVOD_HIERARCHICAL_ALLREDUCE": "reductions are flat (the backend's own algorithm)",
+    "HOROVOD_HIERARCHICAL_ALLGATHER": "allgathers are flat (the backend's own algorithm)",
+    "HOROVOD_CPU_OPERATIONS": "choose the backend with backend='gloo'|'mpi' in run()/launch",
+    "HOROVOD_CONTROLLER": "choose the backend with backend='gloo'|'mpi' in run()/launch",
+    "HOROVOD_LOG_LEVEL": "configure logging.getLogger('spark_estimators') instead",
+    "HOROVOD_STALL_CHECK_DISABLE": "mismatched ops fail at once; hung peers hit the timeout",
+    "HOROVOD_STALL_CHECK_TIME_SECONDS": "mismatched ops fail at once; see "
+    + PREFIX
+    + "COLLECTIVE_TIMEOUT",
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "see " + PREFIX + "COLLECTIVE_TIMEOUT",
+    "HOROVOD_MPI_THREADS_DISABLE": "the mpi backend needs MPI_THREAD_SERIALIZED or higher",
+    "HOROVOD_NUM_NCCL_STREAMS": "NCCL streams are torch.distributed's",
+    "HOROVOD_BATCH_D2D_MEMCOPIES": "fusion copies are torch's",
+    "HOROVOD_DISABLE_GROUP_FUSION": "grouped ops are always fused per dtype and device",
+    "HOROVOD_THREAD_AFFINITY": "the engine thread is not pinned",
+    "HOROVOD_GLOO_IFACE": "the rendezvous address comes from the launcher",
+    "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "Adasum here is one allgather, not chunked",
+    "HOROVOD_ENABLE_XLA_OPS": "TensorFlow XLA ops are not provided",
+}
 
 DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0
@@ -71,11 +109,30 @@ def env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={raw!r} is not an integer") from exc
 
 
+def first_set(*names: str) -> str | None:
+    """The first of ``names`` set to a non-empty value in the environment, or None."""
+    for name in names:
+        if os.environ.get(name, "").strip():
+            return name
+    return None
+
+
 def start_timeout() -> float:
-    """Seconds to wait for every rank to register (env ``SPARK_ESTIMATORS_START_TIMEOUT``)."""
-    return env_float(START_TIMEOUT, DEFAULT_START_TIMEOUT)
+    """Seconds to wait for every rank to register.
+
+    Env ``SPARK_ESTIMATORS_START_TIMEOUT``, else Horovod's ``HOROVOD_SPARK_START_TIMEOUT`` or
+    ``HOROVOD_START_TIMEOUT``, else 60.
+    """
+    name = first_set(START_TIMEOUT, HOROVOD_SPARK_START_TIMEOUT, HOROVOD_START_TIMEOUT)
+    return DEFAULT_START_TIMEOUT if name is None else env_float(name, DEFAULT_START_TIMEOUT)
 
 
 def collective_timeout() -> float:
-    """Seconds before a collective op gives up (env ``SPARK_ESTIMATORS_COLLECTIVE_TIMEOUT``)."""
-    return env_float(COLLECTIVE_TIMEOUT, DEFAULT_COLLECTIVE_TIMEOUT)
+    """Seconds before a collective op gives up.
+
+    Env ``SPARK_ESTIMATORS_COLLECTIVE_TIMEOUT``, else Horovod's ``HOROVOD_GLOO_TIMEOUT_SECONDS``,
+    else 120.
+    """
+    name = first_set(COLLECTIVE_TIMEOUT, HOROVOD_GLOO_TIMEOUT_SECONDS)
+    default = DEFAULT_COLLECTIVE_TIMEOUT
+    return default if name is None else env_float(name, default)

@@ -414,6 +414,9 @@ def _worker_main(payload_path: str) -> None:
     with open(result_path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(result_path + ".tmp", result_path)
+    timeline = sys.modules.get("spark_estimators.collective.timeline")
+    if timeline is not None:  # os._exit skips atexit: write the collective timeline's tail
+        timeline.flush_all()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     # Never hang at exit on threads the function left behind (the collective engine included).
@@ -436,6 +439,11 @@ def _parser() -> argparse.ArgumentParser:
         "--fusion-threshold-mb",
         type=float,
         help=f"MiB per fused bucket, sets {ev.FUSION_THRESHOLD}",
+    )
+    p.add_argument(
+        "--timeline-filename",
+        "--timeline",
+        help=f"write each rank's collective timeline (Chrome trace) here, sets {ev.TIMELINE}",
     )
     p.add_argument("--master-port", type=int, help="rendezvous port (default: a free one)")
     p.add_argument(
@@ -469,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra[ev.COLLECTIVE_TIMEOUT] = str(opts.collective_timeout)
     if opts.fusion_threshold_mb is not None:
         extra[ev.FUSION_THRESHOLD] = str(int(opts.fusion_threshold_mb * 1024 * 1024))
+    if opts.timeline_filename:
+        extra[ev.TIMELINE] = opts.timeline_filename
     base = _base_env(extra, opts.backend)
     with _pmi_server(opts.num_proc, opts.backend) as pmi:
         envs = [

@@ -26,7 +26,9 @@ import numpy as np
 
 from spark_estimators.collective import engine as _engine
 from spark_estimators.collective import ops as _ops
+from spark_estimators.collective import process_sets as _process_sets
 from spark_estimators.collective import settings as _settings
+from spark_estimators.collective import timeline as _timeline
 from spark_estimators.collective.backend import (
     Backend,
     ReduceOp,
@@ -35,13 +37,20 @@ from spark_estimators.collective.backend import (
     register_backend,
 )
 from spark_estimators.collective.engine import Handle
+from spark_estimators.collective.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from spark_estimators.collective.timeline import start_timeline, stop_timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 logger = logging.getLogger(__name__)
 
 Average = ReduceOp.AVERAGE
 Sum = ReduceOp.SUM
-Adasum = ReduceOp.ADASUM  # exported for horovod scripts; ops reject it with a clear error
+Adasum = ReduceOp.ADASUM  # allreduce / grouped_allreduce / torch DistributedOptimizer
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
@@ -57,6 +66,8 @@ def init(
     comm: Any = None,
     start_timeout: float | None = None,
     timeout: float | None = None,
+    process_sets: Sequence[ProcessSet] | str | None = None,
+    timeline: str | None = None,
 ) -> None:
     """Join the collective group of this job; call once per process before any op.
 
@@ -76,6 +87,15 @@ def init(
     timeout
         Seconds an op waits for its peers before raising; default
         ``SPARK_ESTIMATORS_COLLECTIVE_TIMEOUT`` (120).
+    process_sets
+        :class:`ProcessSet` objects to register right away (the same list on every rank), as
+        Horovod's static process sets; ``"dynamic"`` is accepted (sets can always be added
+        later with :func:`add_process_set`).
+    timeline
+        Write this rank's timeline (Chrome trace JSON of every op and its negotiation) to this
+        path, ``.rank<N>`` added before the extension (or ``{rank}`` replaced); default
+        ``SPARK_ESTIMATORS_TIMELINE``, else ``HOROVOD_TIMELINE``. See
+        :mod:`spark_estimators.collective.timeline`.
 
     Raises
     ------
@@ -92,6 +112,11 @@ def init(
     with _engine.lock():
         if _engine.current() is not None:
             return
+        if isinstance(process_sets, str) and process_sets != "dynamic":
+            raise ConfigurationError(
+                f"init(process_sets={process_sets!r}): pass a list of ProcessSet objects or "
+                "'dynamic'"
+            )
         requested = _settings.requested_backend(backend)
         extra: dict[str, Any] = {}
         if comm is not None:
@@ -113,6 +138,9 @@ def init(
         )
         impl.start()
         engine = _engine.Engine(impl)
+        path = _settings.timeline_path(timeline)
+        if path:
+            engine.timeline = _timeline.Timeline(path, impl.topology.rank)
         engine.start()
         _engine.install(engine)
         if not _atexit_registered:
@@ -121,6 +149,13 @@ def init(
         topology = impl.topology  # the MPI backend may have refined it
         log = logger.info if topology.rank == 0 else logger.debug
         log("collective init: rank %d of %d, backend %s", topology.rank, topology.size, name)
+        for var, why in _settings.ignored_horovod_variables().items():
+            (logger.warning if topology.rank == 0 else logger.debug)(
+                "%s is set but has no effect in spark_estimators: %s", var, why
+            )
+        if process_sets is not None and not isinstance(process_sets, str):
+            for ps in process_sets:
+                add_process_set(ps)
 
 
 def shutdown() -> None:
@@ -129,8 +164,11 @@ def shutdown() -> None:
         engine = _engine.current()
         if engine is None:
             return
+        _process_sets.shutdown_all()
         _engine.install(None)
         stopped = engine.stop(timeout=engine.backend.timeout + 5.0)
+        if engine.timeline is not None:
+            engine.timeline.close()
         if stopped:
             engine.backend.shutdown()
         else:
@@ -261,9 +299,12 @@ def allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     average: bool | None = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start an in-place allreduce of a writable C-contiguous array; see :func:`allreduce`."""
-    return _allreduce_handle(array, op, name, prescale_factor, postscale_factor, average, False)
+    return _allreduce_handle(
+        array, op, name, prescale_factor, postscale_factor, average, False, process_set
+    )
 
 
 def _allreduce_handle(
@@ -274,12 +315,14 @@ def _allreduce_handle(
     postscale_factor: float,
     average: bool | None,
     blocking: bool,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     arr = _writable(array, "allreduce_")
     resolved = _ops_resolve(op, average)
     future = _ops.allreduce(
-        _NUMPY, [arr], [arr], resolved, name, prescale_factor, postscale_factor, blocking
-    )
+        _NUMPY, [arr], [arr], resolved, name, prescale_factor, postscale_factor, blocking,
+        process_set,
+    )  # fmt: skip
     return Handle([future], name or "allreduce", lambda results: results[0][0])
 
 
@@ -290,13 +333,16 @@ def allreduce_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     average: bool | None = None,
+    process_set: ProcessSet | None = None,
 ) -> np.ndarray:
     """Allreduce a writable C-contiguous array in place and return it.
 
     This is the entry point for framework buffers (e.g. the Keras adapter's fused gradient
     buffer): no copy is made.
     """
-    handle = _allreduce_handle(array, op, name, prescale_factor, postscale_factor, average, True)
+    handle = _allreduce_handle(
+        array, op, name, prescale_factor, postscale_factor, average, True, process_set
+    )
     return handle.wait()  # type: ignore[no-any-return]
 
 
@@ -307,6 +353,7 @@ def allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     average: bool | None = None,
+    process_set: ProcessSet | None = None,
 ) -> np.ndarray:
     """Reduce ``array`` across ranks and return the result (the input is not modified).
 
@@ -315,13 +362,16 @@ def allreduce(
     array
         Same dtype and shape on every rank.
     op
-        ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``
+        (power-of-two number of ranks, floating dtypes).
     name
         Name used in error messages; must be the same on every rank when given.
     prescale_factor, postscale_factor
         Multiply the input before / the result after the reduction (floating dtypes only).
     average
         Deprecated Horovod flag: ``False`` means ``Sum``.
+    process_set
+        Reduce among this :class:`ProcessSet`'s members only (default: every rank).
 
     Returns
     -------
@@ -330,7 +380,7 @@ def allreduce(
     """
     arr = _array(array, "allreduce")
     out = np.array(arr, copy=True, order="C")
-    return allreduce_(out, op, name, prescale_factor, postscale_factor, average)
+    return allreduce_(out, op, name, prescale_factor, postscale_factor, average, process_set)
 
 
 def grouped_allreduce(
@@ -339,10 +389,11 @@ def grouped_allreduce(
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
 ) -> list[np.ndarray]:
     """Reduce several arrays in one fused operation per dtype; returns new arrays."""
     outs = [np.array(_array(a, "grouped_allreduce"), copy=True, order="C") for a in arrays]
-    return grouped_allreduce_(outs, op, name, prescale_factor, postscale_factor)
+    return grouped_allreduce_(outs, op, name, prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_(
@@ -351,6 +402,7 @@ def grouped_allreduce_(
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
 ) -> list[np.ndarray]:
     """In-place :func:`grouped_allreduce`."""
     arrs = [_writable(a, "grouped_allreduce_") for a in arrays]
@@ -368,6 +420,7 @@ def grouped_allreduce_(
             prescale_factor,
             postscale_factor,
             blocking=len(groups) == 1,
+            process_set=process_set,
         )
         futures.append(future)
     for future in futures:
@@ -382,32 +435,52 @@ def _by_dtype(arrays: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
     return list(groups.values())
 
 
-def allgather(array: np.ndarray, name: str | None = None) -> np.ndarray:
+def allgather(
+    array: np.ndarray, name: str | None = None, process_set: ProcessSet | None = None
+) -> np.ndarray:
     """Concatenate every rank's array on the first dimension (which may differ)."""
-    return _ops.allgather(_NUMPY, _array(array, "allgather"), name, blocking=True).result()
+    arr = _array(array, "allgather")
+    return _ops.allgather(_NUMPY, arr, name, True, process_set).result()
 
 
-def broadcast(array: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
-    """Return ``root_rank``'s array on every rank (the input is not modified)."""
+def broadcast(
+    array: np.ndarray,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> np.ndarray:
+    """Return ``root_rank``'s array on every rank (the input is not modified).
+
+    ``root_rank`` is a global rank, also with a ``process_set`` (it must be a member).
+    """
     arr = _array(array, "broadcast")
     out = np.array(arr, copy=True, order="C")
-    return _ops.broadcast(_NUMPY, out, out, root_rank, name, blocking=True).result()
+    return _ops.broadcast(_NUMPY, out, out, root_rank, name, True, process_set).result()
 
 
-def broadcast_(array: np.ndarray, root_rank: int, name: str | None = None) -> np.ndarray:
+def broadcast_(
+    array: np.ndarray,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> np.ndarray:
     """Overwrite a writable array with ``root_rank``'s, in place, and return it."""
     arr = _writable(array, "broadcast_")
-    return _ops.broadcast(_NUMPY, arr, arr, root_rank, name, blocking=True).result()
+    return _ops.broadcast(_NUMPY, arr, arr, root_rank, name, True, process_set).result()
 
 
 def alltoall(
-    array: np.ndarray, splits: Sequence[int] | None = None, name: str | None = None
+    array: np.ndarray,
+    splits: Sequence[int] | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Send ``splits[r]`` rows to rank r and receive theirs, concatenated in rank order.
 
     Returns the received array, and with ``splits`` given also the received row counts.
     """
-    future = _ops.alltoall(_NUMPY, _array(array, "alltoall"), splits, name, blocking=True)
+    arr = _array(array, "alltoall")
+    future = _ops.alltoall(_NUMPY, arr, splits, name, True, process_set)
     out, received = future.result()
     return out if splits is None else (out, received)
 
@@ -418,19 +491,20 @@ def reducescatter(
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
 ) -> np.ndarray:
     """Reduce across ranks; rank r gets block r of the first dimension (first ranks get more)."""
-    resolved = _ops_resolve(op, None)
+    resolved = _ops_resolve(op, None, adasum=False)
     arr = _array(array, "reducescatter")
     future = _ops.reducescatter(
-        _NUMPY, arr, resolved, name, prescale_factor, postscale_factor, blocking=True
+        _NUMPY, arr, resolved, name, prescale_factor, postscale_factor, True, process_set
     )
     return np.asarray(future.result())
 
 
-def barrier() -> None:
-    """Block until every rank has called ``barrier()``."""
-    _ops.barrier(blocking=True).result()
+def barrier(process_set: ProcessSet | None = None) -> None:
+    """Block until every rank (of ``process_set``) has called ``barrier()``."""
+    _ops.barrier(True, process_set).result()
 
 
 def join() -> int:
@@ -444,20 +518,26 @@ def join() -> int:
     return int(_ops.join(blocking=True).result())
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
+) -> list[Any]:
     """Return the list of every rank's picklable ``obj``, in rank order."""
-    return list(_ops.allgather_object(obj, name, blocking=True).result())
+    return list(_ops.allgather_object(obj, name, True, process_set).result())
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
+) -> Any:
     """Return ``root_rank``'s picklable ``obj`` on every rank."""
-    return _ops.broadcast_object(obj, root_rank, name, blocking=True).result()
+    return _ops.broadcast_object(obj, root_rank, name, True, process_set).result()
 
 
-def _ops_resolve(op: ReduceOp | int | None, average: bool | None) -> ReduceOp:
+def _ops_resolve(
+    op: ReduceOp | int | None, average: bool | None, *, adasum: bool = True
+) -> ReduceOp:
     from spark_estimators.collective.backend import resolve_op
 
-    return resolve_op(op, average)
+    return resolve_op(op, average, adasum=adasum)
 
 
 __all__ = [
@@ -467,10 +547,12 @@ __all__ = [
     "Handle",
     "Max",
     "Min",
+    "ProcessSet",
     "Product",
     "ReduceOp",
     "Sum",
     "Topology",
+    "add_process_set",
     "allgather",
     "allgather_object",
     "allreduce",
@@ -486,6 +568,7 @@ __all__ = [
     "cross_size",
     "gloo_built",
     "gloo_enabled",
+    "global_process_set",
     "grouped_allreduce",
     "grouped_allreduce_",
     "init",
@@ -502,7 +585,10 @@ __all__ = [
     "rank",
     "reducescatter",
     "register_backend",
+    "remove_process_set",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]

@@ -40,6 +40,8 @@ The methods, in short::
     broadcast_object(obj, root) -> obj       default: pickle + broadcast of bytes
     zeros(numel, dtype, device) -> buf       what a joined rank contributes (default: numpy)
     mpi_threads_supported() -> bool          default False
+    subgroup(ranks) -> Backend | None        a backend over a subset of the ranks (process sets);
+                                             called by every rank, None on non-members
 """
 
 from __future__ import annotations
@@ -102,8 +104,13 @@ class ReduceOp(enum.IntEnum):
     PRODUCT = 5
 
 
-def resolve_op(op: ReduceOp | int | None, average: bool | None = None) -> ReduceOp:
-    """Horovod's rule: ``op`` wins; the deprecated ``average`` flag maps to Average/Sum."""
+def resolve_op(
+    op: ReduceOp | int | None, average: bool | None = None, *, adasum: bool = False
+) -> ReduceOp:
+    """Horovod's rule: ``op`` wins; the deprecated ``average`` flag maps to Average/Sum.
+
+    ``adasum=True`` (allreduce) accepts ``Adasum``; other callers refuse it with a clear error.
+    """
     if op is not None and average is not None:
         raise ConfigurationError("pass op= or the deprecated average=, not both")
     if op is None:
@@ -114,9 +121,10 @@ def resolve_op(op: ReduceOp | int | None, average: bool | None = None) -> Reduce
         raise ConfigurationError(
             f"op={op!r} is not a reduction op; use Average, Sum, Min, Max or Product"
         ) from None
-    if resolved is ReduceOp.ADASUM:
+    if resolved is ReduceOp.ADASUM and not adasum:
         raise ConfigurationError(
-            "op=Adasum is not supported by spark_estimators.collective; use Average (the default)"
+            "op=Adasum is not supported here (only allreduce, grouped_allreduce and the torch "
+            "DistributedOptimizer take it); use Average (the default)"
         )
     return resolved
 
@@ -191,6 +199,17 @@ class Backend(abc.ABC):
     def mpi_threads_supported(self) -> bool:
         """True only for an MPI backend initialised with ``MPI_THREAD_MULTIPLE``."""
         return False
+
+    def subgroup(self, ranks: Sequence[int]) -> Backend | None:
+        """A backend over ``ranks`` (sorted ranks of this group), for a process set.
+
+        Every rank of this group calls it with the same ``ranks``, in the same order as its other
+        ops; members get a started backend whose rank and size are those within the set,
+        non-members None. The returned backend's :meth:`shutdown` releases the subgroup.
+        """
+        raise ConfigurationError(
+            f"collective backend {self.name!r} does not support process sets; use gloo, nccl or mpi"
+        )
 
     # -- data ops ----------------------------------------------------------------------------
     @abc.abstractmethod

@@ -42,6 +42,7 @@ import logging
 import queue
 import re
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -68,6 +69,7 @@ class Kind(enum.IntEnum):
     JOIN = 7
     ALLGATHER_OBJECT = 8
     BROADCAST_OBJECT = 9
+    PROCESS_SET = 10
 
 
 # Layout of the negotiation vector: a header, then room for an allreduce's data.
@@ -185,6 +187,10 @@ class Engine:
         self._room = INLINE_BYTES
         self._wants: deque[int] = deque(maxlen=ROOM_WINDOW)
         self._limit = settings.inline_limit(backend.size)
+        #: The process set this engine serves (0: the global set).
+        self.set_id = 0
+        #: A :class:`~spark_estimators.collective.timeline.Timeline` recording the ops, or None.
+        self.timeline: Any = None
 
     def start(self) -> None:
         self._thread.start()
@@ -353,6 +359,26 @@ class Engine:
     def _process(self, request: Request) -> Any:
         if request.kind is Kind.JOIN:
             return self._join()
+        timeline = self.timeline
+        if timeline is None:
+            return self._negotiate_and_execute(request, None)
+        start = time.perf_counter_ns()
+        times = [start]
+        info: dict[str, Any] = {"dtype": request.dtype, "what": request.description}
+        try:
+            return self._negotiate_and_execute(request, times)
+        except BaseException as exc:
+            info["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise
+        finally:
+            end = time.perf_counter_ns()
+            negotiated = times[1] if len(times) > 1 else end
+            info["inline"] = len(times) > 2
+            op = request.kind.name
+            timeline.record(request.name, op, self.set_id, start, negotiated, end, info)
+
+    def _negotiate_and_execute(self, request: Request, times: list[int] | None) -> Any:
+        """``times`` (timeline only) gets the end of negotiation, and a third entry if inline."""
         vectors = self._negotiate(self._vector(request))
         active = self._active(vectors)
         if not self._agree(vectors, active):
@@ -367,6 +393,10 @@ class Engine:
         payloads = None
         if vectors[self.backend.rank, _INLINE]:  # then every active rank sent its data inline
             payloads = np.ascontiguousarray(vectors[:, _HEADER_LEN:]).view(np.uint8)
+        if times is not None:
+            times.append(time.perf_counter_ns())
+            if payloads is not None:
+                times.append(1)
         return request.execute(Agreement(dim0s=dim0s, joined=joined, payloads=payloads))
 
     def _raise_mismatch(self, request: Request | None, vectors: np.ndarray) -> None:
@@ -420,15 +450,27 @@ def current() -> Engine | None:
     return _engine
 
 
-def require(op: str) -> Engine:
-    """The running engine; a clear error when ``init()`` has not been called."""
+def require(op: str, process_set: Any = None) -> Engine:
+    """The engine that runs ``op``: the global one, or ``process_set``'s.
+
+    Clear errors when ``init()`` has not been called, or this rank is not a member of
+    ``process_set`` (a :class:`~spark_estimators.collective.process_sets.ProcessSet`).
+    """
     engine = _engine
     if engine is None:
         raise CollectiveError(
             f"{op}() was called before init(): call spark_estimators.collective.init() "
             "(hvd.init()) in every rank first"
         )
-    return engine
+    if process_set is None:
+        return engine
+    resolve = getattr(process_set, "_require_engine", None)
+    if resolve is None:
+        raise ConfigurationError(
+            f"{op}(process_set={process_set!r}): process_set takes a ProcessSet "
+            "(hvd.global_process_set, or one from hvd.add_process_set / init(process_sets=...))"
+        )
+    return resolve(op)  # type: ignore[no-any-return]
 
 
 def install(engine: Engine | None) -> None:

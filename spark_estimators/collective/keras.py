@@ -53,13 +53,16 @@ from spark_estimators.collective import (
     Average,
     Max,
     Min,
+    ProcessSet,
     Product,
     ReduceOp,
     Sum,
+    add_process_set,
     backend_name,
     barrier,
     cross_rank,
     cross_size,
+    global_process_set,
     gloo_built,
     gloo_enabled,
     init,
@@ -72,8 +75,11 @@ from spark_estimators.collective import (
     mpi_threads_supported,
     nccl_built,
     rank,
+    remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from spark_estimators.collective import keras_callbacks as callbacks
 from spark_estimators.collective.backend import resolve_op
@@ -117,43 +123,53 @@ def allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     name: str | None = None,
+    process_set: Any = None,
 ) -> Any:
     """Reduce a tensor (or numpy array, or variable) across ranks; eager mode.
 
-    Parameters are Horovod's; ``op`` defaults to ``Average``. Returns a tensor (numpy for
-    numpy input).
+    Parameters are Horovod's; ``op`` defaults to ``Average`` (``Adasum`` is accepted). Returns
+    a tensor (numpy for numpy input). ``process_set`` restricts it to that set's members.
     """
-    resolved = resolve_op(op, average)
+    resolved = resolve_op(op, average, adasum=True)
     out = np.array(_to_numpy(value), copy=True)
     wire = compression.compress(out)  # ``out`` itself when not compressed
-    _core.allreduce_(wire, resolved, name, prescale_factor, postscale_factor)
+    _core.allreduce_(
+        wire, resolved, name, prescale_factor, postscale_factor, process_set=process_set
+    )
     compression.decompress(wire, out)
     return _like(out, value)
 
 
-def allgather(value: Any, name: str | None = None) -> Any:
+def allgather(value: Any, name: str | None = None, process_set: Any = None) -> Any:
     """Concatenate every rank's tensor on the first dimension (which may differ)."""
-    return _like(_core.allgather(_to_numpy(value), name=name), value)
+    return _like(_core.allgather(_to_numpy(value), name, process_set), value)
 
 
-def broadcast(value: Any, root_rank: int, name: str | None = None) -> Any:
-    """``root_rank``'s tensor on every rank."""
-    return _like(_core.broadcast(_to_numpy(value), root_rank, name=name), value)
+def broadcast(value: Any, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
+    """``root_rank``'s tensor on every rank (a global rank, also with ``process_set``)."""
+    return _like(_core.broadcast(_to_numpy(value), root_rank, name, process_set), value)
 
 
-def reducescatter(value: Any, op: ReduceOp | int | None = None, name: str | None = None) -> Any:
+def reducescatter(
+    value: Any, op: ReduceOp | int | None = None, name: str | None = None, process_set: Any = None
+) -> Any:
     """Reduce across ranks; rank r gets block r of the first dimension."""
-    return _like(_core.reducescatter(_to_numpy(value), resolve_op(op, None), name=name), value)
+    resolved = resolve_op(op, None)
+    return _like(
+        _core.reducescatter(_to_numpy(value), resolved, name, process_set=process_set), value
+    )
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order."""
-    return _core.allgather_object(obj, name)
+    return _core.allgather_object(obj, name, process_set)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None
+) -> Any:
     """``root_rank``'s picklable ``obj`` on every rank."""
-    return _core.broadcast_object(obj, root_rank, name)
+    return _core.broadcast_object(obj, root_rank, name, process_set)
 
 
 def broadcast_global_variables(root_rank: int) -> None:
@@ -241,4 +257,10 @@ __all__ = [
     "reducescatter",
     "shutdown",
     "size",
+    "ProcessSet",
+    "add_process_set",
+    "global_process_set",
+    "remove_process_set",
+    "start_timeline",
+    "stop_timeline",
 ]

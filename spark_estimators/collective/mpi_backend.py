@@ -326,6 +326,56 @@ class MPIBackend(Backend):
         finally:
             group.Free()
 
+    # -- process sets ------------------------------------------------------------------------
+    def subgroup(self, ranks: Sequence[int]) -> Backend | None:
+        mpi = _import_mpi()
+        group = self.comm.Get_group().Incl([int(r) for r in ranks])
+        try:
+            # MPI_Comm_create is collective over the whole communicator: every rank calls it.
+            comm = self._run("creating a process set", lambda: self.comm.Create(group))
+        finally:
+            group.Free()
+        if comm == mpi.COMM_NULL:
+            return None
+        return self._sub_backend(comm)
+
+    def subgroup_from_comm(self, comm: Any) -> Backend:
+        """A backend over a user's communicator (``hvd.ProcessSet(comm)``): a ``Dup`` of it."""
+        mpi = _import_mpi()
+        if not isinstance(comm, mpi.Intracomm) or comm == mpi.COMM_NULL:
+            raise ConfigurationError(
+                f"ProcessSet({comm!r}) needs an mpi4py intracommunicator this rank belongs to"
+            )
+        return self._sub_backend(self._run("creating a process set", comm.Dup))
+
+    def ranks_of(self, comm: Any) -> list[int]:
+        """The ranks of this backend's communicator that form ``comm`` (in ``comm``'s order)."""
+        mpi = _import_mpi()
+        theirs = comm.Get_group()
+        ours = self.comm.Get_group()
+        try:
+            translated = mpi.Group.Translate_ranks(theirs, list(range(comm.Get_size())), ours)
+        finally:
+            theirs.Free()
+            ours.Free()
+        if any(r == mpi.UNDEFINED for r in translated):
+            raise ConfigurationError(
+                "ProcessSet(comm): the communicator has processes outside this job's group"
+            )
+        return [int(r) for r in translated]
+
+    def _sub_backend(self, comm: Any) -> MPIBackend:
+        mpi = _import_mpi()
+        index, size = comm.Get_rank(), comm.Get_size()
+        topo = Topology(rank=index, size=size, local_rank=index, local_size=size,
+                        hostname=self.topology.hostname)  # fmt: skip
+        sub = MPIBackend(topo, timeout=self.timeout, start_timeout=self.start_timeout)
+        comm.Set_name("spark_estimators.process_set")
+        comm.Set_errhandler(mpi.ERRORS_RETURN)
+        sub.comm = comm
+        sub._watchdog = _Watchdog(self.topology.rank)
+        return sub
+
     def shutdown(self) -> None:
         if self._watchdog is not None:
             self._watchdog.stop()

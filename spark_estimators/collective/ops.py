@@ -18,9 +18,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from spark_estimators.collective import adasum as _adasum
 from spark_estimators.collective import engine as eng
 from spark_estimators.collective.backend import DTYPES, FLOATING_DTYPES, Buffer, ReduceOp
 from spark_estimators.collective.engine import Agreement, Kind, Request
+from spark_estimators.collective.process_sets import global_root
 from spark_estimators.errors import ConfigurationError
 
 
@@ -124,12 +126,14 @@ def allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     blocking: bool = False,
+    process_set: Any = None,
 ) -> Future[Any]:
     """Reduce ``inputs`` into ``outputs`` (the same objects for in-place) as one fused op.
 
     All inputs share one dtype and device; the result future resolves to ``outputs``.
+    ``op=ADASUM`` reduces each tensor with Adasum (see :mod:`~spark_estimators.collective.adasum`).
     """
-    engine = eng.require("allreduce")
+    engine = eng.require("allreduce", process_set)
     display = name or engine.auto_name("allreduce")
     dtype, device = ops.dtype(inputs[0]), ops.device(inputs[0])
     for x in inputs[1:]:
@@ -143,6 +147,9 @@ def allreduce(
     shapes = tuple(ops.shape(x) for x in inputs)
     numel = sum(_numel(s) for s in shapes)
     backend = engine.backend
+    if op is ReduceOp.ADASUM:
+        return _adasum.submit(engine, ops, inputs, outputs, display, name, shapes, prescale,
+                              postscale, blocking)  # fmt: skip
     native = op is ReduceOp.AVERAGE and backend.native_average and prescale == postscale == 1.0
     wire_op = ReduceOp.SUM if op is ReduceOp.AVERAGE and not native else op
     post = postscale / backend.size if op is ReduceOp.AVERAGE and not native else postscale
@@ -234,9 +241,11 @@ def _reduce_rows(
     return np.ascontiguousarray(out)
 
 
-def allgather(ops: ArrayOps, x: Buffer, name: str | None, blocking: bool = False) -> Future[Any]:
+def allgather(
+    ops: ArrayOps, x: Buffer, name: str | None, blocking: bool = False, process_set: Any = None
+) -> Future[Any]:
     """Concatenate ``x`` from every rank on dim 0 (which may differ across ranks)."""
-    engine = eng.require("allgather")
+    engine = eng.require("allgather", process_set)
     display = name or engine.auto_name("allgather")
     dtype, device, shape = ops.dtype(x), ops.device(x), ops.shape(x)
     if not shape:
@@ -273,11 +282,12 @@ def broadcast(
     root_rank: int,
     name: str | None,
     blocking: bool = False,
+    process_set: Any = None,
 ) -> Future[Any]:
     """Copy ``root_rank``'s ``x`` into ``output`` on every rank (``output is x``: in place)."""
-    engine = eng.require("broadcast")
+    engine = eng.require("broadcast", process_set)
     display = name or engine.auto_name("broadcast")
-    root = _check_root(root_rank, engine.backend.size, display)
+    root = _check_root(root_rank, engine.backend.size, display, process_set)
     dtype, device, shape = ops.dtype(x), ops.device(x), ops.shape(x)
     signature = (Kind.BROADCAST.name, name, dtype, device, shape, root)
     description = f"{display!r} {dtype} on {device}, shape {shape}, root_rank={root}"
@@ -310,11 +320,12 @@ def grouped_broadcast(
     root_rank: int,
     name: str | None,
     blocking: bool = False,
+    process_set: Any = None,
 ) -> Future[Any]:
     """Broadcast several tensors of one dtype and device in place, as one fused buffer."""
-    engine = eng.require("broadcast")
+    engine = eng.require("broadcast", process_set)
     display = name or engine.auto_name("grouped_broadcast")
-    root = _check_root(root_rank, engine.backend.size, display)
+    root = _check_root(root_rank, engine.backend.size, display, process_set)
     dtype, device = ops.dtype(xs[0]), ops.device(xs[0])
     shapes = tuple(ops.shape(x) for x in xs)
     signature = (Kind.BROADCAST.name, name, dtype, device, shapes, root)
@@ -343,12 +354,14 @@ def alltoall(
     splits: Sequence[int] | None,
     name: str | None,
     blocking: bool = False,
+    process_set: Any = None,
 ) -> Future[Any]:
     """Scatter rows of ``x`` to the ranks (``splits[r]`` rows to rank r); gather theirs.
 
     The future resolves to ``(received, received_splits)``, ``received_splits`` a numpy array.
+    With a process set, ``splits`` has one entry per member, in the set's rank order.
     """
-    engine = eng.require("alltoall")
+    engine = eng.require("alltoall", process_set)
     display = name or engine.auto_name("alltoall")
     size = engine.backend.size
     dtype, device, shape = ops.dtype(x), ops.device(x), ops.shape(x)
@@ -406,9 +419,10 @@ def reducescatter(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     blocking: bool = False,
+    process_set: Any = None,
 ) -> Future[Any]:
     """Reduce ``x`` across ranks and give each rank its block of rows."""
-    engine = eng.require("reducescatter")
+    engine = eng.require("reducescatter", process_set)
     display = name or engine.auto_name("reducescatter")
     backend = engine.backend
     dtype, device, shape = ops.dtype(x), ops.device(x), ops.shape(x)
@@ -441,9 +455,9 @@ def reducescatter(
     )
 
 
-def barrier(blocking: bool = False) -> Future[Any]:
+def barrier(blocking: bool = False, process_set: Any = None) -> Future[Any]:
     """Negotiation alone synchronises every rank, so a barrier is one negotiation round."""
-    engine = eng.require("barrier")
+    engine = eng.require("barrier", process_set)
     return engine.submit(
         Request(Kind.BARRIER, "barrier", (Kind.BARRIER.name,), lambda a: None, "barrier"),
         blocking=blocking,
@@ -457,9 +471,11 @@ def join(blocking: bool = False) -> Future[Any]:
     return engine.submit(request, blocking=blocking)
 
 
-def allgather_object(obj: Any, name: str | None, blocking: bool = False) -> Future[Any]:
+def allgather_object(
+    obj: Any, name: str | None, blocking: bool = False, process_set: Any = None
+) -> Future[Any]:
     """Resolve to the list of every rank's ``obj`` (picklable), in rank order."""
-    engine = eng.require("allgather_object")
+    engine = eng.require("allgather_object", process_set)
     display = name or engine.auto_name("allgather_object")
     backend = engine.backend
     signature = (Kind.ALLGATHER_OBJECT.name, name)
@@ -476,13 +492,13 @@ def allgather_object(obj: Any, name: str | None, blocking: bool = False) -> Futu
 
 
 def broadcast_object(
-    obj: Any, root_rank: int, name: str | None, blocking: bool = False
+    obj: Any, root_rank: int, name: str | None, blocking: bool = False, process_set: Any = None
 ) -> Future[Any]:
     """Resolve to ``root_rank``'s ``obj`` on every rank."""
-    engine = eng.require("broadcast_object")
+    engine = eng.require("broadcast_object", process_set)
     display = name or engine.auto_name("broadcast_object")
     backend = engine.backend
-    root = _check_root(root_rank, backend.size, display)
+    root = _check_root(root_rank, backend.size, display, process_set)
     signature = (Kind.BROADCAST_OBJECT.name, name, root)
     return engine.submit(
         Request(
@@ -496,11 +512,14 @@ def broadcast_object(
     )
 
 
-def _check_root(root_rank: int, size: int, name: str) -> int:
+def _check_root(root_rank: int, size: int, name: str, process_set: Any = None) -> int:
+    """``root_rank`` checked, as a rank of the engine's group (global ranks map into a set)."""
     try:
         root = int(root_rank)
     except (TypeError, ValueError):
         raise ConfigurationError(f"{name!r}: root_rank={root_rank!r} is not an int") from None
+    if process_set is not None:
+        return global_root(process_set, root, repr(name))
     if not 0 <= root < size:
         raise ConfigurationError(f"{name!r}: root_rank={root} is not in [0, size()={size})")
     return root

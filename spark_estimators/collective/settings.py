@@ -96,7 +96,9 @@ def topology_from_env(rendezvous: bool = True) -> Topology:
         cross_size=cross_size,
         master_addr=addr or "127.0.0.1",
         master_port=port,
-        hostname=os.environ.get(ev.SE_HOSTNAME) or socket.gethostname(),
+        hostname=os.environ.get(ev.SE_HOSTNAME)
+        or os.environ.get(ev.HOROVOD_HOSTNAME)
+        or socket.gethostname(),
     )
 
 
@@ -158,6 +160,8 @@ def start_timeout(timeout: float | None = None) -> float:
 
 def _byte_count(value: int | None, env_name: str, default: int, what: str, zero: str) -> int:
     """``value``, else the integer in ``env_name``, else ``default``; refuses negatives."""
+    if value is None and env_name == ev.FUSION_THRESHOLD:
+        env_name = ev.first_set(ev.FUSION_THRESHOLD, ev.HOROVOD_FUSION_THRESHOLD) or env_name
     if value is None:
         try:
             value = ev.env_int(env_name, default)
@@ -169,7 +173,10 @@ def _byte_count(value: int | None, env_name: str, default: int, what: str, zero:
 
 
 def fusion_threshold(threshold: int | None = None) -> int:
-    """Bytes per fused gradient bucket (argument, else env, default 128 MiB; 0 = no fusion)."""
+    """Bytes per fused gradient bucket (argument, else env, default 128 MiB; 0 = no fusion).
+
+    The env is ``SPARK_ESTIMATORS_FUSION_THRESHOLD``, else Horovod's ``HOROVOD_FUSION_THRESHOLD``.
+    """
     return _byte_count(
         threshold,
         ev.FUSION_THRESHOLD,
@@ -190,3 +197,16 @@ def inline_limit(size: int, limit: int | None = None) -> int:
     return _byte_count(
         limit, ev.INLINE_LIMIT, default, "inline limit", "0 keeps only the fixed 512-byte room"
     )
+
+
+def timeline_path(path: str | None = None) -> str | None:
+    """Timeline path: the argument, else ``SPARK_ESTIMATORS_TIMELINE``, else HOROVOD_TIMELINE."""
+    if path:
+        return path
+    name = ev.first_set(ev.TIMELINE, ev.HOROVOD_TIMELINE)
+    return None if name is None else os.environ[name].strip()
+
+
+def ignored_horovod_variables() -> dict[str, str]:
+    """Horovod variables set in this process that have no effect here, with the reason."""
+    return {k: why for k, why in ev.IGNORED_HOROVOD.items() if os.environ.get(k, "").strip()}

@@ -7,7 +7,8 @@ and semantics: ``init``, ``rank``, ``size``, ``local_rank``, ... (shared with
 ``broadcast``/``broadcast_``, ``alltoall``, ``reducescatter``, ``barrier``, ``join``,
 ``synchronize``, ``poll``, ``allgather_object``, ``broadcast_object``),
 ``DistributedOptimizer``, ``broadcast_parameters``, ``broadcast_optimizer_state``,
-``Compression`` and ``SyncBatchNorm``.
+``Compression``, ``SyncBatchNorm`` and process sets (``ProcessSet``, ``add_process_set``,
+``remove_process_set``, ``global_process_set``).
 
 >>> import spark_estimators.collective.torch as hvd
 >>> hvd.init()  # doctest: +SKIP
@@ -22,12 +23,15 @@ from spark_estimators.collective import (
     Average,
     Max,
     Min,
+    ProcessSet,
     Product,
     ReduceOp,
     Sum,
+    add_process_set,
     backend_name,
     cross_rank,
     cross_size,
+    global_process_set,
     gloo_built,
     gloo_enabled,
     init,
@@ -40,8 +44,11 @@ from spark_estimators.collective import (
     mpi_threads_supported,
     nccl_built,
     rank,
+    remove_process_set,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from spark_estimators.collective import torch_elastic as elastic  # noqa: E402  (hvd.elastic.run)
 from spark_estimators.collective.engine import Handle
@@ -96,10 +103,12 @@ __all__ = [
     "Max",
     "Min",
     "NoneCompressor",
+    "ProcessSet",
     "Product",
     "ReduceOp",
     "Sum",
     "SyncBatchNorm",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -122,6 +131,7 @@ __all__ = [
     "cross_size",
     "gloo_built",
     "gloo_enabled",
+    "global_process_set",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
@@ -140,7 +150,10 @@ __all__ = [
     "rank",
     "reducescatter",
     "reducescatter_async",
+    "remove_process_set",
     "shutdown",
     "size",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
 ]

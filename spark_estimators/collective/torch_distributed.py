@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from spark_estimators.collective.backend import Backend, Buffer, ReduceOp
+from spark_estimators.collective.backend import Backend, Buffer, ReduceOp, Topology
 from spark_estimators.errors import CollectiveError, ConfigurationError, RendezvousTimeoutError
 
 if TYPE_CHECKING:
@@ -46,19 +46,19 @@ def _torch_op(op: ReduceOp) -> Any:
     }[op]
 
 
-def _gather_single(out: torch.Tensor, tensor: torch.Tensor) -> None:
+def _gather_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
     import torch.distributed as dist
 
     # torch >= 2.10 renamed all_gather_into_tensor (the old name warns).
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, tensor)
+    fn(out, tensor, group=group)
 
 
-def _reduce_scatter_single(out: torch.Tensor, tensor: torch.Tensor, op: Any) -> None:
+def _reduce_scatter_single(out: torch.Tensor, tensor: torch.Tensor, op: Any, group: Any) -> None:
     import torch.distributed as dist
 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, tensor, op=op)
+    fn(out, tensor, op=op, group=group)
 
 
 def _as_tensor(buf: Buffer) -> torch.Tensor:
@@ -82,6 +82,8 @@ class TorchDistributedBackend(Backend):
         super().__init__(topology, timeout=timeout, start_timeout=start_timeout)
         self._owns_group = False
         self.device: Any = None
+        #: The torch process group of a process set; None is the default (global) group.
+        self.group: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _device(self) -> Any:
@@ -149,9 +151,37 @@ class TorchDistributedBackend(Backend):
             ) from exc
         self._owns_group = True
 
+    def subgroup(self, ranks: Sequence[int]) -> Backend | None:
+        import torch.distributed as dist
+
+        members = [int(r) for r in ranks]
+        # Every rank of the default group must call new_group, members or not.
+        group = dist.new_group(members, timeout=datetime.timedelta(seconds=self.timeout))
+        if self.rank not in members:
+            return None
+        index = members.index(self.rank)
+        topo = Topology(
+            rank=index,
+            size=len(members),
+            local_rank=index,
+            local_size=len(members),
+            master_addr=self.topology.master_addr,
+            hostname=self.topology.hostname,
+        )
+        sub = type(self)(topo, timeout=self.timeout, start_timeout=self.start_timeout)
+        sub.group, sub.device, sub.native_average = group, self.device, self.native_average
+        return sub
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        if self.group is not None:
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception as exc:  # a broken group must not stop the shutdown
+                logger.debug("destroying a process set's group failed: %s", exc)
+            self.group = None
+            return
         if self._owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -163,17 +193,20 @@ class TorchDistributedBackend(Backend):
     def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
         import torch.distributed as dist
 
-        dist.all_reduce(_as_tensor(buf), op=_torch_op(op))
+        dist.all_reduce(_as_tensor(buf), op=_torch_op(op), group=self.group)
 
     def broadcast(self, buf: Buffer, root: int) -> None:
         import torch.distributed as dist
 
-        dist.broadcast(_as_tensor(buf), src=root)
+        if self.group is None:
+            dist.broadcast(_as_tensor(buf), src=root)
+        else:
+            dist.broadcast(_as_tensor(buf), group=self.group, group_src=root)
 
     def barrier(self) -> None:
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier(group=self.group)
 
     def allgather(self, buf: Buffer, first_dims: Sequence[int]) -> Buffer:
         import torch
@@ -184,13 +217,13 @@ class TorchDistributedBackend(Backend):
         if all(d == most for d in first_dims):
             out = tensor.new_empty((most * self.size, *rest))
             if out.numel():
-                _gather_single(out, tensor.contiguous())
+                _gather_single(out, tensor.contiguous(), self.group)
             return _like_input(out, buf)
         # Gloo needs equal sizes: pad every contribution to the largest, then drop the padding.
         padded = tensor.new_zeros((most, *rest))
         padded[: tensor.shape[0]] = tensor
         gathered = tensor.new_empty((most * self.size, *rest))
-        _gather_single(gathered, padded)
+        _gather_single(gathered, padded, self.group)
         parts = [gathered[r * most : r * most + d] for r, d in enumerate(first_dims)]
         return _like_input(torch.cat(parts), buf)
 
@@ -204,6 +237,7 @@ class TorchDistributedBackend(Backend):
             tensor.contiguous(),
             output_split_sizes=list(recv_rows),
             input_split_sizes=list(send_rows),
+            group=self.group,
         )
         return _like_input(out, buf)
 
@@ -213,7 +247,7 @@ class TorchDistributedBackend(Backend):
         if len(set(rows)) > 1 or op is not ReduceOp.SUM:
             return super().reducescatter(buf, op, rows)
         out = tensor.new_empty((rows[self.rank], *tensor.shape[1:]))
-        _reduce_scatter_single(out, tensor.contiguous(), _torch_op(op))
+        _reduce_scatter_single(out, tensor.contiguous(), _torch_op(op), self.group)
         return _like_input(out, buf)
 
     def zeros(self, numel: int, dtype: str, device: str) -> Buffer:

@@ -155,6 +155,7 @@ def _grouped_allreduce_async(
     prescale_factor: float,
     postscale_factor: float,
     finish: Any,
+    process_set: Any = None,
 ) -> Handle:
     futures: list[Future[Any]] = []
     groups = _groups(inputs)
@@ -170,6 +171,7 @@ def _grouped_allreduce_async(
                 prescale_factor,
                 postscale_factor,
                 blocking=_blocking() and len(groups) == 1,
+                process_set=process_set,
             )
         )
     return Handle(futures, name or "grouped_allreduce", finish)
@@ -189,11 +191,12 @@ def allreduce_async_(
     return _grouped_allreduce_async(
         [t],
         [t],
-        resolve_op(op, average),
+        resolve_op(op, average, adasum=True),
         name,
         prescale_factor,
         postscale_factor,
         lambda results: tensor,
+        process_set,
     )
 
 
@@ -208,7 +211,9 @@ def allreduce_(
     process_set: Any = None,
 ) -> torch.Tensor:
     """Allreduce ``tensor`` in place across ranks and return it; see :func:`allreduce`."""
-    return allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor).wait()
+    return allreduce_async_(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set
+    ).wait()
 
 
 def allreduce_async(
@@ -226,11 +231,12 @@ def allreduce_async(
     return _grouped_allreduce_async(
         [t],
         [out],
-        resolve_op(op, average),
+        resolve_op(op, average, adasum=True),
         name,
         prescale_factor,
         postscale_factor,
         lambda results: out,
+        process_set,
     )
 
 
@@ -238,16 +244,24 @@ class _AllreduceFunction(torch.autograd.Function):
     @staticmethod
     @_waited
     def forward(
-        ctx: Any, tensor: torch.Tensor, op: ReduceOp, name: str | None, pre: float, post: float
+        ctx: Any,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        name: str | None,
+        pre: float,
+        post: float,
+        process_set: Any,
     ) -> torch.Tensor:
-        ctx.op, ctx.pre, ctx.post = op, pre, post
-        return allreduce_async(tensor, None, name, op, pre, post).wait()
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
+        return allreduce_async(tensor, None, name, op, pre, post, process_set).wait()
 
     @staticmethod
     @_waited
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = allreduce_async(grad.contiguous(), None, None, ctx.op, ctx.pre, ctx.post)
-        return reduced.wait(), None, None, None, None
+        reduced = allreduce_async(
+            grad.contiguous(), None, None, ctx.op, ctx.pre, ctx.post, ctx.process_set
+        )
+        return reduced.wait(), None, None, None, None, None
 
 
 @_waited
@@ -274,11 +288,12 @@ def allreduce(
     compression
         ``Compression.none`` (default) or ``Compression.fp16``.
     op
-        ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum`` (a
+        power-of-two number of ranks, floating dtypes).
     prescale_factor, postscale_factor
         Multiply the input before / the result after the reduction.
     process_set
-        Accepted for Horovod compatibility; only the global set exists.
+        Reduce among this ``ProcessSet``'s members only (default: every rank).
 
     Returns
     -------
@@ -291,15 +306,15 @@ def allreduce(
     >>> hvd.allreduce(torch.ones(2) * (hvd.rank() + 1), op=hvd.Sum)  # doctest: +SKIP
     tensor([3., 3.])
     """
-    resolved = resolve_op(op, average)
+    resolved = resolve_op(op, average, adasum=True)
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():
         out = _AllreduceFunction.apply(
-            compressed, resolved, name, prescale_factor, postscale_factor
+            compressed, resolved, name, prescale_factor, postscale_factor, process_set
         )
     else:
         out = allreduce_async(
-            compressed, None, name, resolved, prescale_factor, postscale_factor
+            compressed, None, name, resolved, prescale_factor, postscale_factor, process_set
         ).wait()
     return compression.decompress(out, ctx)
 
@@ -319,11 +334,12 @@ def grouped_allreduce_async_(
     return _grouped_allreduce_async(
         ts,
         ts,
-        resolve_op(op, average),
+        resolve_op(op, average, adasum=True),
         name,
         prescale_factor,
         postscale_factor,
         lambda results: originals,
+        process_set,
     )
 
 
@@ -339,7 +355,7 @@ def grouped_allreduce_(
 ) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`; returns the same tensors."""
     return grouped_allreduce_async_(
-        tensors, average, name, op, prescale_factor, postscale_factor
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
     ).wait()
 
 
@@ -358,11 +374,12 @@ def grouped_allreduce_async(
     return _grouped_allreduce_async(
         ts,
         outs,
-        resolve_op(op, average),
+        resolve_op(op, average, adasum=True),
         name,
         prescale_factor,
         postscale_factor,
         lambda results: outs,
+        process_set,
     )
 
 
@@ -387,9 +404,10 @@ def grouped_allreduce(
         [c for c, _ in compressed],
         None,
         name,
-        resolve_op(op, average),
+        resolve_op(op, average, adasum=True),
         prescale_factor,
         postscale_factor,
+        process_set,
     ).wait()
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
 
@@ -400,23 +418,25 @@ def allgather_async(
 ) -> Handle:
     """Start an allgather; see :func:`allgather`."""
     t = _tensor(tensor, "allgather_async")
-    return Handle([_ops.allgather(_TORCH, t, name, _blocking())], name or "allgather")
+    future = _ops.allgather(_TORCH, t, name, _blocking(), process_set)
+    return Handle([future], name or "allgather")
 
 
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     @_waited
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-        ctx.dim0 = tensor.shape[0]
-        return allgather_async(tensor, name).wait()
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: Any) -> torch.Tensor:
+        ctx.dim0, ctx.process_set = tensor.shape[0], process_set
+        return allgather_async(tensor, name, process_set).wait()
 
     @staticmethod
     @_waited
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.SUM).wait()
-        dims = allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64)).wait()
-        offset = int(dims[: _engine.require("allgather").backend.rank].sum())
-        return reduced.narrow(0, offset, ctx.dim0), None
+        ps = ctx.process_set
+        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.SUM, process_set=ps).wait()
+        dims = allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64), None, ps).wait()
+        offset = int(dims[: _engine.require("allgather", ps).backend.rank].sum())
+        return reduced.narrow(0, offset, ctx.dim0), None, None
 
 
 @_waited
@@ -431,8 +451,8 @@ def allgather(
         Shape ``(sum of every rank's dim 0, *tensor.shape[1:])``, in rank order.
     """
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherFunction.apply(tensor, name)  # type: ignore[no-any-return]
-    return allgather_async(tensor, name).wait()  # type: ignore[no-any-return]
+        return _AllgatherFunction.apply(tensor, name, process_set)  # type: ignore[no-any-return]
+    return allgather_async(tensor, name, process_set).wait()  # type: ignore[no-any-return]
 
 
 def broadcast_async_(
@@ -440,7 +460,7 @@ def broadcast_async_(
 ) -> Handle:
     """Start an in-place broadcast from ``root_rank``."""
     t = _tensor(tensor, "broadcast_async_")
-    future = _ops.broadcast(_TORCH, t, t, root_rank, name, _blocking())
+    future = _ops.broadcast(_TORCH, t, t, root_rank, name, _blocking(), process_set)
     return Handle([future], name or "broadcast", lambda results: tensor)
 
 
@@ -449,7 +469,7 @@ def broadcast_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
 ) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s, in place, and return it."""
-    return broadcast_async_(tensor, root_rank, name).wait()
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
 def broadcast_async(
@@ -458,24 +478,27 @@ def broadcast_async(
     """Start a broadcast into a new tensor."""
     t = _tensor(tensor, "broadcast_async")
     out = torch.empty_like(t, memory_format=torch.contiguous_format)
-    future = _ops.broadcast(_TORCH, t, out, root_rank, name, _blocking())
+    future = _ops.broadcast(_TORCH, t, out, root_rank, name, _blocking(), process_set)
     return Handle([future], name or "broadcast", lambda results: out)
 
 
 class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
     @_waited
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
-        ctx.root_rank = root_rank
-        return broadcast_async(tensor, root_rank, name).wait()
+    def forward(
+        ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any
+    ) -> torch.Tensor:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return broadcast_async(tensor, root_rank, name, process_set).wait()
 
     @staticmethod
     @_waited
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.SUM).wait()
-        if _engine.require("broadcast").backend.rank != ctx.root_rank:
+        ps = ctx.process_set
+        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.SUM, process_set=ps).wait()
+        if _engine.require("broadcast").backend.rank != ctx.root_rank:  # global ranks
             reduced.zero_()
-        return reduced, None, None
+        return reduced, None, None, None
 
 
 @_waited
@@ -484,8 +507,10 @@ def broadcast(
 ) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere)."""
     if tensor.requires_grad and torch.is_grad_enabled():
-        return _BroadcastFunction.apply(tensor, root_rank, name)  # type: ignore[no-any-return]
-    return broadcast_async(tensor, root_rank, name).wait()  # type: ignore[no-any-return]
+        return _BroadcastFunction.apply(  # type: ignore[no-any-return]
+            tensor, root_rank, name, process_set
+        )
+    return broadcast_async(tensor, root_rank, name, process_set).wait()  # type: ignore[no-any-return]
 
 
 def alltoall_async(
@@ -497,7 +522,7 @@ def alltoall_async(
     """Start an alltoall; see :func:`alltoall`."""
     t = _tensor(tensor, "alltoall_async")
     split_list = None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
-    future = _ops.alltoall(_TORCH, t, split_list, name, _blocking())
+    future = _ops.alltoall(_TORCH, t, split_list, name, _blocking(), process_set)
 
     def finish(results: list[Any]) -> Any:
         out, received = results[0]
@@ -525,7 +550,7 @@ def alltoall(
         The received rows in rank order; with ``splits`` also a tensor of the row counts
         received from each rank (Horovod's second return value).
     """
-    return alltoall_async(tensor, splits, name).wait()
+    return alltoall_async(tensor, splits, name, process_set).wait()
 
 
 def reducescatter_async(
@@ -540,8 +565,9 @@ def reducescatter_async(
     """Start a reducescatter; see :func:`reducescatter`."""
     compressed, ctx = compression.compress(_tensor(tensor, "reducescatter_async"))
     future = _ops.reducescatter(
-        _TORCH, compressed, resolve_op(op), name, prescale_factor, postscale_factor, _blocking()
-    )
+        _TORCH, compressed, resolve_op(op), name, prescale_factor, postscale_factor, _blocking(),
+        process_set,
+    )  # fmt: skip
     return Handle(
         [future], name or "reducescatter", lambda results: compression.decompress(results[0], ctx)
     )
@@ -567,8 +593,8 @@ def reducescatter(
 
 
 def barrier(process_set: Any = None) -> None:
-    """Block until every rank has called ``barrier()``."""
-    _ops.barrier(blocking=True).result()
+    """Block until every rank (of ``process_set``) has called ``barrier()``."""
+    _ops.barrier(True, process_set).result()
 
 
 def join(device: int = -1) -> int:
@@ -585,11 +611,11 @@ def join(device: int = -1) -> int:
 
 def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
     """Return the list of every rank's picklable ``obj``, in rank order."""
-    return list(_ops.allgather_object(obj, name, blocking=True).result())
+    return list(_ops.allgather_object(obj, name, True, process_set).result())
 
 
 def broadcast_object(
     obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None
 ) -> Any:
     """Return ``root_rank``'s picklable ``obj`` on every rank."""
-    return _ops.broadcast_object(obj, root_rank, name, blocking=True).result()
+    return _ops.broadcast_object(obj, root_rank, name, True, process_set).result()

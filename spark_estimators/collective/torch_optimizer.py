@@ -23,6 +23,11 @@ How it works (Horovod's design, with DDP-style static buckets):
 
 With ``backward_passes_per_step=k`` gradients accumulate locally over k backward passes and the
 sum is averaged across ranks once (Horovod's semantics, not divided by k).
+
+``op=Adasum`` follows Horovod's delta optimizer instead: ``step()`` runs the wrapped optimizer
+on the local gradients, and the change of every parameter (the delta) is combined across ranks
+with Adasum (per parameter), then added to the parameters as they were before the step. No hooks,
+no buckets; ``process_set=`` restricts every reduction to that set's members.
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gradient_predivide_factor: float,
         groups: int | Sequence[Sequence[torch.Tensor]] | None,
         fusion_threshold: int,
+        process_set: Any = None,
     ) -> None:
         params: list[torch.Tensor] = []
         for group in self.param_groups:
@@ -117,6 +123,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._se_compression = compression
         self._se_passes = backward_passes_per_step
         self._se_op = op
+        self._se_process_set = process_set
         self._se_predivide = gradient_predivide_factor
         ordered = list(reversed(params))
         explicit = None
@@ -173,6 +180,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             op=self._se_op,
             prescale_factor=pre,
             postscale_factor=post,
+            process_set=self._se_process_set,
         )
         self._se_inflight.append((b, handle, compressed))
         self._se_next = b + 1
@@ -239,6 +247,53 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._se_hooks = []
 
 
+class _AdasumOptimizer(torch.optim.Optimizer):
+    """Horovod's Adasum delta optimizer, mixed in front of the user's optimizer class."""
+
+    def _se_setup_adasum(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+        compression: type[Compressor],
+        process_set: Any,
+    ) -> None:
+        params: list[torch.Tensor] = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and all(p is not q for q in params):
+                    params.append(p)
+        self._se_params = params
+        self._se_names = _parameter_names(named_parameters, params)
+        self._se_compression = compression
+        self._se_process_set = process_set
+
+    def synchronize(self) -> None:
+        """Nothing to do: with Adasum the reduction happens inside ``step()``."""
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Accepted for Horovod compatibility (``step()`` always reduces the deltas)."""
+        yield
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        params = self._se_params
+        starts = [p.detach().clone() for p in params]
+        loss = super().step(closure)
+        with torch.no_grad():
+            deltas = [(p.detach() - s).contiguous() for p, s in zip(params, starts)]
+            sent = [self._se_compression.compress(d) for d in deltas]
+            first = self._se_names[id(params[0])] if params else ""
+            with waited_ops():
+                grouped_allreduce_async_(
+                    [c for c, _ in sent],
+                    name=f"DistributedOptimizer.adasum[{first}, ...]",
+                    op=ReduceOp.ADASUM,
+                    process_set=self._se_process_set,
+                ).wait()
+            for p, start, (c, ctx) in zip(params, starts, sent):
+                p.copy_(start + self._se_compression.decompress(c, ctx))
+        return loss
+
+
 def _parameter_names(
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None, params: Sequence[torch.Tensor]
 ) -> dict[int, str]:
@@ -263,7 +318,7 @@ def _parameter_names(
     return {id(p): by_id[id(p)] for p in params}
 
 
-_CLASSES: dict[type, type[_DistributedOptimizer]] = {}
+_CLASSES: dict[Any, type] = {}
 # Instance attributes that must not be copied from the wrapped optimizer: an LR scheduler
 # created on it replaces ``step`` per instance, which would bypass synchronize().
 _NOT_COPIED = ("step", "zero_grad", "_opt_called")
@@ -296,14 +351,17 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     backward_passes_per_step
         Backward passes accumulated locally before the allreduce and ``step()``.
     op
-        ``Average`` (default) or ``Sum``.
+        ``Average`` (default), ``Sum`` or ``Adasum`` (Horovod's delta optimizer: see the
+        module docstring; a power-of-two number of ranks).
     gradient_predivide_factor
         With ``Average``: divide by this before the sum and by ``size()/factor`` after.
     num_groups, groups
         Explicit fusion groups: a number of equal groups, or lists of parameters (each one
         fused allreduce). Replaces the threshold-based buckets.
-    sparse_as_dense, process_set
-        Accepted for Horovod compatibility (gradients are always dense, one global set).
+    sparse_as_dense
+        Accepted for Horovod compatibility (gradients are always dense).
+    process_set
+        Average the gradients among this ``ProcessSet``'s members only (default: every rank).
     fusion_threshold
         Bytes per bucket (default ``SPARK_ESTIMATORS_FUSION_THRESHOLD`` or 128 MiB; 0 = none).
 
@@ -321,11 +379,13 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         raise ConfigurationError(
             f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, _DistributedOptimizer | _AdasumOptimizer):
         raise ConfigurationError("the optimizer is already a DistributedOptimizer")
-    resolved = resolve_op(op)
-    if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ConfigurationError(f"DistributedOptimizer op must be Average or Sum, got {op!r}")
+    resolved = resolve_op(op, adasum=True)
+    if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
+        raise ConfigurationError(
+            f"DistributedOptimizer op must be Average, Sum or Adasum, got {op!r}"
+        )
     if gradient_predivide_factor != 1.0 and resolved is not ReduceOp.AVERAGE:
         raise ConfigurationError("gradient_predivide_factor needs op=Average")
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
@@ -338,7 +398,22 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         raise ConfigurationError("compression must be Compression.none or Compression.fp16")
     if num_groups and groups is None:
         groups = num_groups
+    if process_set is not None:
+        _engine.require("DistributedOptimizer", process_set)  # a member of a registered set
     base = type(optimizer)
+    if resolved is ReduceOp.ADASUM:
+        if gradient_predivide_factor != 1.0:
+            raise ConfigurationError("gradient_predivide_factor needs op=Average, not Adasum")
+        adasum_cls = _CLASSES.get((base, "adasum"))
+        if adasum_cls is None:
+            adasum_cls = type(
+                base.__name__, (_AdasumOptimizer, base), {"__module__": base.__module__}
+            )
+            _CLASSES[(base, "adasum")] = adasum_cls
+        delta: _AdasumOptimizer = object.__new__(adasum_cls)
+        delta.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in _NOT_COPIED})
+        delta._se_setup_adasum(named_parameters, compression, process_set)
+        return delta
     cls = _CLASSES.get(base)
     if cls is None:
         cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": base.__module__})
@@ -353,6 +428,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         float(gradient_predivide_factor),
         groups,
         _settings.fusion_threshold(fusion_threshold),
+        process_set,
     )
     return wrapped
 
@@ -360,7 +436,10 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
 # -- model and optimizer state ---------------------------------------------------------------
 @_waited
 def broadcast_parameters(
-    params: dict[str, Any] | Iterable[Any], root_rank: int, prefix: str | None = None
+    params: dict[str, Any] | Iterable[Any],
+    root_rank: int,
+    prefix: str | None = None,
+    process_set: Any = None,
 ) -> None:
     """Overwrite parameters/buffers in place with ``root_rank``'s.
 
@@ -372,6 +451,8 @@ def broadcast_parameters(
         The rank whose values everyone gets.
     prefix
         Accepted for Horovod compatibility (names only label errors here).
+    process_set
+        Broadcast among this ``ProcessSet``'s members only (``root_rank`` is a global rank).
 
     Notes
     -----
@@ -394,6 +475,7 @@ def broadcast_parameters(
                 root_rank,
                 f"broadcast_parameters.{g}",
                 blocking=len(groups) == 1,
+                process_set=process_set,
             )
         )
     for future in futures:
@@ -411,7 +493,7 @@ def _to_cpu(value: Any) -> Any:
 
 
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None
+    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None, process_set: Any = None
 ) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyperparameters (``lr``, ...).
 
@@ -420,6 +502,8 @@ def broadcast_optimizer_state(
     """
     me = _engine.require("broadcast_optimizer_state").backend.rank
     payload = _to_cpu(optimizer.state_dict()) if me == root_rank else None
-    state = broadcast_object(payload, root_rank, name="broadcast_optimizer_state")
+    state = broadcast_object(
+        payload, root_rank, name="broadcast_optimizer_state", process_set=process_set
+    )
     if me != root_rank:
         optimizer.load_state_dict(state)

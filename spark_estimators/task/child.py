@@ -79,6 +79,9 @@ def main() -> None:
             )
         except Exception:
             sys.stderr.write(tb)
+    timeline = sys.modules.get("spark_estimators.collective.timeline")
+    if timeline is not None:  # os._exit skips atexit: write the collective timeline's tail
+        timeline.flush_all()
     _flush()
     # os._exit: never hang at interpreter exit on threads or process groups fn left behind.
     os._exit(code)

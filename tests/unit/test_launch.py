@@ -105,6 +105,19 @@ def test_cli_passes_knobs_and_runs_modules(tmp_path):
     assert sorted(proc.stdout.splitlines()) == ["[0]7.0 2097152", "[1]7.0 2097152"]
 
 
+def test_cli_timeline_filename_reaches_the_ranks(tmp_path):
+    (tmp_path / "tl.py").write_text(f"import os\nprint(os.environ[{ev.TIMELINE!r}])\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "spark_estimators.launch", "-np", "2", "--timeline-filename",
+         "/tmp/x/tl.json", "-m", "tl"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[0]/tmp/x/tl.json", "[1]/tmp/x/tl.json"]
+
+
 def test_cli_fails_fast_naming_the_rank_and_kills_the_others(tmp_path):
     fifo = tmp_path / "pid.fifo"
     os.mkfifo(fifo)

@@ -1,0 +1,133 @@
+"""Adasum (``op=hvd.Adasum``): adaptive summation of gradients, as Horovod describes it.
+
+Two vectors combine as::
+
+    adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
+
+which is ``a + b`` for orthogonal vectors and their average for parallel ones (a coefficient is
+1 when its vector's squared norm is below 1e-8, as in Horovod). For ``2**k`` ranks the vectors
+combine pairwise in a binary tree over the ranks: ``(0, 1)``, ``(2, 3)``, ... first, then the
+pairs of pairs, so the number of ranks must be a power of two (Horovod has the same rule). Each
+tensor of a grouped allreduce (or of a ``DistributedOptimizer`` bucket) gets its own
+coefficients, as in Horovod's fused buffers. Dot products and norms are computed in float64.
+
+How it runs here: one allgather of every rank's (pre-scaled) data, then the same tree on every
+rank, in rank order, so every rank gets a bitwise identical result. That moves ``size`` times
+the data of a ring allreduce: fine for CPU training on a few ranks, not Horovod's
+bandwidth-optimal recursive halving on large GPU jobs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+from spark_estimators.collective.backend import Buffer
+from spark_estimators.collective.engine import Agreement, Engine, Kind, Request
+from spark_estimators.errors import ConfigurationError
+
+#: Real floating dtypes Adasum accepts.
+ADASUM_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
+
+
+def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Adasum of two vectors (float64)."""
+    dot = float(np.dot(a, b))
+    anormsq, bnormsq = float(np.dot(a, a)), float(np.dot(b, b))
+    acoeff = 1.0 - dot / anormsq * 0.5 if anormsq >= 1e-8 else 1.0
+    bcoeff = 1.0 - dot / bnormsq * 0.5 if bnormsq >= 1e-8 else 1.0
+    return np.asarray(acoeff * a + bcoeff * b)
+
+
+def tree_reduce(vectors: Sequence[np.ndarray]) -> np.ndarray:
+    """Combine ``2**k`` vectors pairwise in rank order: ``((v0, v1), (v2, v3)), ...``."""
+    level = [np.asarray(v, dtype=np.float64).reshape(-1) for v in vectors]
+    if not level or len(level) & (len(level) - 1):
+        raise ConfigurationError(f"Adasum needs a power-of-two number of vectors, got {len(level)}")
+    while len(level) > 1:
+        level = [combine(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def reduce_segments(rows: np.ndarray, numels: Sequence[int]) -> np.ndarray:
+    """Adasum of ``rows`` (one per rank), tensor by tensor (``numels`` split each row)."""
+    out = np.empty(rows.shape[1], dtype=np.float64)
+    offset = 0
+    for n in numels:
+        out[offset : offset + n] = tree_reduce(list(rows[:, offset : offset + n]))
+        offset += n
+    return out
+
+
+def _as_float64(flat: Buffer) -> np.ndarray:
+    if isinstance(flat, np.ndarray):
+        return flat.astype(np.float64).reshape(-1)
+    import torch
+
+    return flat.detach().to("cpu", torch.float64).reshape(-1).numpy()
+
+
+def submit(
+    engine: Engine,
+    ops: Any,
+    inputs: Sequence[Buffer],
+    outputs: Sequence[Buffer],
+    display: str,
+    name: str | None,
+    shapes: tuple[tuple[int, ...], ...],
+    prescale: float,
+    postscale: float,
+    blocking: bool,
+) -> Future[Any]:
+    """Queue an Adasum allreduce of ``inputs`` into ``outputs`` on ``engine``."""
+    backend = engine.backend
+    size = backend.size
+    dtype, device = ops.dtype(inputs[0]), ops.device(inputs[0])
+    if size & (size - 1):
+        raise ConfigurationError(
+            f"op=Adasum on {display!r} needs a power-of-two number of ranks (as in Horovod), got "
+            f"{size}; run on 1, 2, 4, 8 ... ranks (or a process set of that size) or use "
+            "op=Average"
+        )
+    if dtype not in ADASUM_DTYPES:
+        raise ConfigurationError(
+            f"op=Adasum on {display!r} needs a floating dtype, got {dtype}; use op=Sum"
+        )
+    numels = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+    total = sum(numels)
+    signature = (Kind.ALLREDUCE.name, name, dtype, device, shapes, "ADASUM", prescale, postscale)
+    described = shapes[0] if len(shapes) == 1 else f"{len(shapes)} tensors {list(shapes)}"
+    description = f"{display!r} {dtype} on {device}, shape {described}, op=ADASUM"
+
+    def execute(agreement: Agreement) -> Sequence[Buffer]:
+        if agreement.joined:
+            raise ConfigurationError(
+                f"op=Adasum on {display!r}: rank(s) {agreement.joined} already called join(); "
+                "Adasum needs data from every rank"
+            )
+        if total == 0:
+            return outputs
+        one = len(inputs) == 1 and ops.is_contiguous(inputs[0])
+        flat = ops.flat_view(inputs[0]) if one else ops.pack(inputs)
+        local = _as_float64(flat)
+        if prescale != 1.0:
+            local = local * prescale
+        rows = np.asarray(backend.allgather(local.reshape(1, -1).copy(), [1] * size))
+        result = reduce_segments(rows.reshape(size, total), numels)
+        if postscale != 1.0:
+            result *= postscale
+        reduced = ops.adopt(result, inputs[0])
+        if len(outputs) == 1:
+            ops.copy_(outputs[0], reduced)
+        else:
+            ops.unpack(reduced, outputs)
+        return outputs
+
+    request = Request(
+        Kind.ALLREDUCE, display, signature, execute, description, numel=total, dtype=dtype,
+        device=device,
+    )  # fmt: skip
+    return engine.submit(request, blocking=blocking)
