@@ -15,7 +15,7 @@ from typing import Any
 from pyspark.ml import Estimator
 
 from spark_estimators.core.backend import Backend, SparkBackend
-from spark_estimators.core.params import ALIASES, EstimatorParams, to_camel
+from spark_estimators.core.params import ALIASES, EstimatorParams, check_unsupported, to_camel
 from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.core.progress import EpochProgress
 from spark_estimators.errors import (
@@ -130,6 +130,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
                 f"{backend.num_processes()}: set one of them"
             )
         self._validate_elastic(num_proc)
+        check_unsupported(self)  # horovod params without an effect here: refused, not ignored
         store = self.getStore()
         if store is not None:
             from spark_estimators.store import Store
@@ -211,6 +212,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
             label_cols=self.getLabelCols(),
             validation=self.getValidation(),
             sample_weight_col=self.getSampleWeightCol(),
+            compress_sparse=self.getCompressSparseCols(),
             partitions_per_process=self.getPartitionsPerProcess(),
             verbose=self.getVerbose(),
         )
@@ -372,6 +374,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
             "train_reader_num_workers": self.getTrainReaderNumWorkers(),
             "val_reader_num_workers": self.getValReaderNumWorkers(),
             "history": [] if info is None else list(info.get("history", [])),
+            "shuffle_buffer_size": self.getShuffleBufferSize(),
         }
 
     @staticmethod

@@ -75,6 +75,17 @@ ALIASES: dict[str, str] = {
     "transform_batch_size": "transformBatchSize",
     "min_num_proc": "minNumProc",
     "reset_limit": "resetLimit",
+    "shuffle_buffer_size": "shuffleBufferSize",
+    "reader_pool_type": "readerPoolType",
+    "mp_start_method": "mpStartMethod",
+    "compress_sparse_cols": "compressSparseCols",
+    "transformation_edit_fields": "transformationEditFields",
+    "transformation_removed_fields": "transformationRemovedFields",
+    "data_module": "dataModule",
+    "debug_data_loader": "debugDataLoader",
+    "train_async_data_loader_queue_size": "trainAsyncDataLoaderQueueSize",
+    "val_async_data_loader_queue_size": "valAsyncDataLoaderQueueSize",
+    "log_to_mlflow": "logToMlflow",
 }
 
 
@@ -168,6 +179,28 @@ class EstimatorParams(HasOutputCols):
     resetLimit = make_param(
         "resetLimit", "elastic: most relaunches within one fit", TypeConverters.toInt
     )
+    shuffleBufferSize = make_param(
+        "shuffleBufferSize",
+        "rows of the reader's shuffle buffer (None: automatic; 0: no shuffling)",
+        _to_int_or_none,
+    )
+    readerPoolType = make_param(
+        "readerPoolType", "horovod/petastorm worker pool: only 'thread' (the reader's threads)"
+    )
+    mpStartMethod = make_param(
+        "mpStartMethod", "horovod compatibility: only None (no multiprocessing pool is used)"
+    )
+    compressSparseCols = make_param(
+        "compressSparseCols",
+        "store mostly-zero vector columns sparsely in the prepared data",
+        TypeConverters.toBoolean,
+    )
+    transformationEditFields = make_param(
+        "transformationEditFields", "petastorm TransformSpec fields; not needed (only None)"
+    )
+    transformationRemovedFields = make_param(
+        "transformationRemovedFields", "petastorm TransformSpec fields; not needed (only None)"
+    )
 
     def __init__(self) -> None:
         super().__init__()
@@ -213,6 +246,12 @@ class EstimatorParams(HasOutputCols):
             elastic=False,
             minNumProc=None,
             resetLimit=3,
+            shuffleBufferSize=None,
+            readerPoolType="thread",
+            mpStartMethod=None,
+            compressSparseCols=False,
+            transformationEditFields=None,
+            transformationRemovedFields=None,
             outputCols=[],
         )
 
@@ -336,3 +375,126 @@ class EstimatorParams(HasOutputCols):
 
     def getResetLimit(self) -> int:
         return self.getOrDefault(self.resetLimit)
+
+    def getShuffleBufferSize(self) -> int | None:
+        return self.getOrDefault(self.shuffleBufferSize)
+
+    def getCompressSparseCols(self) -> bool:
+        return self.getOrDefault(self.compressSparseCols)
+
+    # horovod's spellings of a few accessors
+    def getShufflingBufferSize(self) -> int | None:
+        return self.getShuffleBufferSize()
+
+    def setShufflingBufferSize(self, value: int | None) -> Any:
+        return self._set(shuffleBufferSize=value)
+
+    def getTrainReaderNumWorker(self) -> int:
+        return self.getTrainReaderNumWorkers()
+
+    def setTrainReaderNumWorker(self, value: int) -> Any:
+        return self._set(trainReaderNumWorkers=value)
+
+    def getValReaderNumWorker(self) -> int:
+        return self.getValReaderNumWorkers()
+
+    def setValReaderNumWorker(self, value: int) -> Any:
+        return self._set(valReaderNumWorkers=value)
+
+    def getInMemoryCacheAll(self) -> bool:
+        return self.getInmemoryCacheAll()
+
+    def setInMemoryCacheAll(self, value: bool) -> Any:
+        return self._set(inmemoryCacheAll=value)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        add_accessors(cls)
+
+
+def add_accessors(cls: type) -> type:
+    """Give ``cls`` a ``getX()`` and a ``setX(value)`` (returning self) for every Param ``x``.
+
+    The pyspark.ml way (``est.setEpochs(5).setBatchSize(64)``); explicit methods win.
+    """
+    for name in dir(cls):
+        param = getattr(cls, name, None)
+        if not isinstance(param, Param) or name != param.name:
+            continue
+        suffix = name[0].upper() + name[1:]
+        if not hasattr(cls, "set" + suffix):
+            setattr(cls, "set" + suffix, _setter(name))
+        if not hasattr(cls, "get" + suffix):
+            setattr(cls, "get" + suffix, _getter(name))
+    return cls
+
+
+def _setter(name: str) -> Any:
+    def setter(self: Params, value: Any) -> Params:
+        return self._set(**{name: value})
+
+    setter.__name__ = "set" + name[0].upper() + name[1:]
+    setter.__doc__ = f"Set the ``{name}`` param; returns self."
+    return setter
+
+
+def _getter(name: str) -> Any:
+    def getter(self: Params) -> Any:
+        return self.getOrDefault(name)
+
+    getter.__name__ = "get" + name[0].upper() + name[1:]
+    getter.__doc__ = f"The ``{name}`` param's value (or its default)."
+    return getter
+
+
+# Horovod parameters with no equivalent here: a value other than the default is refused with the
+# alternative (they were accepted and silently ignored before).
+UNSUPPORTED: dict[str, tuple[str, Any, str]] = {
+    "readerPoolType": (
+        "reader_pool_type",
+        ("thread", None),
+        "the reader decodes with pyarrow's threads, not a petastorm pool; use "
+        "train_reader_num_workers / val_reader_num_workers to set its parallelism",
+    ),
+    "mpStartMethod": (
+        "mp_start_method",
+        (None,),
+        "no multiprocessing pool is used: each rank is a fresh process started by its Spark "
+        "task and the reader uses threads; remove mp_start_method",
+    ),
+    "transformationEditFields": (
+        "transformation_edit_fields",
+        (None,),
+        "transformation_fn returns a pandas DataFrame whose columns may be added or removed "
+        "freely (no petastorm TransformSpec schema to edit); remove it",
+    ),
+    "transformationRemovedFields": (
+        "transformation_removed_fields",
+        (None,),
+        "transformation_fn may drop columns itself (no petastorm TransformSpec schema to "
+        "edit); remove it",
+    ),
+}
+
+
+def check_unsupported(est: Params) -> None:
+    """Refuse horovod parameters that have no effect here, naming what to use instead."""
+    from spark_estimators.errors import ConfigurationError
+
+    table = dict(UNSUPPORTED)
+    table.update(getattr(est, "_unsupported", {}))
+    for name, (keyword, allowed, why) in table.items():
+        if not est.hasParam(name):
+            continue
+        value = est.getOrDefault(name)
+        if not any(value is a or (a is not None and value == a) for a in allowed):
+            raise ConfigurationError(f"{keyword}={value!r} is not supported: {why}")
+    size = est.getOrDefault("shuffleBufferSize") if est.hasParam("shuffleBufferSize") else None
+    if size is not None and (isinstance(size, bool) or size < 0):
+        raise ConfigurationError(
+            f"shuffle_buffer_size={size!r} is invalid: expected None (automatic), 0 (no "
+            "shuffling) or a positive number of rows"
+        )
+
+
+add_accessors(EstimatorParams)

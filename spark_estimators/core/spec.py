@@ -38,6 +38,7 @@ class TrainSpec:
     train_reader_num_workers: int
     val_reader_num_workers: int
     history: list[dict[str, Any]] = field(default_factory=list)
+    shuffle_buffer_size: int | None = None  # None: the reader's default; 0: no shuffling
 
     def open_reader(self, split: str, rank: int, size: int, transformation_fn: Any) -> Any:
         """The reader of ``split`` ("train" or "val") for one rank, with the batch settings."""
@@ -55,7 +56,8 @@ class TrainSpec:
             size=size,
             batch_size=self.batch_size if train else self.val_batch_size,
             columns=columns,
-            shuffle=self.shuffle and train,
+            shuffle=self.shuffle and train and self.shuffle_buffer_size != 0,
+            shuffle_buffer_size=self.shuffle_buffer_size or None,
             seed=self.seed if self.seed is not None else 0,
             inmemory_cache=self.inmemory_cache_all,
             transformation_fn=transformation_fn,

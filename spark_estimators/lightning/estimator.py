@@ -95,8 +95,10 @@ class LightningEstimator(SparkEstimator):
     in the store; a Lightning logger is used as given; False turns logging off.
     ``trainer_args`` is merged into ``Trainer(...)`` (e.g. ``precision``, ``gradient_clip_val``);
     arguments the estimator owns are refused with the param to use instead.
-    ``loader_num_epochs`` is accepted for horovod compatibility and has no effect: the reader
-    delivers exactly one pass over each rank's shard per epoch. A ``ModelCheckpoint`` with a
+    horovod's ``loader_num_epochs``, ``data_module``, ``debug_data_loader`` and
+    ``train/val_async_data_loader_queue_size`` are accepted only at their defaults: the reader
+    delivers exactly one pass over each rank's shard per epoch; other values are refused with
+    the alternative. A ``ModelCheckpoint`` with a
     ``monitor`` among ``callbacks`` makes the returned model hold its best checkpoint (as horovod
     did); otherwise it holds the final weights.
     """
@@ -114,8 +116,52 @@ class LightningEstimator(SparkEstimator):
         "terminateOnNan", "stop with an error on a NaN/inf loss or weight", TypeConverters.toBoolean
     )
     loaderNumEpochs = make_param(
-        "loaderNumEpochs", "horovod compatibility; no effect (one pass per epoch)", _int_or_none
+        "loaderNumEpochs", "horovod compatibility: only None (one pass per epoch)", _int_or_none
     )
+    dataModule = make_param(
+        "dataModule", "horovod compatibility: only None (the reader is built in)"
+    )
+    debugDataLoader = make_param(
+        "debugDataLoader", "horovod compatibility: only False", TypeConverters.toBoolean
+    )
+    trainAsyncDataLoaderQueueSize = make_param(
+        "trainAsyncDataLoaderQueueSize", "horovod compatibility: only None", _int_or_none
+    )
+    valAsyncDataLoaderQueueSize = make_param(
+        "valAsyncDataLoaderQueueSize", "horovod compatibility: only None", _int_or_none
+    )
+
+    # horovod Lightning params with no equivalent: refused with the alternative (see
+    # spark_estimators.core.params.check_unsupported).
+    _unsupported: dict[str, tuple[str, Any, str]] = {
+        "loaderNumEpochs": (
+            "loader_num_epochs",
+            (None,),
+            "the reader delivers exactly one pass over each rank's shard per epoch; use "
+            "train_steps_per_epoch to shorten epochs, or remove loader_num_epochs",
+        ),
+        "dataModule": (
+            "data_module",
+            (None,),
+            "batches come from the built-in reader over the prepared data; shape them with "
+            "transformation_fn, input_shapes and label_shapes, or remove data_module",
+        ),
+        "debugDataLoader": (
+            "debug_data_loader",
+            (False, None),
+            "the reader logs at DEBUG on logger 'spark_estimators.data.reader'; remove it",
+        ),
+        "trainAsyncDataLoaderQueueSize": (
+            "train_async_data_loader_queue_size",
+            (None,),
+            "the reader prefetches on its own thread; use train_reader_num_workers, or remove it",
+        ),
+        "valAsyncDataLoaderQueueSize": (
+            "val_async_data_loader_queue_size",
+            (None,),
+            "the reader prefetches on its own thread; use val_reader_num_workers, or remove it",
+        ),
+    }
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
@@ -127,6 +173,10 @@ class LightningEstimator(SparkEstimator):
             profiler=None,
             terminateOnNan=False,
             loaderNumEpochs=None,
+            dataModule=None,
+            debugDataLoader=False,
+            trainAsyncDataLoaderQueueSize=None,
+            valAsyncDataLoaderQueueSize=None,
             scaleLr=False,
         )
         self.setParams(**kwargs)
@@ -201,11 +251,6 @@ class LightningEstimator(SparkEstimator):
         if self.getLogEveryNSteps() < 1:
             raise ConfigurationError(
                 f"log_every_n_steps={self.getLogEveryNSteps()!r} is invalid: expected an int >= 1"
-            )
-        epochs = self.getLoaderNumEpochs()
-        if epochs is not None and epochs < 1:
-            raise ConfigurationError(
-                f"loader_num_epochs={epochs!r} is invalid: expected None or an int >= 1"
             )
         shapes = self.getLabelShapes()
         if shapes is not None and len(shapes) != len(self.getLabelCols()):

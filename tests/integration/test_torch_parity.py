@@ -168,3 +168,15 @@ def test_torchscript_model_trains_transforms_and_saves(df, store, tmp_path):
     assert isinstance(loaded.getModel(), torch.jit.ScriptModule)
     with torch.no_grad():
         np.testing.assert_allclose(loaded.getModel()(x).numpy().ravel(), want, rtol=1e-6)
+
+
+def test_shuffle_buffer_size_zero_turns_shuffling_off(df, store):
+    def weights(**kw):
+        torch.manual_seed(0)
+        fitted = estimator(store, Linear(), epochs=1, **kw).fit(df)
+        return fitted.getModel().fc.weight.detach().numpy().copy()
+
+    unshuffled = weights(shuffle=False)
+    np.testing.assert_array_equal(weights(shuffle_buffer_size=0), unshuffled)
+    # The default shuffles (same seed), so its batches, and so its weights, differ.
+    assert not np.array_equal(weights(), unshuffled)
