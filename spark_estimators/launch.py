@@ -424,6 +424,32 @@ def _worker_main(payload_path: str) -> None:
 
 
 # -- command line ----------------------------------------------------------------------------
+#: horovodrun flags with no equivalent here -> the run_options.UNSUPPORTED entry explaining why.
+_UNSUPPORTED_FLAGS = {
+    ("-H", "--hosts"): "hosts",
+    ("-hostfile", "--hostfile"): "hostfile",
+    ("--mpi-args",): "extra_mpi_args",
+    ("--min-np",): "min_np",
+    ("--max-np",): "max_np",
+    ("--host-discovery-script",): "host_discovery_script",
+    ("--cycle-time-ms",): "cycle_time_ms",
+    ("--cache-capacity",): "cache_capacity",
+}
+_UNSUPPORTED_SWITCHES = {
+    ("--autotune",): "autotune",
+    ("--hierarchical-allreduce",): "hierarchical_allreduce",
+}
+
+
+class _Unsupported(argparse.Action):
+    """Fails the command line naming the horovodrun flag and what to use instead."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        from spark_estimators.run_options import UNSUPPORTED
+
+        parser.error(f"{option} is not supported: {UNSUPPORTED[self.dest]}")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m spark_estimators.launch",
@@ -431,6 +457,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-np", "--num-proc", type=int, required=True, help="number of ranks")
     p.add_argument("--backend", choices=_BACKENDS, default="auto", help="collective backend")
+    p.add_argument("--gloo", dest="backend", action="store_const", const="gloo",
+                   help="horovodrun's flag: --backend gloo")  # fmt: skip
+    p.add_argument("--mpi", dest="backend", action="store_const", const="mpi",
+                   help="horovodrun's flag: --backend mpi")  # fmt: skip
+    p.add_argument(
+        "--network-interface",
+        "--network-interfaces",
+        dest="nics",
+        help="comma-separated interfaces for the collectives (sets GLOO_SOCKET_IFNAME and "
+        "NCCL_SOCKET_IFNAME)",
+    )
+    p.add_argument("--timeline-mark-cycles", action="store_true",
+                   help="accepted for horovodrun compatibility (no cycles to mark)")  # fmt: skip
+    p.add_argument("-v", "--verbose", action="store_true", help="accepted (horovodrun's flag)")
+    for flags, key in _UNSUPPORTED_FLAGS.items():
+        p.add_argument(*flags, dest=key, action=_Unsupported, help=argparse.SUPPRESS)
+    for flags, key in _UNSUPPORTED_SWITCHES.items():
+        p.add_argument(*flags, dest=key, nargs=0, action=_Unsupported, help=argparse.SUPPRESS)
     p.add_argument("--start-timeout", type=float, help=f"seconds, sets {ev.START_TIMEOUT}")
     p.add_argument(
         "--collective-timeout", type=float, help=f"seconds, sets {ev.COLLECTIVE_TIMEOUT}"
@@ -479,6 +523,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra[ev.FUSION_THRESHOLD] = str(int(opts.fusion_threshold_mb * 1024 * 1024))
     if opts.timeline_filename:
         extra[ev.TIMELINE] = opts.timeline_filename
+    if opts.nics:
+        from spark_estimators.run_options import nics_env
+
+        try:
+            extra.update(nics_env(opts.nics.split(",")))
+        except ConfigurationError as exc:
+            _parser().error(str(exc))
     base = _base_env(extra, opts.backend)
     with _pmi_server(opts.num_proc, opts.backend) as pmi:
         envs = [

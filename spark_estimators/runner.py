@@ -33,6 +33,7 @@ from typing import IO, Any
 import cloudpickle
 
 from spark_estimators import envvars as ev
+from spark_estimators import run_options
 from spark_estimators.core.session import available_task_slots, default_num_proc, get_spark
 from spark_estimators.driver.rpc import new_secret
 from spark_estimators.driver.service import DriverService, JobState, is_consequence
@@ -215,6 +216,10 @@ def run(
     use_gloo: bool | None = None,
     spark: Any = None,
     event_callback: EventCallback | None = None,
+    nics: str | Sequence[str] | None = None,
+    timeline: str | None = None,
+    extra_mpi_args: str | None = None,
+    executable: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark tasks; return the results by rank.
 
@@ -249,6 +254,15 @@ def run(
     event_callback
         ``callback(rank, kind, data)`` for events the ranks send with
         :func:`spark_estimators.task.send_event` (metrics, progress).
+    nics
+        Horovod's argument: network interface name(s) the ranks' collectives use (sets
+        ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` in the ranks).
+    timeline
+        Write each rank's collective timeline (Chrome trace JSON) to this path on its executor
+        (``.rank<N>`` added before the extension).
+    extra_mpi_args, executable
+        Horovod's arguments with no equivalent: a clear error names the alternative
+        (see :mod:`spark_estimators.run_options`).
 
     Returns
     -------
@@ -280,7 +294,8 @@ def run(
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ConfigurationError(f"kwargs must be a dict, got {type(kwargs).__name__}")
     collective_backend = _resolve_backend(backend, use_mpi, use_gloo)
-    extra_env = _validate_env(env)
+    run_options.check_unsupported("run", extra_mpi_args=extra_mpi_args, executable=executable)
+    extra_env = _validate_env(run_options.rank_env(env, nics=nics, timeline=timeline))
     timeout = ev.start_timeout() if start_timeout is None else float(start_timeout)
     if timeout <= 0:
         raise ConfigurationError(f"start_timeout must be > 0 seconds, got {start_timeout!r}")
@@ -424,7 +439,12 @@ class _Launch:
 
 
 def run_elastic(*args: Any, **kwargs: Any) -> list[Any]:
-    """Fault-tolerant :func:`run`; see :func:`spark_estimators.elastic.run_elastic`."""
+    """Fault-tolerant :func:`run`; see :func:`spark_estimators.elastic.launcher.run_elastic`.
+
+    Also takes Horovod's names ``min_np`` / ``max_np`` / ``np``, ``nics`` and ``timeline`` (see
+    :mod:`spark_estimators.run_options`).
+    """
     from spark_estimators.elastic.launcher import run_elastic as _run_elastic
 
+    args, kwargs = run_options.elastic_arguments(args, kwargs)  # Horovod's names (min_np, ...)
     return list(_run_elastic(*args, **kwargs))

@@ -5,6 +5,7 @@ the training-side API is ``spark_estimators.collective.elastic`` (``State``, ``O
 ``run``) and ``spark_estimators.collective.torch_elastic`` (``TorchState``).
 """
 
-from spark_estimators.elastic.launcher import run_elastic
+# runner's wrapper: the launcher's run_elastic plus Horovod's argument names (min_np, nics, ...).
+from spark_estimators.runner import run_elastic
 
 __all__ = ["run_elastic"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -116,6 +118,40 @@ def test_cli_timeline_filename_reaches_the_ranks(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.splitlines()) == ["[0]/tmp/x/tl.json", "[1]/tmp/x/tl.json"]
+
+
+def test_cli_takes_horovodruns_flags(tmp_path):
+    (tmp_path / "flags.py").write_text(
+        f"import os\nprint(os.environ[{ev.SE_BACKEND!r}], os.environ['GLOO_SOCKET_IFNAME'])\n"
+    )
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-m", "spark_estimators.launch", "-np", "2", "--gloo",
+         "--network-interface", "lo", "--timeline-mark-cycles", "-m", "flags"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[0]gloo lo", "[1]gloo lo"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--autotune"], "--autotune is not supported: autotuning is not provided"),
+        (["--min-np", "1"], "--min-np is not supported: elastic training is "),
+        (["-H", "a:2,b:2"], "-H is not supported: Spark places the ranks"),
+        (["--mpi-args=-x A"], "--mpi-args is not supported: there is no mpirun"),
+        (["--cycle-time-ms", "5"], "--cycle-time-ms is not supported: there is no background"),
+    ],
+)
+def test_cli_refuses_horovodrun_flags_without_an_equivalent(flags, message):
+    from spark_estimators.launch import main
+
+    with pytest.raises(SystemExit) as exc, contextlib.redirect_stderr(io.StringIO()) as err:
+        main(["-np", "2", *flags, "train.py"])
+    assert exc.value.code == 2
+    assert message in err.getvalue()
 
 
 def test_cli_fails_fast_naming_the_rank_and_kills_the_others(tmp_path):
