@@ -102,6 +102,7 @@ def allreduce_numpy_buffers(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     compression: type[Compressor] = NoneCompressor,
+    process_set: Any = None,
 ) -> None:
     """Allreduce writable buffers in place, one collective per buffer, in list order."""
     handles = []
@@ -113,6 +114,7 @@ def allreduce_numpy_buffers(
             name=f"{name}.{i}",
             prescale_factor=prescale_factor,
             postscale_factor=postscale_factor,
+            process_set=process_set,
         )
         handles.append((handle, wire, buf))
     for handle, wire, buf in handles:
@@ -130,10 +132,12 @@ class _Reducer:
         prescale: float,
         postscale: float,
         compression: type[Compressor],
+        process_set: Any = None,
     ):
         self.op, self.name = op, name
         self.prescale, self.postscale = prescale, postscale
         self.compression = compression
+        self.process_set = process_set
 
     def __call__(self, *flats: Any) -> list[Any]:
         import tensorflow as tf
@@ -145,8 +149,9 @@ class _Reducer:
             np.copyto(buf, src.reshape(-1))
             buffers.append(buf)
         allreduce_numpy_buffers(
-            buffers, self.op, self.name, self.prescale, self.postscale, self.compression
-        )
+            buffers, self.op, self.name, self.prescale, self.postscale, self.compression,
+            self.process_set,
+        )  # fmt: skip
         # Zero-copy: the DLPack capsule keeps the numpy buffer alive as long as the tensor.
         return [tf.experimental.dlpack.from_dlpack(buf.__dlpack__()) for buf in buffers]
 
@@ -243,6 +248,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     average_aggregated_gradients: bool = False,
     num_groups: int = 0,
     groups: Any = None,
+    process_set: Any = None,
 ) -> Any:
     """Wrap a Keras optimizer so every ``apply`` averages the gradients across ranks.
 
@@ -262,6 +268,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         Divide by this before the sum and by ``size() / factor`` after (Horovod's meaning).
     op
         ``Average`` (default) or ``Sum``.
+    process_set
+        Average among this ``ProcessSet``'s members only (default: every rank).
     backward_passes_per_step, average_aggregated_gradients
         Only ``1`` is supported: for local accumulation give the Keras optimizer
         ``gradient_accumulation_steps=k``; each micro-batch's gradients are then averaged across
@@ -307,6 +315,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     resolved = resolve_op(op, None)
     if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ConfigurationError(f"op={resolved.name} is not supported: use Average or Sum")
+    if process_set is not None:
+        from spark_estimators.collective import engine as _engine
+
+        _engine.require("DistributedOptimizer", process_set)  # a member of a registered set
     if gradient_predivide_factor != 1.0 and resolved is not ReduceOp.AVERAGE:
         raise ConfigurationError("gradient_predivide_factor needs op=Average")
     if is_distributed(optimizer):
@@ -331,7 +343,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         prescale = postscale = 1.0
     dist = _clone_as(optimizer, distributed_class(type(optimizer)))
     dist._se_reducer = _Reducer(
-        resolved, name or f"{type(optimizer).__name__}.gradients", prescale, postscale, compression
+        resolved,
+        name or f"{type(optimizer).__name__}.gradients",
+        prescale,
+        postscale,
+        compression,
+        process_set,
     )
     return dist
 

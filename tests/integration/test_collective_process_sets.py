@@ -96,6 +96,11 @@ def _suite() -> dict:
     model(x).sum().backward()
     opt.step()
     out["w1"] = model.weight.detach().flatten().tolist()
+    from spark_estimators.collective.keras_optimizer import allreduce_numpy_buffers
+
+    keras_buffers = [np.full(3, value)]  # what the Keras DistributedOptimizer(process_set=) runs
+    allreduce_numpy_buffers(keras_buffers, hvd.Average, "keras", process_set=mine)
+    out["keras_avg"] = keras_buffers[0].tolist()
 
     # Adasum: 4 ranks, a 2-rank set, grouped, a 3-rank set (refused)
     out["adasum4"] = hvd.allreduce(torch.from_numpy(_vec(r)), op=hvd.Adasum).numpy()
@@ -203,6 +208,7 @@ def test_optimizer_and_broadcast_parameters_on_a_set(ranks):
         assert o["w0"] == [w0] * 3
         mean_grad = np.mean([m + 1.0 for m in members])  # d(w.x)/dw = x = rank + 1
         np.testing.assert_allclose(o["w1"], [w0 - LR * mean_grad] * 3, rtol=1e-6)
+        assert o["keras_avg"] == [mean_grad] * 3
 
 
 def test_dynamic_set_add_use_remove(ranks):
