@@ -116,6 +116,8 @@ class Request:
     #: For small allreduces: returns this rank's data as bytes to send inside the negotiation.
     inline: Callable[[], np.ndarray] | None = None
     future: Future[Any] = field(default_factory=Future)
+    #: ``perf_counter_ns()`` when it entered the engine's queue (timeline only; 0: not queued).
+    queued_ns: int = 0
 
 
 def signature_hash(signature: tuple[Any, ...]) -> int:
@@ -232,6 +234,8 @@ class Engine:
                     return request.future
             finally:
                 self._exec_lock.release()
+        if self.timeline is not None:
+            request.queued_ns = time.perf_counter_ns()
         with self._pending_lock:
             self._pending += 1
         self._queue.put(request)
@@ -375,7 +379,9 @@ class Engine:
             negotiated = times[1] if len(times) > 1 else end
             info["inline"] = len(times) > 2
             op = request.kind.name
-            timeline.record(request.name, op, self.set_id, start, negotiated, end, info)
+            timeline.record(
+                request.name, op, self.set_id, start, negotiated, end, info, request.queued_ns
+            )
 
     def _negotiate_and_execute(self, request: Request, times: list[int] | None) -> Any:
         """``times`` (timeline only) gets the end of negotiation, and a third entry if inline."""

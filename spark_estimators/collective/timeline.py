@@ -11,12 +11,14 @@ The file is Chrome's trace-event JSON (``{"traceEvents": [...]}``): open it in
 ``chrome://tracing`` or https://ui.perfetto.dev. :func:`merge` joins the ranks' files into one.
 
 What is in it: one process row per rank (``pid`` = global rank, named ``rank N``) and one
-thread row per tensor name, as in Horovod's timeline. Each op adds two complete (``"X"``)
-events: ``NEGOTIATE_<OP>`` (the negotiation round in which the ranks agree on the op, which is
-where a rank waits for slower peers) and ``<OP>`` (the data movement; ``args.inline`` tells
-whether the data travelled inside the negotiation). ``args`` also carry the process set id,
-the dtype, the shape description and, for a failed op, the error. Timestamps are wall-clock
-microseconds, so the files of several ranks line up on one machine.
+thread row per tensor name, as in Horovod's timeline. An asynchronous op (or one submitted
+while others run) first gets a ``QUEUE`` event: its wait in the engine's queue. Then each op
+adds two complete (``"X"``) events: ``NEGOTIATE_<OP>`` (the negotiation round in which the
+ranks agree on the op, which is where a rank waits for slower peers) and ``<OP>`` (the data
+movement; ``args.inline`` tells whether the data travelled inside the negotiation). ``args``
+also carry the process set id, the dtype, the shape description and, for a failed op, the
+error. Timestamps are wall-clock microseconds, so the files of several ranks line up on one
+machine.
 
 The file is valid JSON after every flush (events are written in batches, at least once a
 second while ops run, and when the rank ends), so a rank that dies keeps what it flushed.
@@ -92,8 +94,9 @@ class Timeline:
         negotiated_ns: int,
         end_ns: int,
         args: dict[str, Any],
+        queued_ns: int = 0,
     ) -> None:
-        """Add the negotiation and execution events of one op (``perf_counter_ns`` times)."""
+        """Add the events of one op (``perf_counter_ns`` times; ``queued_ns`` 0: not queued)."""
         with self._lock:
             if self._closed:
                 return
@@ -104,6 +107,11 @@ class Timeline:
                                       "tid": tid, "args": {"name": name}})  # fmt: skip
             common = {"pid": self.rank, "tid": tid}
             info = {"tensor": name, "process_set": set_id, **args}
+            if queued_ns:
+                self._pending.append({"name": "QUEUE", "cat": "queue", "ph": "X",
+                                      "ts": self.micros(queued_ns),
+                                      "dur": (start_ns - queued_ns) / 1000.0, **common,
+                                      "args": {"tensor": name, "process_set": set_id}})  # fmt: skip
             self._pending.append({"name": f"NEGOTIATE_{op}", "cat": "negotiation", "ph": "X",
                                   "ts": self.micros(start_ns),
                                   "dur": (negotiated_ns - start_ns) / 1000.0, **common,

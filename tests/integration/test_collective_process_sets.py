@@ -80,6 +80,10 @@ def _suite() -> dict:
     out["a2a"] = hvd.alltoall(torch.tensor([value, value]), process_set=mine).tolist()
     out["objects"] = hvd.allgather_object(r, process_set=mine)
     hvd.barrier(process_set=mine)
+    # async ops on the set and on the global set at once: both run, each among its ranks
+    on_set = hvd.allreduce_async(torch.full((3000,), value), op=hvd.Sum, process_set=mine)
+    on_all = hvd.allreduce_async(torch.full((3000,), value), op=hvd.Sum)
+    out["concurrent"] = (hvd.synchronize(on_set)[0].item(), hvd.synchronize(on_all)[0].item())
     out["non_member"] = _error(lambda: hvd.allreduce(torch.ones(1), process_set=other))
     out["global_after"] = hvd.allreduce(torch.tensor([value]), op=hvd.Sum).item()
 
@@ -187,6 +191,7 @@ def test_ops_run_among_members_only(ranks):
         assert o["a2a"] == [float(m + 1) for m in members]
         assert o["objects"] == members
         assert o["global_after"] == 10.0
+        assert o["concurrent"] == (total, 10.0)
 
 
 def test_errors_name_the_set_and_the_rank(ranks):

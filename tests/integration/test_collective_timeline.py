@@ -3,6 +3,7 @@ and by start_timeline(); each rank's Chrome trace names the ops, their phases an
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -24,6 +25,7 @@ def _traced(later: str) -> int:
     hvd.allreduce(torch.ones(50_000), name="big")  # the backend's own allreduce
     hvd.broadcast(torch.ones(3), root_rank=0, name="weights")
     hvd.allgather(torch.ones(1, 2), name="rows")
+    hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="async"))  # queued for the engine
     pair = hvd.add_process_set([0, 1])
     hvd.allreduce(torch.ones(2), name="in_set", process_set=pair)
     try:  # a mismatched op is recorded with its error
@@ -42,9 +44,14 @@ def _events(path) -> list[dict]:
 
 
 def test_timeline_records_ops_phases_and_ranks(tmp_path):
-    env = {ev.HOROVOD_TIMELINE: str(tmp_path / "hvd.json")}
+    env = {ev.HOROVOD_TIMELINE: str(tmp_path / "hvd.json"), "HOROVOD_CYCLE_TIME": "3.5"}
     later = str(tmp_path / "later-{rank}.json")
-    assert run_local(_traced, 2, args=(later,), env=env, backend="gloo") == [0, 1]
+    err = io.StringIO()
+    assert run_local(_traced, 2, args=(later,), env=env, backend="gloo", stderr=err) == [0, 1]
+    # the ignored Horovod variable is named once, by rank 0
+    warned = [line for line in err.getvalue().splitlines() if "HOROVOD_CYCLE_TIME" in line]
+    assert len(warned) == 1 and warned[0].startswith("[0]"), err.getvalue()[-2000:]
+    assert "there is no background cycle" in warned[0]
     for rank in (0, 1):
         events = _events(tmp_path / f"hvd.rank{rank}.json")
         assert {e["pid"] for e in events} == {rank}
@@ -58,6 +65,9 @@ def test_timeline_records_ops_phases_and_ranks(tmp_path):
             i = ops.index((tensor, "NEGOTIATE_" + op))
             assert ops[i + 1] == (tensor, op)
         complete = {(e["args"]["tensor"], e["name"]): e for e in events if e["ph"] == "X"}
+        queued = [e for e in events if e["name"] == "QUEUE"]
+        assert [e["args"]["tensor"] for e in queued] == ["async"]  # blocking ops skip the queue
+        assert ops.index(("async", "QUEUE")) + 1 == ops.index(("async", "NEGOTIATE_ALLREDUCE"))
         assert complete[("grad", "ALLREDUCE")]["args"]["inline"] is True
         assert complete[("big", "ALLREDUCE")]["args"]["inline"] is False
         assert complete[("in_set", "ALLREDUCE")]["args"]["process_set"] == 1
