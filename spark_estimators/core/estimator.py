@@ -280,7 +280,9 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         failures: list[TrainingFailedError] = []
         while True:
             spec = self._training_spec(meta, store, run_id, backend.num_processes())
-            progress = EpochProgress(self.getEpochs(), self.getVerbose(), spec.start_epoch)
+            progress = EpochProgress(
+                self.getEpochs(), self.getVerbose(), spec.start_epoch, run_id=run_id
+            )
             try:
                 results = backend.run(self._remote_trainer(), args=(spec,), event_callback=progress)
                 break

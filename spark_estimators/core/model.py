@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import warnings
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -283,9 +284,15 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
 
             out_type = StructType(schema.fields[len(df.columns) :])
             make_udf: Any = F.arrow_udf
-            udf = make_udf(
-                partial(predict_udf, spec), out_type, functionType=ArrowUDFType.SCALAR_ITER
-            )
+            with warnings.catch_warnings():
+                # The UDF takes one Arrow array per feature column, a number known only here,
+                # so it is declared by type rather than by type hints (pyspark warns about that).
+                warnings.filterwarnings(
+                    "ignore", message=".*type hints for arrow UDF", category=UserWarning
+                )
+                udf = make_udf(
+                    partial(predict_udf, spec), out_type, functionType=ArrowUDFType.SCALAR_ITER
+                )
             tmp = "__se_predictions"
             scored = df.withColumn(tmp, udf(*extra))
             return scored.select(

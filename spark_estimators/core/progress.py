@@ -1,15 +1,42 @@
-"""Driver-side progress of a fit: a tqdm bar (terminal or notebook) and one line per epoch."""
+r"""Driver-side progress of a fit: one display per fit, and one line per epoch.
+
+What a fit shows (``verbose >= 1``):
+
+- In a terminal: a tqdm bar of epochs on stderr, with each epoch's metrics printed above it once.
+- In a Jupyter notebook: an ipywidgets bar (``tqdm.notebook``) when ipywidgets is installed;
+  otherwise only the epoch lines (a text bar would be redrawn as separate output blocks between
+  the lines, and tqdm would warn "IProgress not found").
+- Several fits at once (threads): once fits overlap, each one's lines start with ``[run_id]``
+  and a bar started then is named by its run id; in a terminal only the first fit draws a text
+  bar, as two bars redrawing with ``\\r`` garble each other.
+
+Spark's own console progress bar (``spark.ui.showConsoleProgress``, drawn by the JVM on stderr)
+would overwrite ours. Spark reads that setting only at start-up, and its ``ConsoleProgressBar``
+has no switch, so while a fit shows progress the bar's console stream is swapped for a null one
+through the JVM (reflection on ``ConsoleProgressBar.console``) and restored when the last
+displaying fit ends. Where that is not possible (Spark Connect, another Spark build), the fit
+draws no bar of its own, only the epoch lines, so nothing overwrites anything.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_active: list[EpochProgress] = []  # fits displaying progress now, oldest first
+
 
 def format_metrics(logs: dict[str, Any]) -> str:
+    """``key=value`` for each metric (the epoch number is not repeated)."""
     parts = []
     for key, value in logs.items():
+        if key == "epoch" or isinstance(value, bool):
+            continue
         if isinstance(value, float):
             parts.append(f"{key}={value:.4g}")
         elif isinstance(value, int):
@@ -17,42 +44,157 @@ def format_metrics(logs: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (ipykernel's ZMQ shell)."""
+    shell_mod = sys.modules.get("IPython")
+    if shell_mod is None:
+        return False
+    try:
+        shell = shell_mod.get_ipython()
+    except AttributeError:  # pragma: no cover - partial IPython
+        return False
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def _has_widgets() -> bool:
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class _SparkConsoleBar:
+    """Mutes the JVM's ConsoleProgressBar while any fit displays progress (reference counted)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.saved: tuple[Any, Any, Any] | None = None  # (bar, field, original stream)
+        self.failed = False
+
+    def mute(self) -> bool:
+        """Start muting (nested calls count); False when Spark's bar could not be muted."""
+        with _lock:
+            self.count += 1
+            if self.count == 1:
+                self.saved, self.failed = None, False
+                try:
+                    self.saved = _swap_console_stream()
+                except Exception as exc:  # noqa: BLE001 - any JVM/py4j failure means "cannot"
+                    logger.debug("cannot mute Spark's console progress bar: %r", exc)
+                    self.failed = True
+            return not self.failed
+
+    def unmute(self) -> None:
+        with _lock:
+            self.count -= 1
+            if self.count == 0 and self.saved is not None:
+                bar, field, original = self.saved
+                self.saved = None
+                try:
+                    bar.finishAll()  # forget the muted bar's last line before restoring
+                    field.set(bar, original)
+                except Exception as exc:  # noqa: BLE001
+                    logger.debug("cannot restore Spark's console progress bar: %r", exc)
+
+
+def _swap_console_stream() -> tuple[Any, Any, Any] | None:
+    """Point the active SparkContext's ConsoleProgressBar at a null stream; None: no bar."""
+    from pyspark import SparkContext
+
+    sc = SparkContext._active_spark_context
+    if sc is None or getattr(sc, "_jsc", None) is None:
+        raise RuntimeError("no classic SparkContext in this process")
+    option = sc._jsc.sc().progressBar()
+    if not option.isDefined():
+        return None  # spark.ui.showConsoleProgress is off: nothing to mute
+    bar = option.get()
+    jvm: Any = sc._jvm
+    field = bar.getClass().getDeclaredField("console")
+    field.setAccessible(True)
+    original = field.get(bar)
+    bar.finishAll()  # clear a stage bar drawn before this fit
+    field.set(bar, jvm.java.io.PrintStream(jvm.java.io.OutputStream.nullOutputStream()))
+    return bar, field, original
+
+
+SPARK_CONSOLE_BAR = _SparkConsoleBar()
+
+
 class EpochProgress:
     """Receives ``("epoch", logs)`` events from rank 0 and shows them.
 
     Used as the ``event_callback`` of :func:`spark_estimators.run`. ``history`` keeps every
-    epoch's logs, so a driver-side view exists even if training fails later.
+    epoch's logs, so a driver-side view exists even if training fails later. Call
+    :meth:`close` when the fit ends (it restores Spark's console bar).
     """
 
-    def __init__(self, epochs: int, verbose: int = 1, start_epoch: int = 0):
+    def __init__(
+        self, epochs: int, verbose: int = 1, start_epoch: int = 0, run_id: str | None = None
+    ):
         self.verbose = verbose
         self.epochs = epochs
+        self.run_id = run_id
         self.history: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._bar: Any = None
-        if verbose >= 1 and epochs > 0:
-            from tqdm.auto import tqdm
+        self._muted = False
+        self._labelled = False
+        if verbose < 1 or epochs <= 0:
+            return
+        with _lock:
+            concurrent = bool(_active)
+            _active.append(self)
+            if concurrent:  # from now on every overlapping fit labels its lines
+                for fit in _active:
+                    fit._labelled = True
+        self._muted = True
+        spark_bar_muted = SPARK_CONSOLE_BAR.mute()
+        desc = run_id if concurrent and run_id else "epochs"
+        if in_notebook():
+            if _has_widgets():
+                from tqdm.notebook import tqdm as notebook_tqdm
+
+                self._bar = notebook_tqdm(
+                    total=epochs, initial=start_epoch, desc=desc, unit="epoch"
+                )
+        elif spark_bar_muted and not concurrent:
+            from tqdm.std import tqdm
 
             self._bar = tqdm(
-                total=epochs, initial=start_epoch, desc="epochs", unit="epoch", file=sys.stderr
+                total=epochs, initial=start_epoch, desc=desc, unit="epoch", file=sys.stderr
             )
+
+    def _label(self) -> str:
+        return f"[{self.run_id}] " if self._labelled and self.run_id else ""
 
     def __call__(self, rank: int, kind: str, data: Any) -> None:
         if kind != "epoch":
             return
         with self._lock:
             self.history.append(dict(data))
+            if self.verbose < 1:
+                return
+            epoch = data.get("epoch")
+            number = f"{int(epoch) + 1}/{self.epochs}" if isinstance(epoch, int) else "?"
+            line = f"{self._label()}epoch {number}: {format_metrics(data)}"
             if self._bar is not None:
-                self._bar.set_postfix_str(format_metrics(data), refresh=False)
                 self._bar.update(1)
-            if self.verbose >= 1:
-                line = f"epoch {data.get('epoch')}: {format_metrics(data)}"
-                if self._bar is not None:
-                    self._bar.write(line, file=sys.stdout)
+                if in_notebook():
+                    print(line, flush=True)  # the widget sits in its own output area
                 else:
-                    print(line)
+                    self._bar.write(line, file=sys.stdout)
+            else:
+                print(line, flush=True)
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
+            if self._muted:
+                self._muted = False
+                with _lock:
+                    if self in _active:
+                        _active.remove(self)
+                SPARK_CONSOLE_BAR.unmute()

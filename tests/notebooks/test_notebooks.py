@@ -7,6 +7,7 @@ so a failing assert fails its test here. The kernel is this interpreter's ``pyth
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,108 @@ def test_notebook_runs_top_to_bottom(path):
         client.execute()
     except nbclient.exceptions.CellExecutionError as exc:
         pytest.fail(f"{path.name} failed:\n{exc}")
+
+
+FIT_CELLS = [
+    """\
+from spark_estimators.core.session import create_local_session
+# Spark draws its console bar only when this is on (pyspark turns it on for some terminals).
+spark = create_local_session(spark__ui__showConsoleProgress="true")
+assert spark.sparkContext._jsc.sc().progressBar().isDefined()
+""",
+    """\
+import tempfile
+import numpy as np
+import torch
+from pyspark.ml.linalg import Vectors
+from spark_estimators.store import Store
+from spark_estimators.torch import TorchEstimator
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(256, 2))
+rows = [(Vectors.dense(r.tolist()), float(r @ [1.5, -2.0])) for r in x]
+df = spark.createDataFrame(rows, ["features", "y"]).cache()
+store = Store.create(tempfile.mkdtemp(prefix="nb-output-"))
+
+
+def estimator(run_id):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 1)
+    return TorchEstimator(
+        num_proc=2, store=store, model=net, loss=torch.nn.MSELoss(),
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.05),
+        feature_cols=["features"], label_cols=["y"], batch_size=32, epochs=3, run_id=run_id,
+    )
+""",
+    """\
+model = estimator("single").fit(df)
+""",
+    """\
+out = model.transform(df).limit(4).collect()
+assert len(out) == 4
+""",
+    """\
+import threading
+fits = [threading.Thread(target=estimator(name).fit, args=(df,)) for name in ("left", "right")]
+for t in fits:
+    t.start()
+for t in fits:
+    t.join()
+""",
+    """\
+import time
+from spark_estimators.core.progress import EpochProgress
+
+
+def slow_job():
+    spark.sparkContext.parallelize(range(4), 4).map(lambda v: time.sleep(1.5) or v).collect()
+
+
+shown = EpochProgress(3, verbose=1, run_id="manual")
+slow_job()
+shown.close()
+""",
+    """\
+slow_job()
+""",
+    """\
+spark.stop()
+""",
+]
+
+
+def _stream_text(cell, name):
+    return "".join(o.get("text", "") for o in cell.outputs if o.get("name") == name)
+
+
+@pytest.mark.timeout(900)
+def test_fit_output_in_a_kernel_is_one_display_without_warnings():
+    """Epoch lines once, no Spark stage bar during the fit, no warnings from our code."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in FIT_CELLS])
+    client = nbclient.NotebookClient(
+        nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": "."}}
+    )
+    # ipykernel forwards the JVM's stderr (fd 2) into cell outputs, as in a user's notebook,
+    # except under pytest (it checks PYTEST_CURRENT_TEST): hide that variable from the kernel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    try:
+        client.execute(env=env)
+    except nbclient.exceptions.CellExecutionError as exc:
+        pytest.fail(f"the notebook failed:\n{exc}")
+    single, transform, concurrent = nb.cells[2], nb.cells[3], nb.cells[4]
+    lines = _stream_text(single, "stdout").splitlines()
+    assert [line.split(":")[0] for line in lines] == ["epoch 1/3", "epoch 2/3", "epoch 3/3"]
+    assert all("loss=" in line and "epoch=" not in line for line in lines), lines
+    fit_err = _stream_text(single, "stderr")
+    # prepare_data's Spark jobs may draw Spark's bar before training; none during the epochs.
+    assert "Warning" not in fit_err and "IProgress" not in fit_err, fit_err
+    assert "Warning" not in _stream_text(transform, "stderr"), _stream_text(transform, "stderr")
+    both = _stream_text(concurrent, "stdout").splitlines()
+    for run_id in ("left", "right"):
+        mine = [line for line in both if line.startswith(f"[{run_id}] epoch ")]
+        assert len(mine) == 3, both
+    assert "Warning" not in _stream_text(concurrent, "stderr")
+    # Spark's console bar is muted while a fit's progress shows, and restored after it.
+    muted, restored = nb.cells[5], nb.cells[6]
+    assert "[Stage" not in _stream_text(muted, "stderr"), _stream_text(muted, "stderr")
+    assert "[Stage" in _stream_text(restored, "stderr"), restored.outputs
