@@ -4,7 +4,7 @@ Each function validates its arguments in the caller's thread, builds a
 :class:`~spark_estimators.collective.engine.Request` whose ``execute`` runs on the engine thread
 after negotiation, submits it and returns the future. What differs between numpy and torch
 (packing a fusion buffer, scaling in place, cloning) is behind :class:`ArrayOps`;
-:class:`NumpyOps` here, ``TorchOps`` in :mod:`spark_estimators.collective.torch`.
+:class:`NumpyOps` here, ``TorchOps`` in :mod:`spark_estimators.collective.torch_arrays`.
 
 Fusion: a grouped allreduce packs its tensors into one flat buffer (grown once per dtype and
 device, then reused) and reduces it with a single backend call.

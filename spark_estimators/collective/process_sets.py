@@ -172,7 +172,7 @@ def global_root(process_set: Any, root_rank: int, what: str) -> int:
 
 
 def _process_set_request(signature: tuple[Any, ...], description: str, execute: Any) -> Any:
-    engine = _engine.require("add_process_set")
+    engine = _engine.require(str(signature[0]) + "_process_set")
     request = Request(Kind.PROCESS_SET, description, signature, execute, description)
     return engine.submit(request, blocking=True).result()
 
