@@ -79,10 +79,12 @@ class _SparkConsoleBar:
             if self.count == 1:
                 self.saved, self.failed = None, False
                 try:
-                    self.saved = _swap_console_stream()
+                    swapped = _swap_console_stream()
                 except Exception as exc:  # noqa: BLE001 - any JVM/py4j failure means "cannot"
                     logger.debug("cannot mute Spark's console progress bar: %r", exc)
-                    self.failed = True
+                    swapped = _NO_JVM
+                self.failed = swapped is _NO_JVM
+                self.saved = None if swapped is _NO_JVM else swapped
             return not self.failed
 
     def unmute(self) -> None:
@@ -98,13 +100,16 @@ class _SparkConsoleBar:
                     logger.debug("cannot restore Spark's console progress bar: %r", exc)
 
 
-def _swap_console_stream() -> tuple[Any, Any, Any] | None:
+_NO_JVM: Any = object()
+
+
+def _swap_console_stream() -> Any:
     """Point the active SparkContext's ConsoleProgressBar at a null stream; None: no bar."""
     from pyspark import SparkContext
 
     sc = SparkContext._active_spark_context
     if sc is None or getattr(sc, "_jsc", None) is None:
-        raise RuntimeError("no classic SparkContext in this process")
+        return _NO_JVM  # Spark Connect or no session: nothing this process can mute
     option = sc._jsc.sc().progressBar()
     if not option.isDefined():
         return None  # spark.ui.showConsoleProgress is off: nothing to mute
