@@ -53,6 +53,14 @@ UNSUPPORTED: dict[str, str] = {
     "cache_capacity": "there is no response cache (negotiation is one small allgather)",
     "hierarchical_allreduce": "reductions use the backend's own algorithm",
     "min_np": "elastic training is spark_estimators.run_elastic(fn, min_np=..., max_np=...)",
+    "prefix_output_with_timestamp": (
+        "run_elastic prefixes its ranks' lines with [rank] only; put a timestamp in your log "
+        "format, or use spark_estimators.run(..., prefix_output_with_timestamp=True)"
+    ),
+    "cooldown_range": (
+        "there is no host blacklist: Spark retries a failed task (spark.task.maxFailures) and "
+        "excludes bad executors itself (spark.excludeOnFailure.enabled)"
+    ),
     "max_np": "elastic training is spark_estimators.run_elastic(fn, min_np=..., max_np=...)",
 }
 
@@ -129,6 +137,8 @@ def elastic_arguments(
         "run_elastic",
         extra_mpi_args=kwargs.pop("extra_mpi_args", None),
         executable=kwargs.pop("executable", None),
+        prefix_output_with_timestamp=kwargs.pop("prefix_output_with_timestamp", None),
+        cooldown_range=kwargs.pop("cooldown_range", None),
     )
     nics, timeline = kwargs.pop("nics", None), kwargs.pop("timeline", None)
     if nics is not None or timeline is not None:

@@ -55,6 +55,11 @@ def test_run_elastic_refuses_before_starting_anything():
         spark_estimators.run_elastic(print, num_proc=2, min_np=2, min_num_proc=1)
     with pytest.raises(ConfigurationError, match=r"run_elastic\(extra_mpi_args="):
         spark_estimators.run_elastic(print, num_proc=2, extra_mpi_args="--bind-to none")
+    with pytest.raises(ConfigurationError, match="prefix_output_with_timestamp=True.*log format"):
+        spark_estimators.run_elastic(print, num_proc=2, prefix_output_with_timestamp=True)
+    # Horovod's default (False) is what run_elastic does: accepted
+    _, kwargs = run_options.elastic_arguments((print,), {"prefix_output_with_timestamp": False})
+    assert kwargs == {}
 
 
 def _allreduce_and_env() -> dict:
