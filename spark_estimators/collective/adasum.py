@@ -126,8 +126,10 @@ def submit(
             ops.unpack(reduced, outputs)
         return outputs
 
+    # numel=0: a rank that called join() must not contribute zeros to a backend allreduce
+    # (this op allgathers); the active ranks raise instead, see execute().
     request = Request(
-        Kind.ALLREDUCE, display, signature, execute, description, numel=total, dtype=dtype,
+        Kind.ALLREDUCE, display, signature, execute, description, numel=0, dtype=dtype,
         device=device,
     )  # fmt: skip
     return engine.submit(request, blocking=blocking)

@@ -146,6 +146,12 @@ def _suite() -> dict:
         split = hvd.add_process_set(hvd.ProcessSet(sub))
         out["split"] = (split.ranks, hvd.allreduce(torch.tensor([value]), op=hvd.Sum,
                                                    process_set=split).item())  # fmt: skip
+    # Adasum needs every rank's data: with rank 3 joined, the others get a clear error (no hang)
+    if r == 3:
+        out["joined_adasum"] = hvd.join()
+    else:
+        out["joined_adasum"] = _error(lambda: hvd.allreduce(torch.ones(4), op=hvd.Adasum))
+        hvd.join()
     hvd.shutdown()
     return out
 
@@ -243,6 +249,14 @@ def test_adasum_matches_the_numpy_reference(ranks):
     for o in out:
         for got, want in zip(o["adasum_grouped"], grouped):
             np.testing.assert_allclose(got, want, rtol=1e-10)
+
+
+def test_adasum_with_a_joined_rank_fails_clearly(ranks):
+    out, _ = ranks
+    for o in out[:3]:
+        assert "Adasum needs data from every rank" in o["joined_adasum"]
+        assert "rank(s) [3] already called join()" in o["joined_adasum"]
+    assert out[3]["joined_adasum"] in (0, 1, 2)  # the last rank to join
 
 
 def test_adasum_optimizer_applies_the_adasum_of_the_deltas(ranks):
