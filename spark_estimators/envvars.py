@@ -77,6 +77,11 @@ IGNORED_HOROVOD: dict[str, str] = {
     "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "Adasum here is one allgather, not chunked",
     "HOROVOD_ENABLE_XLA_OPS": "TensorFlow XLA ops are not provided",
 }
+# Driver service (RPC) limits, read by the driver when it starts a job's service.
+RPC_AUTH_TIMEOUT = PREFIX + "RPC_AUTH_TIMEOUT"
+RPC_FRAME_TIMEOUT = PREFIX + "RPC_FRAME_TIMEOUT"
+RPC_MAX_UNAUTHENTICATED = PREFIX + "RPC_MAX_UNAUTHENTICATED"
+RPC_LOG_INTERVAL = PREFIX + "RPC_LOG_INTERVAL"
 
 DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0

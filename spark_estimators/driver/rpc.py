@@ -1,18 +1,37 @@
-"""The signed, length-prefixed frame protocol between the driver service and the ranks.
+"""The authenticated, signed, length-prefixed protocol between the driver service and the ranks.
 
-Wire format of one frame::
+Handshake, fixed sizes, on every connection (nothing of variable length is read before it)::
 
-    magic  b"SEv1"            4 bytes
+    server -> client   b"SEv2" | server nonce ns (16)                              20 bytes
+    client -> server   b"SEv2" | client nonce nc (16) | HMAC(secret, "se-client"|ns|nc)  52 bytes
+    server -> client   HMAC(secret, "se-server"|ns|nc)                              32 bytes
+
+The server reads exactly 52 bytes from a new connection, within ``auth_timeout`` seconds in total
+(a drip-fed handshake does not extend it), and closes it unless they start with the magic and the
+MAC verifies. Only then may the peer send frames. The client sends its first frame right behind
+its 52 bytes and checks the server's proof before it reads the reply, so the handshake adds no
+round trip to the first call.
+At most ``max_unauthenticated`` connections may be in the handshake at once; the server closes
+further ones at once, and a client retries with backoff until its timeout.
+
+Wire format of one frame (after the handshake, both directions)::
+
+    magic  b"SEv2"            4 bytes
     length uint32 big-endian  4 bytes   (checked against the maximum before anything is read)
-    body                      length bytes = direction(1) | session nonce(16) | seq(8) | payload
+    body                      length bytes = direction(1) | session(16) | seq(8) | payload
     mac    HMAC-SHA256        32 bytes over magic|length|body, keyed by the per-job secret
 
-On connect the server sends a fresh random 16-byte session nonce. Every frame in both directions
-carries that nonce and a sequence number that must grow by one, plus a direction byte, so a frame
-replayed on the same connection, on another connection or reflected back is refused. The payload
-is a cloudpickle of ``(kind, data)``, and is only unpickled after the MAC has been verified.
+``session`` is derived from both nonces, so a frame replayed on another connection, or a whole
+recorded conversation replayed to a client, is refused; ``seq`` must grow by one and the
+direction byte must match, so a frame replayed on the same connection or reflected back is
+refused. The payload is a cloudpickle of ``(kind, data)``, unpickled only after the MAC has
+verified. Once a frame has started, it must complete within ``frame_timeout`` seconds plus one
+second per MiB; between frames an authenticated connection may stay idle (the tasks hold theirs
+open for the whole job, and long-polls keep a request open on the server).
 
 A connection that sends anything wrong is closed; the server keeps serving its other clients.
+Refused connections are counted (:attr:`RpcServer.refusals`) and logged as one WARNING per
+``log_interval``, not one per connection. The limits come from :class:`RpcLimits`.
 """
 
 from __future__ import annotations
@@ -20,28 +39,40 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import random
 import secrets
 import socket
 import struct
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import cloudpickle
 
-from spark_estimators.envvars import MAX_FRAME_BYTES, env_int
+from spark_estimators import envvars as ev
+from spark_estimators.envvars import MAX_FRAME_BYTES, env_float, env_int
 from spark_estimators.errors import RpcError
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"SEv1"
+MAGIC = b"SEv2"
 _HEADER = struct.Struct("!4sI")
 _SEQ = struct.Struct("!Q")
 NONCE_BYTES = 16
 MAC_BYTES = 32
+HELLO_BYTES = len(MAGIC) + NONCE_BYTES
+AUTH_BYTES = len(MAGIC) + NONCE_BYTES + MAC_BYTES
 TO_SERVER = b"\x01"
 TO_CLIENT = b"\x02"
+_PREFIX = 1 + NONCE_BYTES + _SEQ.size
 DEFAULT_MAX_FRAME_BYTES = 1 << 30  # 1 GiB: results (e.g. model weights) travel in frames.
+#: A started frame gets ``frame_timeout`` plus one second per this many bytes.
+FRAME_MIN_RATE = 1 << 20
+#: How long a client with ``timeout=None`` keeps retrying a busy server.
+CONNECT_RETRY_S = 60.0
 
 
 def new_secret() -> bytes:
@@ -53,16 +84,113 @@ def max_frame_bytes() -> int:
     return env_int(MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_BYTES)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
+@dataclass(frozen=True)
+class RpcLimits:
+    """What a driver service accepts from the network before and after authentication.
+
+    Parameters
+    ----------
+    auth_timeout
+        Seconds a new connection has to complete the handshake
+        (env ``SPARK_ESTIMATORS_RPC_AUTH_TIMEOUT``).
+    frame_timeout
+        Seconds a started frame has to arrive completely, plus one second per MiB
+        (env ``SPARK_ESTIMATORS_RPC_FRAME_TIMEOUT``); also bounds sending a reply.
+    max_unauthenticated
+        Connections allowed in the handshake at once; more are closed at once
+        (env ``SPARK_ESTIMATORS_RPC_MAX_UNAUTHENTICATED``).
+    log_interval
+        Refused connections are logged as one WARNING per this many seconds
+        (env ``SPARK_ESTIMATORS_RPC_LOG_INTERVAL``).
+    """
+
+    auth_timeout: float = 10.0
+    frame_timeout: float = 60.0
+    max_unauthenticated: int = 64
+    log_interval: float = 60.0
+
+    def __post_init__(self) -> None:
+        names = {
+            "auth_timeout": ev.RPC_AUTH_TIMEOUT,
+            "frame_timeout": ev.RPC_FRAME_TIMEOUT,
+            "max_unauthenticated": ev.RPC_MAX_UNAUTHENTICATED,
+            "log_interval": ev.RPC_LOG_INTERVAL,
+        }
+        for name, env in names.items():
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"RpcLimits.{name} must be > 0, got {value!r} (env {env})")
+
+    @classmethod
+    def from_env(cls) -> RpcLimits:
+        """The defaults, overridden by the ``SPARK_ESTIMATORS_RPC_*`` environment variables."""
+        d = cls()
+        return cls(
+            auth_timeout=env_float(ev.RPC_AUTH_TIMEOUT, d.auth_timeout),
+            frame_timeout=env_float(ev.RPC_FRAME_TIMEOUT, d.frame_timeout),
+            max_unauthenticated=env_int(ev.RPC_MAX_UNAUTHENTICATED, d.max_unauthenticated),
+            log_interval=env_float(ev.RPC_LOG_INTERVAL, d.log_interval),
+        )
+
+
+class ConnectionClosed(RpcError):
+    """The peer closed the connection; ``got`` bytes of the expected ``wanted`` had arrived."""
+
+    def __init__(self, got: int, wanted: int):
+        super().__init__(f"connection closed after {got} of {wanted} bytes (truncated frame)")
+        self.got, self.wanted = got, wanted
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.got, self.wanted))
+
+
+class DeadlineExceeded(RpcError):
+    """Bytes that had to arrive within a deadline did not."""
+
+
+def _fill(sock: socket.socket, buf: bytearray, start: int, deadline: float | None) -> None:
+    """Fill ``buf[start:]`` from ``sock``; by ``deadline`` (monotonic) when one is given.
+
+    Without a deadline the socket's own timeout applies to each ``recv`` (and raises
+    ``TimeoutError``); with one, the whole read must finish by then, however the bytes trickle.
+    """
     view = memoryview(buf)
-    got = 0
+    got, n = start, len(buf)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"only {got} of {n} bytes arrived before the deadline")
+            sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except TimeoutError:
+            if deadline is None:
+                raise
+            raise DeadlineExceeded(f"only {got} of {n} bytes arrived before the deadline") from None
         if k == 0:
-            raise RpcError(f"connection closed after {got} of {n} bytes (truncated frame)")
+            raise ConnectionClosed(got, n)
         got += k
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    buf = bytearray(n)
+    _fill(sock, buf, 0, deadline)
     return bytes(buf)
+
+
+def _handshake_mac(secret: bytes, label: bytes, ns: bytes, nc: bytes) -> bytes:
+    return hmac.new(secret, label + ns + nc, "sha256").digest()
+
+
+def session_id(secret: bytes, ns: bytes, nc: bytes) -> bytes:
+    """The session bytes every frame of the connection with nonces ``ns``/``nc`` carries."""
+    return _handshake_mac(secret, b"se-session", ns, nc)[:NONCE_BYTES]
+
+
+def client_auth(secret: bytes, ns: bytes, nc: bytes) -> bytes:
+    """The client's handshake answer (:data:`AUTH_BYTES` long) to the server nonce ``ns``."""
+    return MAGIC + nc + _handshake_mac(secret, b"se-client", ns, nc)
 
 
 class FrameCodec:
@@ -81,34 +209,52 @@ class FrameCodec:
 
     def encode(self, kind: str, data: Any) -> bytes:
         payload = cloudpickle.dumps((kind, data))
-        body = self._send_dir + self._session + _SEQ.pack(self._send_seq) + payload
-        if len(body) > self._max:
+        prefix = self._send_dir + self._session + _SEQ.pack(self._send_seq)
+        length = len(prefix) + len(payload)
+        if length > self._max:
             raise RpcError(
-                f"message {kind!r} is {len(body)} bytes, over the frame limit of {self._max}; "
+                f"message {kind!r} is {length} bytes, over the frame limit of {self._max}; "
                 f"return less data from the function or raise {MAX_FRAME_BYTES}"
             )
         self._send_seq += 1
-        header = _HEADER.pack(MAGIC, len(body))
-        mac = hmac.new(self._secret, header + body, "sha256").digest()
-        return header + body + mac
+        header = _HEADER.pack(MAGIC, length)
+        mac = hmac.new(self._secret, header, "sha256")
+        mac.update(prefix)
+        mac.update(payload)
+        return b"".join((header, prefix, payload, mac.digest()))
 
-    def read(self, sock: socket.socket) -> tuple[str, Any]:
-        header = _recv_exact(sock, _HEADER.size)
+    def read(self, sock: socket.socket, frame_timeout: float | None = None) -> tuple[str, Any]:
+        """Read and verify one frame.
+
+        The wait for its first bytes follows the socket's timeout; with ``frame_timeout``, the
+        rest must arrive within ``frame_timeout`` seconds plus one second per MiB of its length.
+        """
+        header = bytearray(_HEADER.size)
+        view = memoryview(header)
+        first = sock.recv_into(view, len(header))
+        if first == 0:
+            raise ConnectionClosed(0, len(header))
+        deadline = None if frame_timeout is None else time.monotonic() + frame_timeout
+        _fill(sock, header, first, deadline)
         magic, length = _HEADER.unpack(header)
         if magic != MAGIC:
             raise RpcError("bad frame magic")
         if length > self._max:
             raise RpcError(f"frame length {length} exceeds the limit of {self._max} bytes")
-        if length < 1 + NONCE_BYTES + _SEQ.size:
+        if length < _PREFIX:
             raise RpcError(f"frame length {length} is too short")
-        body = _recv_exact(sock, length)
-        mac = _recv_exact(sock, MAC_BYTES)
-        want = hmac.new(self._secret, header + body, "sha256").digest()
-        if not hmac.compare_digest(mac, want):
+        if deadline is not None:
+            deadline += length / FRAME_MIN_RATE
+        rest = bytearray(length + MAC_BYTES)
+        _fill(sock, rest, 0, deadline)
+        body = memoryview(rest)[:length]
+        want = hmac.new(self._secret, header, "sha256")
+        want.update(body)
+        if not hmac.compare_digest(memoryview(rest)[length:], want.digest()):
             raise RpcError("frame signature does not verify (wrong key or tampered frame)")
-        direction = body[:1]
-        session = body[1 : 1 + NONCE_BYTES]
-        (seq,) = _SEQ.unpack(body[1 + NONCE_BYTES : 1 + NONCE_BYTES + _SEQ.size])
+        direction = bytes(body[:1])
+        session = bytes(body[1 : 1 + NONCE_BYTES])
+        (seq,) = _SEQ.unpack(body[1 + NONCE_BYTES : _PREFIX])
         if direction != self._recv_dir:
             raise RpcError("frame sent in the wrong direction (reflected frame)")
         if session != self._session:
@@ -116,15 +262,67 @@ class FrameCodec:
         if seq != self._recv_seq:
             raise RpcError(f"frame sequence {seq} where {self._recv_seq} was expected (replay)")
         self._recv_seq += 1
-        kind, data = cloudpickle.loads(body[1 + NONCE_BYTES + _SEQ.size :])
+        kind, data = cloudpickle.loads(body[_PREFIX:])
         return kind, data
+
+
+class RefusalLog:
+    """Counts refused connections by reason and logs them as one WARNING per ``interval``.
+
+    The first refusal is logged at once; later ones are summed up in the next WARNING, written
+    at the first refusal after ``interval`` seconds or by :meth:`flush` (when the server closes).
+    """
+
+    def __init__(self, what: str, interval: float, log: logging.Logger = logger):
+        self.what = what
+        self.interval = interval
+        self.total = 0
+        self.counts: Counter[str] = Counter()
+        self._log = log
+        self._lock = threading.Lock()
+        self._unlogged: Counter[str] = Counter()
+        self._last: tuple[str, str] = ("", "")
+        self._logged_at: float | None = None
+
+    def note(self, peer: str, reason: str, detail: str = "") -> None:
+        """Count one refused connection from ``peer`` (``reason`` groups it in the log line)."""
+        with self._lock:
+            self.total += 1
+            self.counts[reason] += 1
+            self._unlogged[reason] += 1
+            self._last = (peer, f"{reason}: {detail}" if detail else reason)
+            now = time.monotonic()
+            if self._logged_at is not None and now - self._logged_at < self.interval:
+                return
+            message = self._take_summary(now)
+        self._log.warning("%s", message)
+
+    def flush(self) -> None:
+        """Log what was refused since the last WARNING, if anything."""
+        with self._lock:
+            if not self._unlogged:
+                return
+            message = self._take_summary(time.monotonic())
+        self._log.warning("%s", message)
+
+    def _take_summary(self, now: float) -> str:
+        n = sum(self._unlogged.values())
+        parts = ", ".join(f"{k}: {v}" for k, v in self._unlogged.most_common())
+        since = "" if self._logged_at is None else f" in the last {now - self._logged_at:.0f}s"
+        self._unlogged.clear()
+        self._logged_at = now
+        peer, why = self._last
+        return (
+            f"{self.what} refused {n} connection(s){since} ({parts}); last from {peer} ({why}). "
+            f"Further refusals are summed up at most every {self.interval:g}s."
+        )
 
 
 Handler = Callable[[str, Any, "Connection"], Any]
 
 
 class Connection:
-    """Server-side state of one client connection, handed to the handler."""
+    """Server-side state of one authenticated client connection, handed to the handler."""
 
     def __init__(self, sock: socket.socket, peer: tuple[str, int]):
         self.sock = sock
@@ -132,12 +330,20 @@ class Connection:
         self.attrs: dict[str, Any] = {}
 
 
+def _peer(peer: Any) -> str:
+    try:
+        return f"{peer[0]}:{peer[1]}"
+    except (TypeError, IndexError):
+        return str(peer)
+
+
 class RpcServer:
     """A threaded TCP server that answers signed request frames with signed reply frames.
 
     ``handler(kind, data, conn)`` returns the reply data; an exception it raises is sent back to
-    the caller as an ``("error", exc)`` reply. ``on_disconnect(conn)`` is called when a connection
-    closes, for any reason.
+    the caller as an ``("error", exc)`` reply. ``on_disconnect(conn)`` is called when an
+    authenticated connection closes, for any reason. ``limits`` defaults to
+    :meth:`RpcLimits.from_env`.
     """
 
     def __init__(
@@ -147,10 +353,16 @@ class RpcServer:
         host: str = "127.0.0.1",
         port: int = 0,
         on_disconnect: Callable[[Connection], None] | None = None,
+        limits: RpcLimits | None = None,
     ):
+        if len(secret) < 16:
+            raise ValueError("the RPC secret must be at least 16 bytes")
         self._secret = secret
         self._handler = handler
         self._on_disconnect = on_disconnect
+        self.limits = limits if limits is not None else RpcLimits.from_env()
+        self._unauthenticated = threading.BoundedSemaphore(self.limits.max_unauthenticated)
+        self.refusals = RefusalLog("the driver service", self.limits.log_interval)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -159,7 +371,6 @@ class RpcServer:
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self.rejected_frames = 0
         self._thread = threading.Thread(target=self._accept_loop, name="se-rpc-accept", daemon=True)
         self._thread.start()
 
@@ -169,32 +380,58 @@ class RpcServer:
                 sock, peer = self._sock.accept()
             except OSError:
                 return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(sock)
-            threading.Thread(
-                target=self._serve, args=(sock, peer), name="se-rpc-conn", daemon=True
-            ).start()
+            if not self._unauthenticated.acquire(blocking=False):
+                sock.close()
+                self.refusals.note(
+                    _peer(peer), "busy", f"{self.limits.max_unauthenticated} connections "
+                    "were already authenticating"
+                )  # fmt: skip
+                continue
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                with self._lock:
+                    self._conns.add(sock)
+                threading.Thread(
+                    target=self._serve, args=(sock, peer), name="se-rpc-conn", daemon=True
+                ).start()
+            except BaseException:
+                self._unauthenticated.release()
+                raise
+
+    def _authenticate(self, sock: socket.socket) -> bytes:
+        """Run the server side of the handshake; returns the session bytes."""
+        deadline = time.monotonic() + self.limits.auth_timeout
+        ns = os.urandom(NONCE_BYTES)
+        sock.settimeout(self.limits.auth_timeout)
+        sock.sendall(MAGIC + ns)
+        magic = _recv_exact(sock, len(MAGIC), deadline)
+        if magic != MAGIC:
+            raise RpcError(f"handshake does not start with {MAGIC!r} (not our client or version)")
+        rest = _recv_exact(sock, AUTH_BYTES - len(MAGIC), deadline)
+        nc, mac = rest[:NONCE_BYTES], rest[NONCE_BYTES:]
+        if not hmac.compare_digest(mac, _handshake_mac(self._secret, b"se-client", ns, nc)):
+            raise RpcError("handshake does not verify (wrong secret)")
+        sock.sendall(_handshake_mac(self._secret, b"se-server", ns, nc))
+        return session_id(self._secret, ns, nc)
 
     def _serve(self, sock: socket.socket, peer: tuple[str, int]) -> None:
-        conn = Connection(sock, peer)
-        session = os.urandom(NONCE_BYTES)
-        codec = FrameCodec(self._secret, session, TO_CLIENT, TO_SERVER)
+        conn: Connection | None = None
         try:
-            sock.sendall(session)
-            while not self._closed.is_set():
-                try:
-                    kind, data = codec.read(sock)
-                except RpcError as exc:
-                    if "closed after 0 of" not in str(exc):
-                        self.rejected_frames += 1
-                        logger.warning("refused a frame from %s: %s", peer, exc)
-                    return
-                try:
-                    reply: tuple[str, Any] = ("ok", self._handler(kind, data, conn))
-                except Exception as exc:  # the handler's error goes back to the caller
-                    reply = ("error", exc)
-                sock.sendall(codec.encode(*reply))
+            try:
+                session = self._authenticate(sock)
+            except DeadlineExceeded:
+                self.refusals.note(_peer(peer), "handshake timed out")
+                return
+            except ConnectionClosed as exc:
+                self.refusals.note(_peer(peer), "closed during handshake", f"{exc.got} bytes")
+                return
+            except (RpcError, OSError) as exc:
+                self.refusals.note(_peer(peer), "failed authentication", str(exc))
+                return
+            finally:
+                self._unauthenticated.release()
+            conn = Connection(sock, peer)
+            self._serve_frames(conn, FrameCodec(self._secret, session, TO_CLIENT, TO_SERVER))
         except (OSError, EOFError, ValueError) as exc:
             logger.debug("connection from %s ended: %s", peer, exc)
         except Exception:  # a garbage payload that verified cannot happen; never kill the server
@@ -206,8 +443,32 @@ class RpcServer:
                 sock.close()
             except OSError:
                 pass
-            if self._on_disconnect is not None:
+            if conn is not None and self._on_disconnect is not None:
                 self._on_disconnect(conn)
+
+    def _serve_frames(self, conn: Connection, codec: FrameCodec) -> None:
+        sock, frame_timeout = conn.sock, self.limits.frame_timeout
+        while not self._closed.is_set():
+            sock.settimeout(None)  # idle between frames is fine once authenticated
+            try:
+                kind, data = codec.read(sock, frame_timeout)
+            except ConnectionClosed as exc:
+                if exc.got or exc.wanted != _HEADER.size:
+                    self.refusals.note(_peer(conn.peer), "truncated frame", str(exc))
+                return
+            except DeadlineExceeded as exc:
+                self.refusals.note(_peer(conn.peer), "frame timed out", str(exc))
+                return
+            except RpcError as exc:
+                self.refusals.note(_peer(conn.peer), "bad frame", str(exc))
+                return
+            try:
+                reply: tuple[str, Any] = ("ok", self._handler(kind, data, conn))
+            except Exception as exc:  # the handler's error goes back to the caller
+                reply = ("error", exc)
+            frame = codec.encode(*reply)
+            sock.settimeout(frame_timeout + len(frame) / FRAME_MIN_RATE)
+            sock.sendall(frame)
 
     def close(self) -> None:
         self._closed.set()
@@ -222,6 +483,41 @@ class RpcServer:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        self.refusals.flush()
+
+
+def _open(address: tuple[str, int], timeout: float | None) -> tuple[socket.socket, bytes]:
+    """Connect and read the server's hello; retry with backoff while the server is busy."""
+    wait = timeout if timeout is not None else CONNECT_RETRY_S
+    deadline = time.monotonic() + wait
+    delay = 0.02
+    while True:
+        sock = socket.create_connection(address, timeout=wait)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _recv_exact(sock, HELLO_BYTES)
+        except (ConnectionClosed, ConnectionResetError) as exc:
+            sock.close()  # closed before the hello: the server had too many handshakes going
+            if time.monotonic() + delay >= deadline:
+                raise RpcError(
+                    f"the driver service at {address[0]}:{address[1]} kept closing new "
+                    f"connections for {wait:g}s (too many unauthenticated connections; see "
+                    f"{ev.RPC_MAX_UNAUTHENTICATED})"
+                ) from exc
+            time.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 1.0)
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        if hello[: len(MAGIC)] != MAGIC:
+            sock.close()
+            raise RpcError(
+                f"{address[0]}:{address[1]} is not a spark_estimators driver service of this "
+                "version (bad greeting)"
+            )
+        sock.settimeout(timeout)
+        return sock, hello[len(MAGIC) :]
 
 
 class RpcClient:
@@ -229,15 +525,37 @@ class RpcClient:
 
     def __init__(self, address: tuple[str, int], secret: bytes, timeout: float | None = 30.0):
         self.address = address
-        self._sock = socket.create_connection(address, timeout=timeout)
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        session = _recv_exact(self._sock, NONCE_BYTES)
-        self._codec = FrameCodec(secret, session, TO_SERVER, TO_CLIENT)
+        self._sock, ns = _open(address, timeout)
+        nc = os.urandom(NONCE_BYTES)
+        try:
+            self._codec = FrameCodec(secret, session_id(secret, ns, nc), TO_SERVER, TO_CLIENT)
+            self._sock.sendall(client_auth(secret, ns, nc))
+        except BaseException:
+            self._sock.close()
+            raise
+        self._server_proof: bytes | None = _handshake_mac(secret, b"se-server", ns, nc)
         self._lock = threading.Lock()
 
     def local_address(self) -> str:
         """The IP address this host uses to reach the driver (reachable by peers too)."""
         return str(self._sock.getsockname()[0])
+
+    def _check_server(self) -> None:
+        """Read the server's handshake proof (it arrives before the first reply)."""
+        assert self._server_proof is not None
+        try:
+            proof = _recv_exact(self._sock, MAC_BYTES)
+        except (ConnectionClosed, ConnectionResetError) as exc:
+            raise RpcError(
+                f"the driver service at {self.address[0]}:{self.address[1]} refused this "
+                "connection's handshake (the secret is not this job's?)"
+            ) from exc
+        if not hmac.compare_digest(proof, self._server_proof):
+            raise RpcError(
+                f"{self.address[0]}:{self.address[1]} did not prove that it holds the job's "
+                "secret; refusing to talk to it"
+            )
+        self._server_proof = None
 
     def call(self, kind: str, data: Any = None, timeout: float | None = None) -> Any:
         """Send one request and wait for its reply; re-raise an error the handler raised."""
@@ -245,6 +563,8 @@ class RpcClient:
             if timeout is not None:
                 self._sock.settimeout(timeout)
             self._sock.sendall(self._codec.encode(kind, data))
+            if self._server_proof is not None:
+                self._check_server()
             status, reply = self._codec.read(self._sock)
         if status == "error":
             raise reply

@@ -6,29 +6,33 @@ import hmac
 import os
 import random
 import socket
-import struct
 import threading
+import time
 
 import pytest
 
 from spark_estimators.driver.rpc import (
     _HEADER,
+    HELLO_BYTES,
+    MAC_BYTES,
     MAGIC,
     NONCE_BYTES,
     TO_CLIENT,
     TO_SERVER,
     FrameCodec,
     RpcClient,
+    RpcLimits,
     RpcServer,
+    client_auth,
     new_secret,
+    session_id,
 )
 from spark_estimators.errors import RpcError
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture
-def server():
+def _make_server(limits=None):
     secret = new_secret()
     calls = []
 
@@ -36,29 +40,62 @@ def server():
         calls.append((kind, data))
         if kind == "boom":
             raise ValueError("handler says no")
+        if kind == "wait":
+            release.wait(float(data))
+            return "waited"
         return {"echo": data, "kind": kind}
 
-    srv = RpcServer(secret, handler)
+    release = threading.Event()
+    srv = RpcServer(secret, handler, limits=limits)
     srv.calls = calls
     srv.secret = secret
+    srv.release = release
+    return srv
+
+
+@pytest.fixture
+def server():
+    srv = _make_server()
     try:
         yield srv
     finally:
+        srv.release.set()
         srv.close()
 
 
+def _recv(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "closed early"
+        data += chunk
+    return data
+
+
 def _raw(server) -> tuple[socket.socket, bytes]:
+    """An unauthenticated connection and the server nonce from its greeting."""
     sock = socket.create_connection(server.address, timeout=5)
-    session = b""
-    while len(session) < NONCE_BYTES:
-        session += sock.recv(NONCE_BYTES - len(session))
-    return sock, session
+    hello = _recv(sock, HELLO_BYTES)
+    assert hello[:4] == MAGIC
+    return sock, hello[4:]
 
 
-def _closed_by_server(sock: socket.socket) -> bool:
-    sock.settimeout(5)
+def _authenticated(server) -> tuple[socket.socket, bytes]:
+    """A connection through the handshake by hand; returns it and its session bytes."""
+    sock, ns = _raw(server)
+    nc = os.urandom(NONCE_BYTES)
+    sock.sendall(client_auth(server.secret, ns, nc))
+    proof = _recv(sock, MAC_BYTES)
+    assert proof == hmac.new(server.secret, b"se-server" + ns + nc, "sha256").digest()
+    return sock, session_id(server.secret, ns, nc)
+
+
+def _closed_by_server(sock: socket.socket, timeout: float = 5) -> bool:
+    sock.settimeout(timeout)
     try:
-        return sock.recv(1) == b""
+        while sock.recv(4096):
+            pass
+        return True
     except ConnectionResetError:
         return True
 
@@ -75,38 +112,95 @@ def test_roundtrip_and_handler_error(server):
         with pytest.raises(ValueError, match="handler says no"):
             client.call("boom")
         assert client.call("ping", "after")["echo"] == "after"
+    assert server.refusals.total == 0
 
 
-def test_wrong_key_rejected_and_nothing_unpickled(server):
-    with RpcClient(server.address, new_secret()) as bad, pytest.raises((RpcError, OSError)):
+def test_wrong_key_refused_at_the_handshake_and_nothing_unpickled(server):
+    with RpcClient(server.address, new_secret()) as bad, pytest.raises(RpcError, match="refused"):
         bad.call("ping", 1)
     assert server.calls == []
-    assert server.rejected_frames == 1
+    assert server.refusals.counts == {"failed authentication": 1}
     _good_roundtrip(server, "still serving")
 
 
+def test_client_refuses_a_server_without_the_secret():
+    """A fake driver that greets correctly but cannot prove the secret gets no reply read."""
+    fake = socket.create_server(("127.0.0.1", 0))
+    got = []
+
+    def serve():
+        conn, _ = fake.accept()
+        conn.sendall(MAGIC + os.urandom(NONCE_BYTES))
+        got.append(_recv(conn, 52))
+        conn.sendall(os.urandom(MAC_BYTES))  # a proof made without the secret
+        conn.recv(1 << 16)
+        conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    with RpcClient(fake.getsockname()[:2], new_secret()) as client:
+        with pytest.raises(RpcError, match="did not prove that it holds the job's secret"):
+            client.call("ping", 1)
+    t.join(5)
+    fake.close()
+    assert got and got[0][:4] == MAGIC
+
+
 def test_oversized_length_rejected_before_reading(server):
-    sock, _ = _raw(server)
+    sock, _ = _authenticated(server)
     # Claim a 4 GiB body but send nothing more: the server must refuse on the header alone.
     sock.sendall(_HEADER.pack(MAGIC, 0xFFFFFFFF))
     assert _closed_by_server(sock)
     sock.close()
-    assert server.rejected_frames == 1
+    assert server.refusals.counts == {"bad frame": 1}
     _good_roundtrip(server, 2)
 
 
 def test_truncated_frame_rejected(server):
-    sock, _ = _raw(server)
+    sock, _ = _authenticated(server)
     sock.sendall(_HEADER.pack(MAGIC, 100) + b"x" * 10)
     sock.shutdown(socket.SHUT_WR)
     assert _closed_by_server(sock)
     sock.close()
     assert server.calls == []
+    assert server.refusals.counts == {"truncated frame": 1}
     _good_roundtrip(server, 3)
 
 
+def test_half_sent_frame_of_an_authenticated_peer_times_out():
+    srv = _make_server(RpcLimits(frame_timeout=0.5))
+    try:
+        sock, _ = _authenticated(srv)
+        sock.sendall(_HEADER.pack(MAGIC, 100) + b"x" * 10)  # and then nothing
+        t0 = time.monotonic()
+        assert _closed_by_server(sock, timeout=10)
+        assert time.monotonic() - t0 < 5
+        sock.close()
+        assert srv.refusals.counts == {"frame timed out": 1}
+        _good_roundtrip(srv, "after")
+    finally:
+        srv.close()
+
+
+def test_authenticated_connections_may_idle_and_long_poll_past_the_frame_timeout():
+    """The frame timeout counts from a frame's first byte: idle and long requests are fine."""
+    srv = _make_server(RpcLimits(frame_timeout=0.2, auth_timeout=0.2))
+    try:
+        with RpcClient(srv.address, srv.secret) as client:
+            assert client.call("ping", 1)["echo"] == 1
+            # A long poll (the handler blocks 1 s, five frame timeouts) answers normally.
+            assert client.call("wait", 1.0) == "waited"
+            # Idle for longer than both timeouts, then the next call still works.
+            srv.release.clear()
+            threading.Event().wait(0.6)
+            assert client.call("ping", 2)["echo"] == 2
+        assert srv.refusals.total == 0
+    finally:
+        srv.close()
+
+
 def test_replayed_frame_rejected_on_same_and_new_connection(server):
-    sock, session = _raw(server)
+    sock, session = _authenticated(server)
     codec = FrameCodec(server.secret, session, TO_SERVER, TO_CLIENT)
     frame = codec.encode("ping", "first")
     sock.sendall(frame)
@@ -115,25 +209,39 @@ def test_replayed_frame_rejected_on_same_and_new_connection(server):
     sock.sendall(frame)
     assert _closed_by_server(sock)
     sock.close()
-    # The same bytes on a new connection: another session nonce.
-    sock2, _ = _raw(server)
+    # The same bytes on a new authenticated connection: another session.
+    sock2, _ = _authenticated(server)
     sock2.sendall(frame)
     assert _closed_by_server(sock2)
     sock2.close()
     assert [c[1] for c in server.calls] == ["first"]
-    assert server.rejected_frames == 2
+    assert server.refusals.counts == {"bad frame": 2}
     _good_roundtrip(server, "after replay")
+
+
+def test_replayed_handshake_refused(server):
+    """A recorded handshake answer does not authenticate a new connection (fresh nonce)."""
+    sock, ns = _raw(server)
+    answer = client_auth(server.secret, ns, os.urandom(NONCE_BYTES))
+    sock.sendall(answer)
+    _recv(sock, MAC_BYTES)
+    sock.close()
+    sock2, _ = _raw(server)
+    sock2.sendall(answer)
+    assert _closed_by_server(sock2)
+    sock2.close()
+    assert server.refusals.counts == {"failed authentication": 1}
 
 
 def test_reflected_server_frame_rejected(server):
     """A frame signed in the server-to-client direction is refused by the server."""
-    sock, session = _raw(server)
+    sock, session = _authenticated(server)
     as_server = FrameCodec(server.secret, session, TO_CLIENT, TO_SERVER)
     sock.sendall(as_server.encode("ping", "reflected"))
     assert _closed_by_server(sock)
     sock.close()
     assert server.calls == []
-    assert server.rejected_frames == 1
+    assert server.refusals.counts == {"bad frame": 1}
 
 
 def test_random_garbage_frames_rejected_while_serving(server):
@@ -159,10 +267,8 @@ def test_random_garbage_frames_rejected_while_serving(server):
             body = os.urandom(rng.randint(25, 300))
             data = _HEADER.pack(MAGIC, len(body)) + body + os.urandom(32)
         elif mode == 2:
-            # A well-formed, correctly-framed body with a MAC from the wrong key.
-            body = b"\x01" + session + struct.pack("!Q", 0) + os.urandom(50)
-            header = _HEADER.pack(MAGIC, len(body))
-            data = header + body + hmac.new(b"k" * 32, header + body, "sha256").digest()
+            # A well-formed handshake answer made with the wrong key, then a frame.
+            data = client_auth(b"k" * 32, session, os.urandom(NONCE_BYTES)) + os.urandom(80)
         else:
             data = _HEADER.pack(MAGIC, rng.randint(1 << 31, (1 << 32) - 1))
         try:
@@ -175,5 +281,6 @@ def test_random_garbage_frames_rejected_while_serving(server):
     t.join(30)
     assert not good_errors
     assert server.calls and all(kind == "ping" for kind, _ in server.calls)
-    assert server.rejected_frames == 1000
+    assert server.refusals.total == 1000
+    assert set(server.refusals.counts) <= {"failed authentication", "closed during handshake"}
     _good_roundtrip(server, "alive")
