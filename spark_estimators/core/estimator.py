@@ -230,9 +230,17 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         """
         est = self.copy(params) if params else self
         est._validate_params(None)
-        from spark_estimators.data import DatasetMetadata
+        from spark_estimators.data import load_dataset_metadata
 
-        meta = DatasetMetadata.load(est._store(), dataset_idx)
+        # Prepared datasets first; else Parquet written by anyone at the store's un-indexed
+        # train/val paths (horovod's fit_on_parquet), described from the files themselves.
+        meta = load_dataset_metadata(
+            est._store(),
+            dataset_idx,
+            feature_cols=est.getFeatureCols(),
+            label_cols=est.getLabelCols(),
+            sample_weight_col=est.getSampleWeightCol(),
+        )
         missing = [c for c in est.getFeatureCols() + est.getLabelCols() if c not in meta.columns]
         if missing:
             raise ConfigurationError(
