@@ -18,6 +18,7 @@ from spark_estimators.core.backend import Backend, SparkBackend
 from spark_estimators.core.params import ALIASES, EstimatorParams, check_unsupported, to_camel
 from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.core.progress import EpochProgress
+from spark_estimators.core.tracking import MlflowTracker, check_available
 from spark_estimators.errors import (
     ConfigurationError,
     ElasticResetLimitError,
@@ -131,6 +132,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
             )
         self._validate_elastic(num_proc)
         check_unsupported(self)  # horovod params without an effect here: refused, not ignored
+        check_available(self.getOrDefault("logToMlflow"))
         store = self.getStore()
         if store is not None:
             from spark_estimators.store import Store
@@ -285,11 +287,29 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         run_id = self.getRunId() or f"run_{uuid.uuid4().hex[:12]}"
         store = self._store()
         backend = self._launch_backend()
+        tracker = MlflowTracker.for_fit(self, run_id)  # None unless MLflow logging applies
+        try:
+            model = self._train(meta, store, backend, run_id, tracker)
+            if tracker is not None:
+                tracker.log_model(self, model, meta, store)
+        except BaseException:
+            if tracker is not None:
+                tracker.end(failed=True)
+            raise
+        if tracker is not None:
+            tracker.end()
+        return model
+
+    def _train(self, meta: Any, store: Any, backend: Backend, run_id: str, tracker: Any) -> Any:
         failures: list[TrainingFailedError] = []
         while True:
             spec = self._training_spec(meta, store, run_id, backend.num_processes())
             progress = EpochProgress(
-                self.getEpochs(), self.getVerbose(), spec.start_epoch, run_id=run_id
+                self.getEpochs(),
+                self.getVerbose(),
+                spec.start_epoch,
+                run_id=run_id,
+                on_epoch=None if tracker is None else tracker.log_epoch,
             )
             try:
                 results = backend.run(self._remote_trainer(), args=(spec,), event_callback=progress)

@@ -198,6 +198,10 @@ class EstimatorParams(HasOutputCols):
     transformationEditFields = make_param(
         "transformationEditFields", "petastorm TransformSpec fields; not needed (only None)"
     )
+    logToMlflow = make_param(
+        "logToMlflow",
+        "MLflow tracking: None logs into an active run, True always (starting a run), False never",
+    )
     transformationRemovedFields = make_param(
         "transformationRemovedFields", "petastorm TransformSpec fields; not needed (only None)"
     )
@@ -252,6 +256,7 @@ class EstimatorParams(HasOutputCols):
             compressSparseCols=False,
             transformationEditFields=None,
             transformationRemovedFields=None,
+            logToMlflow=None,
             outputCols=[],
         )
 

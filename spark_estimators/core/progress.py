@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -135,9 +136,15 @@ class EpochProgress:
     """
 
     def __init__(
-        self, epochs: int, verbose: int = 1, start_epoch: int = 0, run_id: str | None = None
+        self,
+        epochs: int,
+        verbose: int = 1,
+        start_epoch: int = 0,
+        run_id: str | None = None,
+        on_epoch: Callable[[dict[str, Any]], None] | None = None,
     ):
         self.verbose = verbose
+        self.on_epoch = on_epoch
         self.epochs = epochs
         self.run_id = run_id
         self.history: list[dict[str, Any]] = []
@@ -178,6 +185,11 @@ class EpochProgress:
             return
         with self._lock:
             self.history.append(dict(data))
+            if self.on_epoch is not None:
+                try:
+                    self.on_epoch(dict(data))
+                except Exception as exc:  # noqa: BLE001 - tracking must not stop training
+                    logger.warning("could not record epoch %s: %r", data.get("epoch"), exc)
             if self.verbose < 1:
                 return
             epoch = data.get("epoch")

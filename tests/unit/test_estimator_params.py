@@ -88,6 +88,7 @@ def _torch_estimator(**kw):
         ),
         ({"transformation_removed_fields": ["x"]}, r"transformation_removed_fields=\['x'\]"),
         ({"shuffle_buffer_size": -1}, r"shuffle_buffer_size=-1 is invalid"),
+        ({"log_to_mlflow": "yes"}, r"log_to_mlflow='yes' is invalid: expected None, True or False"),
     ],
 )
 def test_unsupported_horovod_params_are_refused_in_the_driver(kwargs, pattern):

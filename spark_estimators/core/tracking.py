@@ -1,0 +1,250 @@
+"""MLflow tracking of a fit (optional extra ``spark-estimators[mlflow]``; needs ``mlflow-skinny``).
+
+When it logs (estimator param ``log_to_mlflow``):
+
+- ``None`` (default): when an MLflow run is active in the thread that calls ``fit``
+  (``with mlflow.start_run(): est.fit(df)``); nothing is imported or logged otherwise.
+- ``True``: always; the active run, or a new run named after the fit's ``run_id`` that the fit
+  ends (status FINISHED, or FAILED when training fails). Refused in the driver when mlflow is
+  not installed.
+- ``False``: never.
+
+What it logs, all from the driver: the estimator's params (values of simple types as they are,
+objects such as the model or optimizer by class name), the tag ``spark_estimators.run_id``; each
+epoch's metrics as rank 0 reports them (``step`` = epoch, the same numbers as
+``model.getHistory()``; characters MLflow refuses in a name, e.g. ``<lambda>``, become ``_``);
+and the trained framework model with its signature (inferred from a few prepared training rows
+and the model's outputs on them, as tensor specs with the batch dimension -1) under the artifact
+path ``model`` (``mlflow.pytorch`` for Torch and Lightning models, ``mlflow.keras`` for Keras).
+Metrics arrive on the driver service's thread, so they go through ``MlflowClient`` with the
+run's id rather than the thread-local "active run".
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from spark_estimators.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+RUN_ID_TAG = "spark_estimators.run_id"
+_MAX_PARAM_CHARS = 500
+_EXAMPLE_ROWS = 5
+
+
+def check_available(flag: bool | None) -> None:
+    """Driver-side check of ``log_to_mlflow`` before any Spark job."""
+    if flag is not None and not isinstance(flag, bool):
+        raise ConfigurationError(f"log_to_mlflow={flag!r} is invalid: expected None, True or False")
+    if flag:
+        try:
+            import mlflow  # noqa: F401
+        except ImportError as exc:
+            raise ConfigurationError(
+                "log_to_mlflow=True needs MLflow: pip install 'spark-estimators[mlflow]' "
+                "(or set log_to_mlflow=None to log only when mlflow is installed and a run is "
+                "active)"
+            ) from exc
+
+
+def metric_key(name: str) -> str:
+    """An MLflow-valid metric name: characters other than letters, digits and ``_-. /`` -> ``_``."""
+    return re.sub(r"[^\w\-. /]", "_", name)
+
+
+def _param_value(value: Any) -> Any:
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple) and all(
+        v is None or isinstance(v, bool | int | float | str | list | tuple) for v in value
+    ):
+        return str(list(value))[:_MAX_PARAM_CHARS]
+    if isinstance(value, list | tuple):
+        return str([type(v).__name__ for v in value])[:_MAX_PARAM_CHARS]
+    return type(value).__name__
+
+
+class MlflowTracker:
+    """Logs one fit into an MLflow run; made by :meth:`for_fit` (None when not logging)."""
+
+    def __init__(self, client: Any, mlflow_run_id: str, owns_run: bool):
+        self.client = client
+        self.mlflow_run_id = mlflow_run_id
+        self.owns_run = owns_run
+
+    @classmethod
+    def for_fit(cls, est: Any, run_id: str) -> MlflowTracker | None:
+        flag = est.getOrDefault("logToMlflow")
+        if flag is False or (flag is None and "mlflow" not in sys.modules):
+            return None  # without mlflow imported no run can be active
+        import mlflow
+
+        active = mlflow.active_run()
+        if active is None and not flag:
+            return None
+        owns = active is None
+        run = active or mlflow.start_run(run_name=run_id)
+        tracker = cls(mlflow.tracking.MlflowClient(), run.info.run_id, owns)
+        tracker.log_params(est, run_id)
+        return tracker
+
+    def log_params(self, est: Any, run_id: str) -> None:
+        from mlflow.entities import Param, RunTag
+
+        params = []
+        for param, value in sorted(est.extractParamMap().items(), key=lambda kv: kv[0].name):
+            if param.name in ("store", "backend", "logToMlflow"):
+                continue
+            params.append(Param(param.name, str(_param_value(value))))
+        self.client.log_batch(
+            self.mlflow_run_id,
+            params=params,
+            tags=[
+                RunTag(RUN_ID_TAG, run_id),
+                RunTag("spark_estimators.estimator", type(est).__name__),
+            ],
+        )
+
+    def log_epoch(self, logs: dict[str, Any]) -> None:
+        """One epoch's metrics (rank 0's, averaged over the ranks) at ``step`` = epoch."""
+        from mlflow.entities import Metric
+
+        step = int(logs.get("epoch", 0))
+        now = int(time.time() * 1000)
+        metrics = [
+            Metric(metric_key(key), float(value), now, step)
+            for key, value in logs.items()
+            if key != "epoch" and isinstance(value, int | float) and not isinstance(value, bool)
+        ]
+        if metrics:
+            self.client.log_batch(self.mlflow_run_id, metrics=metrics)
+
+    def log_model(self, est: Any, model: Any, meta: Any, store: Any) -> None:
+        """The trained framework model with its signature, under the artifact path ``model``."""
+        import mlflow
+
+        inputs = _example_inputs(est, meta, store)
+        framework = getattr(est, "_framework", "")
+        net = model.getModel()
+        with _in_run(mlflow, self.mlflow_run_id):
+            if framework in ("torch", "lightning"):
+                import mlflow.pytorch
+                import torch
+
+                with torch.no_grad():
+                    out = net(*[torch.from_numpy(a) for a in inputs])
+                outputs = [o.detach().cpu().numpy() for o in _as_list(out)]
+                # Pickle format: it saves any module (scripted ones too) with a dynamic batch
+                # size, where pt2 needs a torch.export trace of one example batch. MLflow logs a
+                # caution about pickle on every save; the model is the user's own, so not here.
+                pytorch_log = logging.getLogger("mlflow.pytorch")
+                level = pytorch_log.level
+                pytorch_log.setLevel(logging.ERROR)
+                try:
+                    mlflow.pytorch.log_model(
+                        net,
+                        name="model",
+                        signature=signature(
+                            est.getFeatureCols(), inputs, model.output_cols(), outputs
+                        ),
+                        serialization_format="pickle",
+                        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+                    )
+                finally:
+                    pytorch_log.setLevel(level)
+            elif framework == "keras":
+                import keras
+                import mlflow.keras
+
+                out = net.predict(inputs[0] if len(inputs) == 1 else inputs, verbose=0)
+                outputs = [np.asarray(o) for o in _as_list(out)]
+                mlflow.keras.log_model(
+                    net,
+                    name="model",
+                    signature=signature(est.getFeatureCols(), inputs, model.output_cols(), outputs),
+                    pip_requirements=[f"keras=={keras.__version__}"],
+                )
+
+    def end(self, failed: bool = False) -> None:
+        if self.owns_run:
+            import mlflow
+
+            active = mlflow.active_run()
+            if active is not None and active.info.run_id == self.mlflow_run_id:
+                mlflow.end_run("FAILED" if failed else "FINISHED")
+            else:
+                self.client.set_terminated(self.mlflow_run_id, "FAILED" if failed else "FINISHED")
+
+
+class _in_run:  # noqa: N801 - used like a function
+    """Make ``mlflow_run_id`` the active run of this thread for the block (log_model needs one)."""
+
+    def __init__(self, mlflow: Any, mlflow_run_id: str):
+        self.mlflow, self.run_id, self.started = mlflow, mlflow_run_id, False
+
+    def __enter__(self) -> None:
+        active = self.mlflow.active_run()
+        if active is None or active.info.run_id != self.run_id:
+            self.mlflow.start_run(run_id=self.run_id, nested=active is not None)
+            self.started = True
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.started:
+            # Leave the run's status alone: ending here only pops it from this thread's stack.
+            self.mlflow.end_run(status=self.mlflow.get_run(self.run_id).info.status)
+
+
+def _as_list(out: Any) -> list[Any]:
+    return list(out) if isinstance(out, list | tuple) else [out]
+
+
+def signature(
+    input_names: list[str], inputs: list[Any], output_names: list[str], outputs: list[Any]
+) -> Any:
+    """An MLflow tensor signature: one spec per input/output, the batch dimension as -1.
+
+    Built directly (``infer_signature`` needs scipy, which ``mlflow-skinny`` lacks); several
+    inputs or outputs are named by their columns.
+    """
+    from mlflow.models import ModelSignature
+    from mlflow.types import Schema, TensorSpec
+
+    def schema(names: list[str], arrays: list[Any]) -> Any:
+        return Schema(
+            [
+                TensorSpec(
+                    np.asarray(a).dtype,
+                    (-1, *np.asarray(a).shape[1:]),
+                    name if len(arrays) > 1 else None,
+                )
+                for name, a in zip(names, arrays, strict=False)
+            ]
+        )
+
+    return ModelSignature(inputs=schema(input_names, inputs), outputs=schema(output_names, outputs))
+
+
+def _example_inputs(est: Any, meta: Any, store: Any) -> list[Any]:
+    """A few prepared training rows as the model's inputs (what training fed it)."""
+    from spark_estimators.core import tensors
+    from spark_estimators.data import make_batch_reader
+
+    reader = make_batch_reader(
+        store,
+        meta,
+        split="train",
+        rank=0,
+        size=1,
+        batch_size=_EXAMPLE_ROWS,
+        columns=list(est.getFeatureCols()),
+        shuffle=False,
+        prefetch=0,
+    )
+    return tensors.model_inputs(reader.peek(), est.getFeatureCols(), est.getInputShapes())
