@@ -346,3 +346,48 @@ def test_horovod_names_are_aliases():
 def test_bad_input_fails_in_driver(df, store, kwargs, pattern):
     with pytest.raises(ConfigurationError, match=pattern):
         make_estimator(store, **kwargs).fit(df)
+
+
+class ImageModule(pl.LightningModule):
+    """Needs [batch, 1, 4, 4] inputs: a 5-D batch (issue 19) fails its assertion."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 1, kernel_size=2)
+        self.fc = torch.nn.Linear(9, 1)
+
+    def forward(self, x):
+        assert x.dim() == 4 and tuple(x.shape[1:]) == (1, 4, 4), tuple(x.shape)
+        return self.fc(self.conv(x).flatten(1))
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch["image"]).squeeze(1), batch["y"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_horovod_full_input_shape_trains_and_transforms_on_the_same_4d_tensors(spark, store):
+    rng = np.random.default_rng(4)
+    images = rng.normal(size=(128, 16))
+    rows = [(images[i].tolist(), float(images[i].sum())) for i in range(128)]
+    df = spark.createDataFrame(rows, ["image", "y"])
+    torch.manual_seed(0)
+    est = LightningEstimator(
+        num_proc=2,
+        store=store,
+        model=ImageModule(),
+        feature_cols=["image"],
+        label_cols=["y"],
+        input_shapes=[[-1, 1, 4, 4]],
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+    )
+    model = est.fit(df)
+    assert len(model.getHistory()) == 1
+    out = model.transform(df).limit(8).collect()
+    x = torch.tensor([r["image"] for r in out], dtype=torch.float32).reshape(-1, 1, 4, 4)
+    with torch.no_grad():
+        want = model.getModel()(x).numpy().ravel()
+    np.testing.assert_allclose([r["y__output"] for r in out], want, rtol=1e-5, atol=1e-6)
