@@ -26,7 +26,11 @@ Protocol, one ``cmd=<name> key=value ...`` line per message (client -> server ->
     abort exitcode msg   -> (no answer; reported as a failure of that rank)
 
 ``PMI_ID`` is a random 31-bit token per rank rather than the rank itself, so a stranger on the
-network cannot join the job by guessing small numbers; each token is accepted once.
+network cannot join the job by guessing small numbers; each token is accepted once. A connection
+must identify itself with ``initack`` within ``auth_timeout`` seconds, at most
+``max_unauthenticated`` connections may be waiting to do so (more are closed at once), and
+refused connections are logged as one WARNING per ``log_interval`` (the driver service's
+:class:`~spark_estimators.driver.rpc.RpcLimits`, ``SPARK_ESTIMATORS_RPC_*``).
 
 Failure detection: the PMI socket of a rank stays open until the process exits. A connection
 that closes before ``finalize`` means the rank died or exited while possibly inside MPI, where
@@ -41,9 +45,12 @@ import secrets
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from spark_estimators.driver.rpc import RefusalLog, RpcLimits
 
 if TYPE_CHECKING:
     from spark_estimators.driver.service import DriverService
@@ -141,10 +148,11 @@ def format_command(cmd: str, **args: object) -> bytes:
     return (" ".join(parts) + "\n").encode()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: clients live in sets
 class _Client:
     sock: socket.socket
     peer: str
+    opened: float = 0.0  # monotonic time of accept
     inbox: bytearray = field(default_factory=bytearray)
     rank: int | None = None
     finalized: bool = False
@@ -176,6 +184,9 @@ class PMIServer:
     on_failure
         Called from the server thread with ``(rank, message)`` when a rank disconnects before
         ``finalize`` or calls ``MPI_Abort``.
+    limits
+        ``auth_timeout``, ``max_unauthenticated`` and ``log_interval`` apply to connections that
+        have not sent a valid ``initack`` yet; default :meth:`RpcLimits.from_env`.
 
     Examples
     --------
@@ -189,10 +200,14 @@ class PMIServer:
         host: str = "127.0.0.1",
         mapping: str | Callable[[], str | None] | None = None,
         on_failure: FailureSink | None = None,
+        limits: RpcLimits | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self.size = size
+        self.limits = limits if limits is not None else RpcLimits.from_env()
+        self.refusals = RefusalLog("the PMI server", self.limits.log_interval, logger)
+        self._pending: set[_Client] = set()  # connected, not identified yet
         self.kvsname = "se_kvs_" + secrets.token_hex(6)
         self._mapping = mapping
         self._on_failure = on_failure
@@ -243,6 +258,7 @@ class PMIServer:
             pass
         if threading.current_thread() is not self._thread:
             self._thread.join(5.0)
+        self.refusals.flush()
 
     def __enter__(self) -> PMIServer:
         return self
@@ -254,13 +270,14 @@ class PMIServer:
     def _serve(self) -> None:
         try:
             while not self._closed:
-                for key, _ in self._selector.select():
+                for key, _ in self._selector.select(self._next_deadline()):
                     if key.data == "wake":
                         break
                     if key.data is None:
                         self._accept()
                     else:
                         self._read(key.data)
+                self._expire_pending()
         except Exception:  # never let the server thread die silently
             logger.exception("PMI server failed")
         finally:
@@ -274,10 +291,28 @@ class PMIServer:
             sock, addr = self._listener.accept()
         except BlockingIOError:
             return
+        peer = f"{addr[0]}:{addr[1]}"
+        if len(self._pending) >= self.limits.max_unauthenticated:
+            sock.close()
+            self.refusals.note(peer, "busy", f"{len(self._pending)} connections not identified")
+            return
         sock.setblocking(True)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client = _Client(sock, f"{addr[0]}:{addr[1]}")
+        client = _Client(sock, peer, opened=time.monotonic())
+        self._pending.add(client)
         self._selector.register(sock, selectors.EVENT_READ, client)
+
+    def _next_deadline(self) -> float | None:
+        """Seconds until the oldest unidentified connection's time is up (None: no such one)."""
+        if not self._pending:
+            return None
+        oldest = min(c.opened for c in self._pending)
+        return max(0.0, oldest + self.limits.auth_timeout - time.monotonic())
+
+    def _expire_pending(self) -> None:
+        now = time.monotonic()
+        for client in [c for c in self._pending if now - c.opened >= self.limits.auth_timeout]:
+            self._drop(client, "did not identify itself in time", refusal="initack timed out")
 
     def _read(self, client: _Client) -> None:
         try:
@@ -294,7 +329,7 @@ class PMIServer:
             if not self._handle(client, line.decode("utf-8", "replace")):
                 return
         if len(client.inbox) > MAX_LINE:
-            self._drop(client, "sent an over-long PMI line")
+            self._drop(client, "sent an over-long PMI line", refusal="over-long line")
 
     def _send(self, client: _Client, payload: bytes) -> None:
         try:
@@ -302,7 +337,9 @@ class PMIServer:
         except OSError as exc:
             logger.debug("PMI send to %s failed: %s", client.peer, exc)
 
-    def _drop(self, client: _Client, why: str) -> None:
+    def _drop(self, client: _Client, why: str, refusal: str | None = None) -> None:
+        """Close ``client``; ``refusal`` (or any drop before ``initack``) counts as refused."""
+        self._pending.discard(client)
         try:
             self._selector.unregister(client.sock)
         except (KeyError, ValueError):
@@ -312,7 +349,7 @@ class PMIServer:
             self._barrier.remove(client)
         rank = client.rank
         if rank is None:
-            logger.debug("PMI client %s %s before identifying itself", client.peer, why)
+            self.refusals.note(client.peer, refusal or "closed before initack", why)
             return
         with self._lock:
             self.connected.discard(rank)
@@ -331,10 +368,10 @@ class PMIServer:
         try:
             cmd, args = parse_command(line)
         except ValueError as exc:
-            self._drop(client, f"sent a malformed PMI line ({exc})")
+            self._drop(client, f"sent a malformed PMI line ({exc})", refusal="malformed line")
             return False
         if client.rank is None and cmd != "initack":
-            self._drop(client, f"sent {cmd!r} before initack")
+            self._drop(client, f"sent {cmd!r} before initack", refusal="command before initack")
             return False
         if cmd == "abort":  # its message is sent unescaped: take the rest of the line
             args["message"] = line.partition(" message=")[2].rstrip("\n")
@@ -359,12 +396,11 @@ class PMIServer:
                 assert rank is not None
                 self.connected.add(rank)
         if rank is None or not fresh:
-            logger.warning("PMI: refused a connection from %s (unknown or reused PMI_ID)",
-                           client.peer)  # fmt: skip
             self._send(client, format_command("initack", rc=-1, msg="unknown_or_reused_pmiid"))
-            self._drop(client, "was refused")
+            self._drop(client, "was refused", refusal="unknown or reused PMI_ID")
             return False
         client.rank = rank
+        self._pending.discard(client)
         self._send(
             client,
             format_command("initack", rc=0)
