@@ -102,6 +102,7 @@ def run_worker(config: TaskConfig, index: int, attempt: int, gpus: tuple[str, ..
         env["PYTHONUNBUFFERED"] = "1"
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            env["SPARK_ESTIMATORS_GPU_ADDRESSES"] = ",".join(gpus)
         code, aborted, tail = _supervise(config, client, wid, index, env)
         retry = False
         if code != 0 and not aborted:

@@ -145,9 +145,9 @@ def _open_reader(spec: LightningTrainSpec, split: str, transformation_fn: Any) -
 def _use_cuda(spec: LightningTrainSpec) -> bool:
     import torch
 
-    from spark_estimators.task import get_available_devices
+    from spark_estimators.task import get_device
 
-    has_gpu = get_available_devices()[0].startswith("cuda") and torch.cuda.is_available()
+    has_gpu = get_device().startswith("cuda") and torch.cuda.is_available()
     if spec.num_gpus == 1 and not has_gpu:
         raise RuntimeError(
             "num_gpus=1 but this rank has no GPU (Spark assigned none to its task, or torch "

@@ -36,13 +36,52 @@ def send_event(kind: str, data: Any) -> bool:
 
 
 def get_available_devices() -> list[str]:
-    """Devices this rank should use: ``["cuda:0", ...]`` for the task's GPUs, else ``["cpu"]``.
+    """Spark's GPU addresses assigned to this rank's task, like Horovod's function of that name.
 
-    The launcher masks ``CUDA_VISIBLE_DEVICES`` to the GPUs Spark assigned to the task, so the
-    first assigned GPU is always ``cuda:0`` inside the rank (do not use ``LOCAL_RANK`` for it).
+    Returns the addresses as Spark's resource scheduler gave them (``["3"]`` for a task that got
+    GPU 3 of its executor), or ``[]`` when the task has no GPU. Called inside a plain Spark task
+    (not a rank), it asks :class:`pyspark.TaskContext`.
+
+    The launcher masks ``CUDA_VISIBLE_DEVICES`` to exactly these addresses, so inside a rank the
+    first of them is CUDA device 0: pin with :func:`get_device` (``"cuda:0"``), not with
+    ``int(get_available_devices()[0])`` nor ``LOCAL_RANK``.
+
+    >>> from spark_estimators.task import get_available_devices
+    >>> get_available_devices()  # doctest: +SKIP
+    ['3']
+    """
+    addresses = os.environ.get(ev.SE_GPU_ADDRESSES)
+    if addresses is not None:
+        return [a for a in addresses.split(",") if a]
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    if ctx is None:
+        return []
+    gpu = ctx.resources().get("gpu")
+    return list(gpu.addresses) if gpu is not None else []
+
+
+def get_devices() -> list[str]:
+    """Torch device names of this rank's GPUs (``["cuda:0", ...]``), else ``["cpu"]``.
+
+    Follows ``CUDA_VISIBLE_DEVICES``, which the launcher masks to the task's Spark GPUs, so the
+    task's first GPU is always ``cuda:0`` in the rank.
     """
     visible = os.environ.get(ev.CUDA_VISIBLE_DEVICES, "")
     ids = [v for v in visible.split(",") if v.strip() != ""]
     if not ids:
         return ["cpu"]
     return [f"cuda:{i}" for i in range(len(ids))]
+
+
+def get_device() -> str:
+    """The device this rank should train on: ``"cuda:0"`` with a Spark GPU, else ``"cpu"``.
+
+    Use it where Horovod scripts called ``torch.cuda.set_device(hvd.local_rank())``.
+
+    >>> import torch
+    >>> from spark_estimators.task import get_device
+    >>> device = torch.device(get_device())  # doctest: +SKIP
+    """
+    return get_devices()[0]

@@ -94,7 +94,10 @@ def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict
         "PYTHONUNBUFFERED": "1",
     }
     if gpus:
+        # The rank sees exactly its task's GPUs (as cuda:0..); get_available_devices() still
+        # answers Spark's addresses, as Horovod's does.
         env[ev.CUDA_VISIBLE_DEVICES] = ",".join(gpus)
+        env[ev.SE_GPU_ADDRESSES] = ",".join(gpus)
     return env
 
 

@@ -14,10 +14,10 @@ class TorchPredictor(Predictor):
     def load(self, blob: bytes) -> Any:
         import torch
 
-        from spark_estimators.task import get_available_devices
+        from spark_estimators.task import get_device
 
         model = model_from_bytes(blob)
-        device = get_available_devices()[0]
+        device = get_device()
         device = device if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
         model = model.to(device)
         model.eval()

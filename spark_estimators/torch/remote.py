@@ -387,12 +387,12 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
 
     import spark_estimators.collective.torch as hvd
     from spark_estimators.collective.torch import Compression
-    from spark_estimators.task import get_available_devices
+    from spark_estimators.task import get_device
 
     _preload_in_background(("pyarrow.dataset", "torch._dynamo"))
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    device_name = get_available_devices()[0]
+    device_name = get_device()
     use_cuda = spec.use_gpu is not False and device_name.startswith("cuda")
     device = torch.device(device_name if use_cuda else "cpu")
     if spec.seed is not None:
