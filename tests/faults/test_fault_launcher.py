@@ -108,7 +108,7 @@ def test_rank_sigkilled_mid_allreduce_stops_the_job(spark, clock):
 
 def _garbage(payload: bytes, address: tuple[str, int]) -> None:
     with socket.create_connection(address, timeout=5) as sock:
-        sock.recv(16)  # the session nonce
+        sock.recv(20)  # the greeting: magic and the server nonce
         sock.sendall(payload)
         sock.settimeout(5)
         try:
@@ -132,6 +132,7 @@ def _send_garbage_then_work(n_events: int) -> dict:
             b"SEv1" + struct.pack("!I", 2**31),  # a length far over the frame limit
             b"SEv1" + struct.pack("!I", 64) + os.urandom(64 + 32),  # unsigned frame
             b"SEv1" + struct.pack("!I", 1000) + b"x" * 10,  # truncated, then closed
+            b"SEv2" + os.urandom(16 + 32),  # a handshake answer without the secret
             b"",  # connect and close at once
         ]
         for frame in frames:
