@@ -102,6 +102,15 @@ class TorchEstimator(SparkEstimator):
                 f"{len(losses)} losses for {len(self.getLabelCols())} label columns: give one "
                 "loss, or one per label column"
             )
+        n_labels = len(self.getLabelCols())
+        for entry in _listify(self.getMetrics()):
+            group = _listify(entry)
+            if len(group) not in (1, n_labels) or not all(callable(m) for m in group):
+                raise ConfigurationError(
+                    f"metrics entry {entry!r} is invalid: give a function fn(output, label), or "
+                    f"a list of one function (for every output) or of {n_labels} (one per "
+                    "label column), as Horovod's metric groups"
+                )
         minibatch_fn = self.getOrDefault("trainMinibatchFn")
         if minibatch_fn is not None and not callable(minibatch_fn):
             raise ConfigurationError(
@@ -154,7 +163,7 @@ class TorchEstimator(SparkEstimator):
         roots = [
             user.model,
             *user.losses,
-            *user.metrics,
+            *[m for entry in user.metrics for m in _listify(entry)],
             *user.callbacks,
             user.transformation_fn,
             user.train_minibatch_fn,

@@ -79,6 +79,23 @@ def metric_name(metric: Any) -> str:
     return str(getattr(metric, "__name__", None) or type(metric).__name__)
 
 
+def metric_plan(metrics: list[Any], label_cols: list[str]) -> list[tuple[str, Any, int]]:
+    """``(name, fn, output index)`` for each metric value recorded per epoch.
+
+    As in Horovod, an entry may be a group (a list): one function for every output, or one per
+    output. A plain function is one group of one. With one label a metric is named by its
+    function (``mae``); with several, by function and label column (``mae_y1``, ``mae_y2``).
+    """
+    several = len(label_cols) > 1
+    plan = []
+    for entry in metrics:
+        group = list(entry) if isinstance(entry, list | tuple) else [entry]
+        fns = group * len(label_cols) if len(group) == 1 else group
+        for i, (fn, col) in enumerate(zip(fns, label_cols, strict=True)):
+            plan.append((f"{metric_name(fn)}_{col}" if several else metric_name(fn), fn, i))
+    return plan
+
+
 def _fingerprint(model: Any) -> str:
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -245,7 +262,8 @@ def _run_epoch(
     import torch
 
     loss_sum, rows = 0.0, 0.0
-    metric_sums = [0.0] * len(user.metrics)
+    plan = metric_plan(user.metrics, spec.label_cols)
+    metric_sums = [0.0] * len(plan)
     k = spec.backward_passes_per_step
     model.train(train)
     reader.set_epoch(epoch)
@@ -274,9 +292,9 @@ def _run_epoch(
         if train and step == 0 and epoch == spec.start_epoch and hvd_rank() == 0:
             send_event("first_batch", time.time())  # time to first batch, for the driver
         with torch.no_grad():
-            for i, metric in enumerate(user.metrics):
-                out0 = outputs[0].detach()
-                metric_sums[i] += float(metric(out0, match_output(labels[0], out0))) * n
+            for i, (_, metric, index) in enumerate(plan):
+                out = outputs[index].detach()
+                metric_sums[i] += float(metric(out, match_output(labels[index], out))) * n
     close = getattr(iterator, "close", None)
     if close is not None:
         close()  # stops the reader's prefetch thread when fewer steps than an epoch were taken
@@ -443,7 +461,7 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     )
     val_steps = _epoch_steps(val_reader, spec.validation_steps_per_epoch) if val_reader else 0
     board = _TensorBoard(spec) if rank == 0 else None
-    names = [metric_name(m) for m in user.metrics]
+    names = [name for name, _, _ in metric_plan(user.metrics, spec.label_cols)]
     _call(user.callbacks, "on_train_begin", {})
     try:
         for epoch in range(start_epoch, spec.epochs):

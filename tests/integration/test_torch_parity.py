@@ -180,3 +180,63 @@ def test_shuffle_buffer_size_zero_turns_shuffling_off(df, store):
     np.testing.assert_array_equal(weights(shuffle_buffer_size=0), unshuffled)
     # The default shuffles (same seed), so its batches, and so its weights, differ.
     assert not np.array_equal(weights(), unshuffled)
+
+
+class TwoOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(2, 1)
+        self.b = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def width(output, label):
+    return torch.tensor(float(output.shape[1]))
+
+
+def label_width(output, label):
+    return torch.tensor(float(label.shape[1]))
+
+
+def tens(output, label):
+    return torch.tensor(10.0 * output.shape[1])
+
+
+def hundreds(output, label):
+    return torch.tensor(100.0 * output.shape[1])
+
+
+def test_horovod_metric_groups_are_applied_per_output(spark, store):
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(128, 2))
+    rows = [(Vectors.dense(r.tolist()), float(r[0]), [float(r[1]), float(-r[1])]) for r in x]
+    df = spark.createDataFrame(rows, ["features", "y1", "y2"])
+    torch.manual_seed(0)
+    net = TwoOut()
+    fitted = estimator(
+        store,
+        net,
+        loss=torch.nn.MSELoss(),
+        label_cols=["y1", "y2"],
+        # a function: every output; a group of one: every output; a group of two: one each
+        metrics=[width, [label_width], [tens, hundreds]],
+        epochs=1,
+    ).fit(df)
+    (logs,) = fitted.getHistory()
+    got = {k: v for k, v in logs.items() if k not in ("epoch", "loss")}
+    assert got == {
+        "width_y1": 1.0,
+        "width_y2": 2.0,
+        "label_width_y1": 1.0,
+        "label_width_y2": 2.0,
+        "tens_y1": 10.0,
+        "hundreds_y2": 200.0,
+    }
+
+
+def test_a_metric_group_of_the_wrong_length_is_refused(store):
+    est = estimator(store, TwoOut(), label_cols=["y1", "y2"], metrics=[[width, width, width]])
+    with pytest.raises(ConfigurationError, match=r"metrics entry .* is invalid.*list of one"):
+        est._validate_params(None)
