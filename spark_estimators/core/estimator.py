@@ -291,7 +291,10 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         try:
             model = self._train(meta, store, backend, run_id, tracker)
             if tracker is not None:
-                tracker.log_model(self, model, meta, store)
+                try:
+                    tracker.log_model(self, model, meta, store)
+                except Exception as exc:  # noqa: BLE001 - the fit itself succeeded
+                    logger.warning("the trained model could not be logged to MLflow: %r", exc)
         except BaseException:
             if tracker is not None:
                 tracker.end(failed=True)

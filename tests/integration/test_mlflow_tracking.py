@@ -114,3 +114,56 @@ def test_nothing_is_logged_without_an_active_run_or_when_turned_off(tracking, tm
     assert MlflowTracker.for_fit(estimator(tmp_path), "quiet") is None
     with mlflow.start_run():
         assert MlflowTracker.for_fit(estimator(tmp_path, log_to_mlflow=False), "off") is None
+
+
+def test_lightning_fit_logs_its_metrics_and_module(tracking, df, tmp_path):
+    pl = pytest.importorskip("pytorch_lightning")
+    import torch.nn.functional as F
+
+    from spark_estimators.lightning import LightningEstimator
+
+    class Regressor(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 1)
+
+        def forward(self, x):
+            return self.fc(x)
+
+        def training_step(self, batch, batch_idx):
+            loss = F.mse_loss(self(batch["features"]).squeeze(1), batch["y"])
+            self.log("train_mse", loss, on_step=False, on_epoch=True, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    est = LightningEstimator(
+        num_proc=2,
+        store=LocalStore(str(tmp_path / "store")),
+        model=Regressor(),
+        feature_cols=["features"],
+        label_cols=["y"],
+        batch_size=32,
+        epochs=2,
+        verbose=0,
+        log_to_mlflow=True,
+        run_id="lightning_run",
+    )
+    fitted = est.fit(df)
+    (run,) = tracking.search_runs(
+        [mlflow.get_experiment_by_name("spark_estimators_test").experiment_id]
+    )
+    assert run.info.run_name == "lightning_run" and run.info.status == "FINISHED"
+    mse = tracking.get_metric_history(run.info.run_id, "train_mse")
+    assert {(m.step, m.value) for m in mse} == {
+        (h["epoch"], h["train_mse"]) for h in fitted.getHistory()
+    }
+    (logged_model,) = mlflow.search_logged_models(
+        filter_string=f"source_run_id = '{run.info.run_id}'", output_format="list"
+    )
+    loaded = mlflow.pytorch.load_model(logged_model.model_uri)
+    x = torch.tensor([[1.0, 2.0]])
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(x).numpy(), fitted.getModel()(x).numpy(), rtol=1e-6)
