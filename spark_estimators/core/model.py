@@ -147,6 +147,13 @@ class ModelParams(HasOutputCols):
     def getTransformBatchSize(self) -> int:
         return self.getOrDefault(self.transformBatchSize)
 
+    # horovod's HorovodModel names
+    def getFeatureColumns(self) -> list[str]:
+        return self.getFeatureCols()
+
+    def getLabelColumns(self) -> list[str]:
+        return self.getLabelCols()
+
 
 class SparkModel(PersistenceMixin, Model, ModelParams):
     """Base of TorchModel / LightningModel / KerasModel.
@@ -189,8 +196,12 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
     def setTransformBatchSize(self, value: int) -> SparkModel:
         return self._set(transformBatchSize=value)
 
+    def getOutputCols(self) -> list[str]:
+        """The prediction columns ``transform`` appends (``<label>__output`` unless set)."""
+        return self.output_cols()
+
     def output_cols(self) -> list[str]:
-        cols = self.getOutputCols()
+        cols = self.getOrDefault(self.outputCols)
         return list(cols) if cols else [f"{c}__output" for c in self.getLabelCols()]
 
     # -- persistence hooks -----------------------------------------------------------------------

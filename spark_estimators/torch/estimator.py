@@ -91,6 +91,11 @@ class TorchEstimator(SparkEstimator):
                 "optimizer holds parameters that are not the model's: build it with "
                 "optimizer=torch.optim.X(model.parameters(), ...) on the same model object"
             )
+        if self.getLoss() is not None and _listify(self.getOrDefault("lossConstructors")):
+            raise ConfigurationError(
+                "loss and loss_constructors were both given: pass only one of them (as Horovod "
+                "requires)"
+            )
         losses = self._losses()
         if not losses:
             raise ConfigurationError(

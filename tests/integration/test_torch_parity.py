@@ -240,3 +240,15 @@ def test_a_metric_group_of_the_wrong_length_is_refused(store):
     est = estimator(store, TwoOut(), label_cols=["y1", "y2"], metrics=[[width, width, width]])
     with pytest.raises(ConfigurationError, match=r"metrics entry .* is invalid.*list of one"):
         est._validate_params(None)
+
+
+def test_horovod_model_accessors_and_loss_conflict(df, store):
+    torch.manual_seed(0)
+    fitted = estimator(store, Linear(), epochs=1).fit(df)
+    # horovod's TorchModel names its prediction columns even when none were set
+    assert fitted.getOutputCols() == ["y__output"]
+    assert fitted.getFeatureColumns() == ["features"] and fitted.getLabelColumns() == ["y"]
+    assert "y__output" in fitted.transform(df).columns
+    both = estimator(store, Linear(), loss_constructors=[torch.nn.MSELoss])
+    with pytest.raises(ConfigurationError, match="loss and loss_constructors were both given"):
+        both._validate_params(None)
