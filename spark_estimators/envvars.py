@@ -36,6 +36,9 @@ SE_JOB_ID = PREFIX + "JOB_ID"
 
 # User-facing knobs.
 START_TIMEOUT = PREFIX + "START_TIMEOUT"
+# Address the executors use to reach the driver service (needed when this process is a Spark
+# Connect client on another machine than the executors can reach by default).
+DRIVER_HOST = PREFIX + "DRIVER_HOST"
 COLLECTIVE_TIMEOUT = PREFIX + "COLLECTIVE_TIMEOUT"
 HOST_HASH_SALT = PREFIX + "HOST_HASH_SALT"
 FUSION_THRESHOLD = PREFIX + "FUSION_THRESHOLD"

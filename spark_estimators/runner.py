@@ -34,7 +34,16 @@ import cloudpickle
 
 from spark_estimators import envvars as ev
 from spark_estimators import run_options
-from spark_estimators.core.session import available_task_slots, default_num_proc, get_spark
+from spark_estimators.core.session import (
+    available_task_slots,
+    cancel_job_group,
+    default_num_proc,
+    driver_service_host,
+    end_job_group,
+    get_spark,
+    spark_master,
+    start_job_group,
+)
 from spark_estimators.driver.rpc import new_secret
 from spark_estimators.driver.service import DriverService, JobState, is_consequence
 from spark_estimators.errors import (
@@ -155,7 +164,7 @@ def check_admission(spark: Any, num_proc: int, wait_s: float = 0.0) -> None:
     if slots is not None and num_proc > slots:
         raise ConfigurationError(
             f"num_proc={num_proc} needs {num_proc} concurrent Spark task slots, but the cluster "
-            f"(master {spark.sparkContext.master!r}) has {slots}. Use num_proc<={slots}, or add "
+            f"(master {spark_master(spark)!r}) has {slots}. Use num_proc<={slots}, or add "
             f"executors/cores (e.g. master local[{num_proc}], more spark.executor.instances, "
             f"or a lower spark.task.cpus)."
         )
@@ -186,15 +195,18 @@ class _OutputPrinter:
 def _spark_job(
     spark: Any, num_proc: int, task_fn: Any, job_id: str, box: dict[str, Any], svc: DriverService
 ) -> None:
-    sc = spark.sparkContext
     try:
-        sc.setJobGroup(job_id, f"spark_estimators.run {num_proc} ranks", interruptOnCancel=True)
+        start_job_group(spark, job_id, f"spark_estimators.run {num_proc} ranks")
         df = spark.range(num_proc, numPartitions=num_proc)
         out = df.mapInArrow(task_fn, "index long, rank long, seconds double", barrier=True)
         box["rows"] = out.collect()
     except BaseException as exc:
         box["error"] = exc
     finally:
+        try:
+            end_job_group(spark, job_id)
+        except Exception as exc:  # the session may be gone after an interrupt
+            logger.debug("could not clear the job tag %s: %s", job_id, exc)
         box["done"] = True
         svc.notify()
 
@@ -220,6 +232,7 @@ def run(
     timeline: str | None = None,
     extra_mpi_args: str | None = None,
     executable: str | None = None,
+    driver_host: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark tasks; return the results by rank.
 
@@ -263,6 +276,10 @@ def run(
     extra_mpi_args, executable
         Horovod's arguments with no equivalent: a clear error names the alternative
         (see :mod:`spark_estimators.run_options`).
+    driver_host
+        Address the executors use to reach this process's driver service (default: env
+        ``SPARK_ESTIMATORS_DRIVER_HOST``, else ``spark.driver.host`` for a classic session, or
+        for a Spark Connect client this machine's address towards the Connect server).
 
     Returns
     -------
@@ -310,7 +327,7 @@ def run(
     payload = pickle_payload(fn, tuple(args), dict(kwargs or {}))
     job_id = "spark_estimators-" + uuid.uuid4().hex[:12]
     secret = new_secret()
-    driver_host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
+    driver_host = driver_service_host(spark, driver_host)
     svc = DriverService(
         num_proc,
         secret,
@@ -400,7 +417,9 @@ class _Launch:
                 f"only {len(registered)} of {self.num_proc} Spark tasks registered within "
                 f"start_timeout={self.start_timeout:g}s ({self.svc.registered_summary()}). "
                 f"The cluster may be busy or short of slots; raise start_timeout (or "
-                f"{ev.START_TIMEOUT}) or lower num_proc.",
+                f"{ev.START_TIMEOUT}) or lower num_proc. If the tasks run but cannot connect "
+                f"to the driver service at {self.svc.address[0]}:{self.svc.address[1]}, pass "
+                f"driver_host= (or set {ev.DRIVER_HOST}) to an address the executors can reach.",
                 registered=registered,
                 expected=self.num_proc,
             )
@@ -412,7 +431,7 @@ class _Launch:
         self.svc.wait(lambda s: self.box["done"], timeout=grace)
         if not self.box["done"]:
             try:
-                self.spark.sparkContext.cancelJobGroup(self.job_id)
+                cancel_job_group(self.spark, self.job_id)
             except Exception as exc:
                 logger.warning("could not cancel Spark job group %s: %s", self.job_id, exc)
             thread.join(ABORT_GRACE_S)

@@ -59,7 +59,8 @@ class StageWriter(MLWriter):
                 json_params[param.name] = value
             else:
                 blob_params[param.name] = value
-        DefaultParamsWriter.saveMetadata(inst, path, self.sc, paramMap=json_params)
+        # The session (not self.sc): a Spark Connect client has no SparkContext.
+        DefaultParamsWriter.saveMetadata(inst, path, self.sparkSession, paramMap=json_params)
         extra = inst._extra_state() if hasattr(inst, "_extra_state") else {}
         with _open(path.rstrip("/") + "/" + BLOB_NAME, "wb") as f:
             f.write(cloudpickle.dumps({"params": blob_params, "extra": extra}))
@@ -73,7 +74,7 @@ class StageReader(MLReader):
         self.cls = cls
 
     def load(self, path: str) -> Any:
-        metadata = DefaultParamsReader.loadMetadata(path, self.sc)
+        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)

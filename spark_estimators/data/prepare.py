@@ -356,9 +356,42 @@ def input_file_stats(df: Any) -> list[list[Any]]:
             size, mtime = by_dir[parent].get(f.rsplit("/", 1)[1], (-1, -1))
             out.append([f, size, mtime])
         return out
-    except Exception as exc:  # Spark Connect has no JVM handle: names alone still key the cache
-        logger.debug("cannot stat input files (%s); the cache key uses their names only", exc)
-        return [[f, None, None] for f in files]
+    except Exception as exc:  # Spark Connect has no JVM handle: stat them from here
+        logger.debug("cannot stat input files through Spark (%s); trying pyarrow", exc)
+        return _stat_with_pyarrow(files)
+
+
+def _stat_with_pyarrow(files: list[str]) -> list[list[Any]]:
+    """``[path, size, mtime]`` through pyarrow's filesystems (Spark Connect clients).
+
+    A file this process cannot see (another machine's local path, a scheme pyarrow lacks) keys
+    the cache by its name only, and a warning says so: a rewritten file of the same name would
+    then be served from the cache.
+    """
+    import pyarrow.fs as pafs
+
+    out: list[list[Any]] = []
+    unseen = []
+    for f in files:
+        try:
+            fs, path = pafs.FileSystem.from_uri(f)
+            info = fs.get_file_info(path)
+            if info.type == pafs.FileType.NotFound:
+                raise FileNotFoundError(path)
+            mtime = info.mtime_ns // 1_000_000 if info.mtime_ns is not None else None
+            out.append([f, info.size, mtime])
+        except Exception:
+            unseen.append(f)
+            out.append([f, None, None])
+    if unseen:
+        logger.warning(
+            "prepare_data cannot see %d input file(s) from this process (e.g. %s): the cache "
+            "key uses their names only, so a file rewritten under the same name is not "
+            "noticed; delete the dataset (store.delete_dataset) after changing the input",
+            len(unseen),
+            unseen[0],
+        )
+    return out
 
 
 def _lock_for(idx: str) -> threading.Lock:

@@ -24,7 +24,17 @@ from typing import IO, Any
 import cloudpickle
 
 from spark_estimators import envvars as ev
-from spark_estimators.core.session import available_task_slots, ensure_driver_side, get_spark
+from spark_estimators.core.session import (
+    available_task_slots,
+    cancel_job_group,
+    default_num_proc,
+    driver_service_host,
+    end_job_group,
+    ensure_driver_side,
+    get_spark,
+    spark_master,
+    start_job_group,
+)
 from spark_estimators.driver.rpc import new_secret
 from spark_estimators.elastic.service import ElasticDriverService, ElasticPolicy, ElasticState
 from spark_estimators.errors import (
@@ -60,7 +70,7 @@ def _policy(
     rejoin_wait: float,
 ) -> ElasticPolicy:
     if num_proc is None:
-        num_proc = int(spark.sparkContext.defaultParallelism)
+        num_proc = default_num_proc(spark)
     num = _positive_int("num_proc", num_proc)
     low = _positive_int("min_num_proc", num if min_num_proc is None else min_num_proc)
     high = _positive_int("max_num_proc", num if max_num_proc is None else max_num_proc)
@@ -81,7 +91,7 @@ def _policy(
     if slots is not None and num > slots:
         raise ConfigurationError(
             f"num_proc={num} needs {num} concurrent Spark task slots to start, but the cluster "
-            f"(master {spark.sparkContext.master!r}) has {slots}; lower num_proc (ranks beyond "
+            f"(master {spark_master(spark)!r}) has {slots}; lower num_proc (ranks beyond "
             "it can still join later up to max_num_proc)"
         )
     return ElasticPolicy(num, low, high, start, elastic, reset_limit, rejoin_wait)
@@ -178,7 +188,7 @@ def run_elastic(
     payload = pickle_payload(fn, tuple(args), dict(kwargs or {}))
     job_id = "spark_estimators-elastic-" + uuid.uuid4().hex[:12]
     secret = new_secret()
-    host = spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1")
+    host = driver_service_host(spark)
     svc = ElasticDriverService(
         policy,
         secret,
@@ -218,15 +228,21 @@ class _Supervisor:
     def _job(self) -> None:
         from spark_estimators.elastic.task import elastic_task
 
-        sc = self.spark.sparkContext
         n = self.policy.max_num_proc
+        job_id = self.config.job_id
         try:
-            sc.setJobGroup(self.config.job_id, f"spark_estimators.run_elastic {n} tasks", True)
-            rdd = sc.parallelize(range(n), n).mapPartitions(partial(elastic_task, self.config))
-            self.box["rows"] = rdd.collect()
+            start_job_group(self.spark, job_id, f"spark_estimators.run_elastic {n} tasks")
+            # Not a barrier stage: a failed task is retried by Spark and joins the next round.
+            df = self.spark.range(n, numPartitions=n)
+            out = df.mapInArrow(partial(elastic_task, self.config), "worker string")
+            self.box["rows"] = out.collect()
         except BaseException as exc:
             self.box["error"] = exc
         finally:
+            try:
+                end_job_group(self.spark, job_id)
+            except Exception as exc:  # the session may be gone after an interrupt
+                logger.debug("could not clear the job tag %s: %s", job_id, exc)
             self.box["done"] = True
             self.svc.notify()
 
@@ -257,7 +273,7 @@ class _Supervisor:
 
     def _cancel(self, thread: threading.Thread) -> None:
         try:
-            self.spark.sparkContext.cancelJobGroup(self.config.job_id)
+            cancel_job_group(self.spark, self.config.job_id)
         except Exception as exc:
             logger.warning("could not cancel Spark job group %s: %s", self.config.job_id, exc)
         thread.join(FINISH_GRACE_S)

@@ -128,12 +128,16 @@ def run_worker(config: TaskConfig, index: int, attempt: int, gpus: tuple[str, ..
         client.close()
 
 
-def elastic_task(config: TaskConfig, rows: Iterable[Any]) -> Iterator[str]:
-    """The ``rdd.mapPartitions`` function: one elastic worker per partition attempt."""
+def elastic_task(config: TaskConfig, batches: Iterable[Any]) -> Iterator[Any]:
+    """The ``mapInArrow`` function: one elastic worker per partition attempt."""
+    import pyarrow as pa
     from pyspark import TaskContext
 
-    for _ in rows:
+    for _ in batches:
         pass
     ctx = TaskContext.get()
     assert ctx is not None
-    yield run_worker(config, ctx.partitionId(), ctx.attemptNumber(), task_gpus(ctx, config.use_gpu))
+    worker = run_worker(
+        config, ctx.partitionId(), ctx.attemptNumber(), task_gpus(ctx, config.use_gpu)
+    )
+    yield pa.RecordBatch.from_pydict({"worker": [worker]})
