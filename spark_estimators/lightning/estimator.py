@@ -63,6 +63,10 @@ _NOT_FOR_LIGHTNING = {
         "gradient_compression",
         "LightningEstimator runs DDP without gradient compression",
     ),
+    "trainMinibatchFn": (
+        "train_minibatch_fn",
+        "training_step() of the module is the step (use manual optimization for a custom one)",
+    ),
 }
 _PROFILERS = ("simple", "advanced", "pytorch")
 
@@ -117,6 +121,9 @@ class LightningEstimator(SparkEstimator):
     )
     loaderNumEpochs = make_param(
         "loaderNumEpochs", "horovod compatibility: only None (one pass per epoch)", _int_or_none
+    )
+    trainMinibatchFn = make_param(
+        "trainMinibatchFn", "horovod compatibility: not used (training_step() is the step)"
     )
     dataModule = make_param(
         "dataModule", "horovod compatibility: only None (the reader is built in)"
@@ -173,6 +180,7 @@ class LightningEstimator(SparkEstimator):
             profiler=None,
             terminateOnNan=False,
             loaderNumEpochs=None,
+            trainMinibatchFn=None,
             dataModule=None,
             debugDataLoader=False,
             trainAsyncDataLoaderQueueSize=None,

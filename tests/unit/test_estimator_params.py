@@ -110,6 +110,7 @@ def test_horovod_defaults_of_those_params_are_accepted():
         ({"debug_data_loader": True}, r"debug_data_loader=True is not supported"),
         ({"train_async_data_loader_queue_size": 8}, r"train_async_data_loader_queue_size=8"),
         ({"val_async_data_loader_queue_size": 8}, r"val_async_data_loader_queue_size=8"),
+        ({"train_minibatch_fn": len}, r"train_minibatch_fn= .* is not used with a LightningModule"),
     ],
 )
 def test_lightning_only_horovod_params_are_refused(kwargs, pattern):
