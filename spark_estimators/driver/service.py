@@ -233,6 +233,23 @@ class DriverService:
             self._cond.wait_for(lambda: self.state.abort_reason is not None, timeout=timeout)
             return {"abort": self.state.abort_reason}
 
+    def _on_all_reported(self, data: Any, conn: Connection) -> bool:
+        """Long poll: True once every rank has reported (or the job aborted), else after ``data`` s.
+
+        A rank that has reported its result waits on this before its process exits: rank 0's
+        process hosts the collective's rendezvous store, which the other ranks may still use
+        (a late ``destroy_process_group``, a last store read) after rank 0 is done.
+        """
+        timeout = float(data or 1.0)
+
+        def done() -> bool:
+            state = self.state
+            reported = len(state.results) + len(state.failures)
+            return state.abort_reason is not None or reported >= state.num_proc
+
+        with self._cond:
+            return self._cond.wait_for(done, timeout=timeout)
+
     def _disconnected(self, conn: Connection) -> None:
         if conn.attrs.get("child"):
             # A rank process gone without a result or failure report: killed (a signal, the

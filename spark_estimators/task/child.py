@@ -45,6 +45,24 @@ def _flush() -> None:
             pass
 
 
+#: How long one "has every rank reported?" long poll waits at the driver.
+ALL_REPORTED_POLL_S = 5.0
+
+
+def _wait_for_other_ranks(client: Any) -> None:
+    """Keep this process (and the rendezvous store rank 0 hosts) alive until all ranks reported.
+
+    Returns when the driver says every rank has reported or the job is aborting, or when the
+    driver cannot be asked (gone, or a service without this request): never waits forever
+    beyond the job itself, since the driver ends the job on its own timeouts.
+    """
+    try:
+        while not client.call("all_reported", ALL_REPORTED_POLL_S):
+            pass
+    except Exception:  # the driver is gone or does not serve the request: nothing to wait for
+        return
+
+
 def main() -> None:
     config = _read_config()
     threading.Thread(target=_lifeline, name="se-lifeline", daemon=True).start()
@@ -63,6 +81,7 @@ def main() -> None:
         value = fn(*args, **(kwargs or {}))
         _flush()
         client.call("result", {"rank": rank, "value": cloudpickle.dumps(value)})
+        _wait_for_other_ranks(client)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
         code = 1
         tb = traceback.format_exc()

@@ -90,6 +90,41 @@ def test_torchrun_env_lets_torch_distributed_allreduce(spark):
     assert out == [[3.0, 3.0, 3.0], [3.0, 3.0, 3.0]]
 
 
+def _store_used_after_rank_0_returned():
+    import os
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    dist.init_process_group("gloo", init_method="env://")
+    pids: list[int] = [0, 0]
+    dist.all_gather_object(pids, os.getpid())
+    if dist.get_rank() == 0:
+        return "rank 0 done"  # the TCPStore lives in this process
+
+    def gone(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(") ", 1)[1].startswith(("Z", "X"))
+        except OSError:
+            return True
+
+    deadline = time.monotonic() + 3.0  # bounded: rank 0 must still be there after this
+    while not gone(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store = distributed_c10d._get_default_store()
+    store.set("late", "still served")
+    return store.get("late").decode()
+
+
+def test_rank_0_outlives_the_ranks_that_still_use_its_store(spark):
+    # Rank 0's process hosts torch's rendezvous store: it must not exit while another rank
+    # still talks to it (seen as "Connection reset by peer" on rank 1 in a notebook run).
+    out = spark_estimators.run(_store_used_after_rank_0_returned, num_proc=2, spark=spark)
+    assert out == ["rank 0 done", "still served"]
+
+
 def _raise_on_rank_1():
     import os
     import time
