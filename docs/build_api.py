@@ -46,6 +46,7 @@ PUBLIC_MODULES = [
     "spark_estimators.collective.torch",
     "spark_estimators.collective.keras",
     "spark_estimators.collective.timeline",
+    "spark_estimators.collective.backends",
     "spark_estimators.core.backend",
     "spark_estimators.core.session",
     "spark_estimators.core.estimator",
@@ -53,7 +54,7 @@ PUBLIC_MODULES = [
     "spark_estimators.task",
     "spark_estimators.elastic",
     "spark_estimators.collective.elastic",
-    "spark_estimators.collective.torch_elastic",
+    "spark_estimators.collective.torch.elastic",
     "spark_estimators.torch",
     "spark_estimators.lightning",
     "spark_estimators.keras",
@@ -62,7 +63,7 @@ PUBLIC_MODULES = [
 #: Module -> the packages it needs beyond the core dependencies.
 FRAMEWORKS = {
     "spark_estimators.collective.torch": ("torch",),
-    "spark_estimators.collective.torch_elastic": ("torch",),
+    "spark_estimators.collective.torch.elastic": ("torch",),
     "spark_estimators.torch": ("torch",),
     "spark_estimators.lightning": ("torch", "pytorch_lightning"),
     "spark_estimators.collective.keras": ("tensorflow", "keras"),

@@ -414,7 +414,7 @@ def _worker_main(payload_path: str) -> None:
     with open(result_path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(result_path + ".tmp", result_path)
-    timeline = sys.modules.get("spark_estimators.collective.timeline")
+    timeline = sys.modules.get("spark_estimators.collective.api.timeline")
     if timeline is not None:  # os._exit skips atexit: write the collective timeline's tail
         timeline.flush_all()
     for stream in (sys.stdout, sys.stderr):

@@ -1,97 +1,14 @@
-"""``hvd.elastic`` for torch: :class:`TorchState` plus the framework-free pieces.
+"""Old import path, kept for existing code.
 
-Exposed as ``spark_estimators.collective.torch.elastic``::
+The module is now :mod:`spark_estimators.collective.torch.elastic`.
 
-    import spark_estimators.collective.torch as hvd
-
-    hvd.init()
-    state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
-
-    @hvd.elastic.run
-    def train(state):
-        for state.epoch in range(state.epoch, epochs):
-            ...
-            state.commit()
-
-    train(state)
+``TorchState`` and the rest of ``hvd.elastic`` for torch
+(``hvd.elastic`` of :mod:`spark_estimators.collective.torch`).
 """
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-from typing import Any
+from spark_estimators.collective.torch import elastic as _module
+from spark_estimators.collective.torch.elastic import *  # noqa: F403
 
-from spark_estimators.collective.elastic import (
-    HostsUpdatedInterrupt,
-    ObjectState,
-    State,
-    reset,
-    run,
-)
-
-
-class TorchState(ObjectState):
-    """Elastic state of a torch model and optimizer, plus any picklable attributes.
-
-    Parameters
-    ----------
-    model
-        A ``torch.nn.Module``; its ``state_dict`` is saved on commit and broadcast from rank 0
-        on sync.
-    optimizer
-        A ``torch.optim.Optimizer``; its ``state_dict`` (momentum buffers, step counts) likewise.
-        New workers may hold no optimizer state yet: it travels as an object.
-    **kwargs
-        Other attributes (``epoch``, ``batch``, counters), handled as by :class:`ObjectState`.
-    """
-
-    def __init__(
-        self,
-        model: Any = None,
-        optimizer: Any = None,
-        bcast_object: Callable[..., Any] | None = None,
-        get_rank: Callable[[], int] | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self._saved_model: Any = None
-        self._saved_optimizer: Any = None
-        super().__init__(bcast_object, get_rank, **kwargs)
-        self._save_torch()
-
-    def _save_torch(self) -> None:
-        if self.model is not None:
-            self._saved_model = copy.deepcopy(self.model.state_dict())
-        if self.optimizer is not None:
-            self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
-
-    def save(self) -> None:
-        self._save_torch()
-        super().save()
-
-    def restore(self) -> None:
-        if self.model is not None and self._saved_model is not None:
-            self.model.load_state_dict(self._saved_model)
-        if self.optimizer is not None and self._saved_optimizer is not None:
-            self.optimizer.load_state_dict(self._saved_optimizer)
-        super().restore()
-
-    def sync(self) -> None:
-        from spark_estimators.collective.torch_optimizer import broadcast_parameters
-
-        if self.model is not None:
-            broadcast_parameters(self.model.state_dict(), root_rank=0)
-        if self.optimizer is not None:
-            opt_state = self.optimizer.state_dict() if self._get_rank() == 0 else None
-            self.optimizer.load_state_dict(self._bcast_object(opt_state, 0))
-        if self._saved_state:
-            # ObjectState.sync would call self.restore(), which reloads this rank's own saved
-            # model over the one just broadcast: sync only the attributes here.
-            self._saved_state = self._bcast_object(self._saved_state, 0)
-            ObjectState.restore(self)
-        self._save_torch()  # every rank now goes back to the same point on the next failure
-
-
-__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "reset", "run"]
+__all__ = list(_module.__all__)

@@ -55,7 +55,7 @@ def main() -> None:
 
     import cloudpickle
 
-    from spark_estimators.collective import elastic
+    from spark_estimators.collective.api import elastic
     from spark_estimators.driver.rpc import RpcClient
     from spark_estimators.task import context
 

@@ -110,7 +110,7 @@ class KerasEstimator(SparkEstimator):
         if not isinstance(model, keras.Model):
             raise ConfigurationError(f"model must be a keras.Model, got {type(model).__name__}")
         optimizer = self._optimizer()
-        from spark_estimators.collective.keras_optimizer import is_distributed
+        from spark_estimators.collective.keras.optimizer import is_distributed
 
         if is_distributed(optimizer):
             raise ConfigurationError(

@@ -34,7 +34,7 @@ class SparkClusterEnvironment(ClusterEnvironment):
 
     def __init__(self) -> None:
         super().__init__()
-        from spark_estimators.collective.settings import topology_from_env
+        from spark_estimators.collective.runtime.settings import topology_from_env
 
         self._topology = topology_from_env()
 

@@ -237,7 +237,7 @@ def _trainer_kwargs(
 ) -> dict[str, Any]:
     from pytorch_lightning.strategies import DDPStrategy
 
-    from spark_estimators.collective.settings import collective_timeout
+    from spark_estimators.collective.runtime.settings import collective_timeout
     from spark_estimators.lightning.environment import SparkClusterEnvironment
 
     env = SparkClusterEnvironment()

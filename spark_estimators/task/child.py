@@ -98,7 +98,7 @@ def main() -> None:
             )
         except Exception:
             sys.stderr.write(tb)
-    timeline = sys.modules.get("spark_estimators.collective.timeline")
+    timeline = sys.modules.get("spark_estimators.collective.api.timeline")
     if timeline is not None:  # os._exit skips atexit: write the collective timeline's tail
         timeline.flush_all()
     _flush()

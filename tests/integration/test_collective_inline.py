@@ -20,7 +20,7 @@ def _inline_suite() -> dict:
     import torch
 
     import spark_estimators.collective.torch as hvd
-    from spark_estimators.collective import engine as eng
+    from spark_estimators.collective.runtime import engine as eng
     from spark_estimators.errors import CollectiveError
 
     hvd.init()
@@ -78,7 +78,7 @@ def _limits_suite() -> dict:
     import torch
 
     import spark_estimators.collective.torch as hvd
-    from spark_estimators.collective import engine as eng
+    from spark_estimators.collective.runtime import engine as eng
 
     rank = int(os.environ["SPARK_ESTIMATORS_RANK"])
     os.environ["SPARK_ESTIMATORS_INLINE_LIMIT"] = "65536" if rank == 0 else "2048"

@@ -232,7 +232,7 @@ def trained():
 
 # -- environment detection (no processes) --------------------------------------------------------
 def test_mpiexec_environment_selects_mpi_without_a_rendezvous_address(monkeypatch):
-    from spark_estimators.collective import settings
+    from spark_estimators.collective.runtime import settings
 
     for name in list(os.environ):
         if name.startswith(ev.PREFIX) or name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"):

@@ -210,7 +210,7 @@ def suite(request):
     backend = request.param
     if (
         backend == "mpi"
-        and importlib.util.find_spec("spark_estimators.collective.mpi_backend") is None
+        and importlib.util.find_spec("spark_estimators.collective.backends.mpi") is None
     ):
         pytest.skip("the mpi backend is not implemented yet")
     return run_local(
@@ -239,7 +239,7 @@ def test_topology_and_backend(suite):
 
 
 def test_small_and_large_variants_take_both_paths():
-    from spark_estimators.collective.engine import INLINE_BYTES
+    from spark_estimators.collective.runtime.engine import INLINE_BYTES
 
     small, big = _rank_data(0), _rank_data(0)
     for key in ("f32", "f64", "i32", "pos", "i64"):

@@ -100,7 +100,7 @@ def _suite() -> dict:
     model(x).sum().backward()
     opt.step()
     out["w1"] = model.weight.detach().flatten().tolist()
-    from spark_estimators.collective.keras_optimizer import allreduce_numpy_buffers
+    from spark_estimators.collective.keras.optimizer import allreduce_numpy_buffers
 
     keras_buffers = [np.full(3, value)]  # what the Keras DistributedOptimizer(process_set=) runs
     allreduce_numpy_buffers(keras_buffers, hvd.Average, "keras", process_set=mine)

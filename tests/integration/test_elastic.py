@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spark_estimators.collective import elastic
+from spark_estimators.collective.api import elastic
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 
@@ -34,7 +34,7 @@ def test_object_state_restores_the_last_commit():
 
 def test_torch_state_restores_model_and_optimizer():
     torch = pytest.importorskip("torch")
-    from spark_estimators.collective.torch_elastic import TorchState
+    from spark_estimators.collective.torch.elastic import TorchState
 
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

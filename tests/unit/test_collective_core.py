@@ -13,8 +13,7 @@ import pytest
 
 import spark_estimators.collective as hvd
 from spark_estimators import envvars as ev
-from spark_estimators.collective import settings
-from spark_estimators.collective.backend import (
+from spark_estimators.collective.backends.base import (
     Backend,
     ReduceOp,
     Topology,
@@ -22,7 +21,8 @@ from spark_estimators.collective.backend import (
     register_backend,
     resolve_op,
 )
-from spark_estimators.collective.engine import signature_hash
+from spark_estimators.collective.runtime import settings
+from spark_estimators.collective.runtime.engine import signature_hash
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 ALL_RANK_VARS = [
@@ -172,7 +172,7 @@ def test_signature_hash_is_stable_and_discriminating():
     assert signature_hash(a) != signature_hash(a[:4] + (((3, 2),),) + a[5:])
     # the same on every run, independent of PYTHONHASHSEED
     code = (
-        "from spark_estimators.collective.engine import signature_hash\n"
+        "from spark_estimators.collective.runtime.engine import signature_hash\n"
         "print(signature_hash(('x', 1)))"
     )
     runs = {
@@ -190,11 +190,11 @@ def test_signature_hash_is_stable_and_discriminating():
 def test_core_modules_import_no_framework():
     modules = [
         "spark_estimators.collective",
-        "spark_estimators.collective.backend",
-        "spark_estimators.collective.engine",
-        "spark_estimators.collective.ops",
-        "spark_estimators.collective.settings",
-        "spark_estimators.collective.torch_distributed",
+        "spark_estimators.collective.backends.base",
+        "spark_estimators.collective.runtime.engine",
+        "spark_estimators.collective.runtime.ops",
+        "spark_estimators.collective.runtime.settings",
+        "spark_estimators.collective.backends.torch_distributed",
         "spark_estimators.launch",
     ]
     code = (
@@ -211,7 +211,7 @@ def test_core_modules_import_no_framework():
 def test_plan_buckets():
     import torch
 
-    from spark_estimators.collective.torch_optimizer import plan_buckets
+    from spark_estimators.collective.torch.optimizer import plan_buckets
 
     f = [torch.zeros(100) for _ in range(4)]  # 400 bytes each
     h = torch.zeros(10, dtype=torch.float16)
@@ -307,7 +307,7 @@ class LoopbackBackend(Backend):
 def test_a_numpy_only_backend_serves_the_core_and_the_torch_adapter(clean_env):
     import torch
 
-    import spark_estimators.collective.engine as engine
+    import spark_estimators.collective.runtime.engine as engine
     import spark_estimators.collective.torch as thvd
 
     register_backend("loopback", LoopbackBackend)

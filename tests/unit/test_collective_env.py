@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from spark_estimators import envvars as ev
-from spark_estimators.collective import adasum, settings, timeline
+from spark_estimators.collective.api import timeline
+from spark_estimators.collective.runtime import adasum, settings
 from spark_estimators.errors import ConfigurationError
 
 HOROVOD_VARS = [

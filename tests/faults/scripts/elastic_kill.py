@@ -33,7 +33,7 @@ def train(marker, kill_step, always_kill=False):
     import torch
 
     import spark_estimators.collective.torch as hvd
-    from spark_estimators.collective import torch_elastic as elastic
+    from spark_estimators.collective.torch import elastic
 
     hvd.init()
     rng = np.random.default_rng(0)

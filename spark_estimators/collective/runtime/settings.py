@@ -17,7 +17,7 @@ import os
 import socket
 
 from spark_estimators import envvars as ev
-from spark_estimators.collective.backend import Topology
+from spark_estimators.collective.backends.base import Topology
 from spark_estimators.errors import ConfigurationError
 
 #: torchrun sets this next to GROUP_RANK (number of nodes); used when ours is absent.
@@ -57,7 +57,7 @@ def launched_by_mpi() -> bool:
 
 
 def topology_from_env(rendezvous: bool = True) -> Topology:
-    """The :class:`~spark_estimators.collective.backend.Topology` of this process.
+    """The :class:`~spark_estimators.collective.backends.base.Topology` of this process.
 
     Parameters
     ----------
@@ -106,7 +106,7 @@ def requested_backend(backend: str | None = None) -> str:
     """The backend name asked for: the argument, else ``SPARK_ESTIMATORS_BACKEND``, else auto."""
     name = (backend or os.environ.get(ev.SE_BACKEND, "") or "auto").strip().lower()
     if name not in BACKEND_CHOICES:
-        from spark_estimators.collective.backend import registered_backends
+        from spark_estimators.collective.backends.base import registered_backends
 
         if name not in registered_backends():
             raise ConfigurationError(

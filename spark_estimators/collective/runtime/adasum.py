@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from spark_estimators.collective.backend import Buffer
-from spark_estimators.collective.engine import Agreement, Engine, Kind, Request
+from spark_estimators.collective.backends.base import Buffer
+from spark_estimators.collective.runtime.engine import Agreement, Engine, Kind, Request
 from spark_estimators.errors import ConfigurationError
 
 #: Real floating dtypes Adasum accepts.

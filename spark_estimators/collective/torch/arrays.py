@@ -1,4 +1,4 @@
-"""``TorchOps``: the :class:`~spark_estimators.collective.ops.ArrayOps` of torch tensors."""
+"""``TorchOps``: the :class:`~spark_estimators.collective.runtime.ops.ArrayOps` of torch tensors."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 
 class TorchOps:
-    """:class:`~spark_estimators.collective.ops.ArrayOps` for torch tensors.
+    """:class:`~spark_estimators.collective.runtime.ops.ArrayOps` for torch tensors.
 
     The fusion buffers are touched only by the engine thread.
     """

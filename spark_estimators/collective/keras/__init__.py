@@ -9,7 +9,7 @@ also importable from this module), :func:`load_model`, ``Compression``, and eage
 ``*_object`` helpers, :func:`barrier`) on TensorFlow tensors, Keras variables or numpy arrays.
 
 Why the optimizer (and not ``MultiWorkerMirroredStrategy``): see
-:mod:`spark_estimators.collective.keras_optimizer`. In short, ``model.fit`` keeps its real
+:mod:`spark_estimators.collective.keras.optimizer`. In short, ``model.fit`` keeps its real
 semantics (compile-time metrics, every callback, ``History``) and gradients are averaged in
 ``Optimizer.apply`` with one fused allreduce per step.
 
@@ -48,49 +48,19 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 import numpy as np
 
 from spark_estimators import collective as _core
-from spark_estimators.collective import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    ReduceOp,
-    Sum,
-    add_process_set,
-    backend_name,
-    barrier,
-    cross_rank,
-    cross_size,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-from spark_estimators.collective import keras_callbacks as callbacks
-from spark_estimators.collective.backend import resolve_op
-from spark_estimators.collective.keras_callbacks import (
+from spark_estimators.collective import api as _api
+from spark_estimators.collective.api import *  # noqa: F403
+from spark_estimators.collective.api.numpy_ops import barrier
+from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.keras import callbacks
+from spark_estimators.collective.keras.callbacks import (
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
     LearningRateWarmupCallback,
     MetricAverageCallback,
     broadcast_variables,
 )
-from spark_estimators.collective.keras_optimizer import (
+from spark_estimators.collective.keras.optimizer import (
     Compression,
     Compressor,
     DistributedOptimizer,
@@ -212,8 +182,6 @@ def load_model(
 
 
 __all__ = [
-    "Adasum",
-    "Average",
     "BroadcastGlobalVariablesCallback",
     "Compression",
     "Compressor",
@@ -221,46 +189,19 @@ __all__ = [
     "FP16Compressor",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
-    "Max",
     "MetricAverageCallback",
-    "Min",
     "NoneCompressor",
-    "Product",
-    "ReduceOp",
-    "Sum",
     "allgather",
     "allgather_object",
     "allreduce",
-    "backend_name",
     "barrier",
     "broadcast",
     "broadcast_global_variables",
     "broadcast_object",
     "broadcast_variables",
     "callbacks",
-    "cross_rank",
-    "cross_size",
-    "gloo_built",
-    "gloo_enabled",
-    "init",
     "is_distributed_optimizer",
-    "is_homogeneous",
-    "is_initialized",
     "load_model",
-    "local_rank",
-    "local_size",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
-    "rank",
     "reducescatter",
-    "shutdown",
-    "size",
-    "ProcessSet",
-    "add_process_set",
-    "global_process_set",
-    "remove_process_set",
-    "start_timeline",
-    "stop_timeline",
 ]
+__all__ += _api.__all__

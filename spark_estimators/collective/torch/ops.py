@@ -1,8 +1,8 @@
 """Collective ops on torch tensors, with Horovod's names, arguments and semantics.
 
 Users import them through :mod:`spark_estimators.collective.torch`. Every op is submitted to the
-collective engine (see :mod:`spark_estimators.collective.engine`); the blocking form is the async
-form followed by :func:`synchronize`. Out-of-place ``allreduce``, ``allgather`` and
+collective engine (see :mod:`spark_estimators.collective.runtime.engine`); the blocking form
+is the async form followed by :func:`synchronize`. Out-of-place ``allreduce``, ``allgather`` and
 ``broadcast`` are differentiable, as in Horovod.
 """
 
@@ -18,12 +18,12 @@ from typing import Any, ParamSpec, TypeVar
 import numpy as np
 import torch
 
-from spark_estimators.collective import engine as _engine
-from spark_estimators.collective import ops as _ops
-from spark_estimators.collective.backend import ReduceOp, resolve_op
-from spark_estimators.collective.engine import Handle
-from spark_estimators.collective.torch_arrays import _TORCH, TorchOps  # noqa: F401
-from spark_estimators.collective.torch_compression import Compression, Compressor
+from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.runtime import engine as _engine
+from spark_estimators.collective.runtime import ops as _ops
+from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.torch.arrays import _TORCH, TorchOps  # noqa: F401
+from spark_estimators.collective.torch.compression import Compression, Compressor
 from spark_estimators.errors import ConfigurationError
 
 

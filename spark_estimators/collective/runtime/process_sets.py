@@ -31,8 +31,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from spark_estimators.collective import engine as _engine
-from spark_estimators.collective.engine import Agreement, Engine, Kind, Request
+from spark_estimators.collective.runtime import engine as _engine
+from spark_estimators.collective.runtime.engine import Agreement, Engine, Kind, Request
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 logger = logging.getLogger(__name__)

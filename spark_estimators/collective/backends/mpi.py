@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from spark_estimators import envvars as ev
-from spark_estimators.collective.backend import Backend, Buffer, ReduceOp, Topology
+from spark_estimators.collective.backends.base import Backend, Buffer, ReduceOp, Topology
 from spark_estimators.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class MPIBackend(Backend):
         What the environment says (used with our launchers); replaced by the communicator's
         own numbers for ``comm=`` and foreign launchers.
     timeout, start_timeout
-        See :class:`~spark_estimators.collective.backend.Backend`.
+        See :class:`~spark_estimators.collective.backends.base.Backend`.
     comm
         An mpi4py intracommunicator or a list of ``COMM_WORLD`` ranks; None means
         ``COMM_WORLD``.

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from spark_estimators.collective import engine as _engine
-from spark_estimators.collective.backend import ReduceOp
-from spark_estimators.collective.torch_ops import allreduce_
+from spark_estimators.collective.backends.base import ReduceOp
+from spark_estimators.collective.runtime import engine as _engine
+from spark_estimators.collective.torch.ops import allreduce_
 
 
 def _per_channel(x: torch.Tensor) -> torch.Tensor:

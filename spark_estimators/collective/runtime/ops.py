@@ -1,10 +1,10 @@
 """Framework-free implementations of the collective ops, shared by every adapter.
 
 Each function validates its arguments in the caller's thread, builds a
-:class:`~spark_estimators.collective.engine.Request` whose ``execute`` runs on the engine thread
-after negotiation, submits it and returns the future. What differs between numpy and torch
-(packing a fusion buffer, scaling in place, cloning) is behind :class:`ArrayOps`;
-:class:`NumpyOps` here, ``TorchOps`` in :mod:`spark_estimators.collective.torch_arrays`.
+:class:`~spark_estimators.collective.runtime.engine.Request` whose ``execute`` runs on the
+engine thread after negotiation, submits it and returns the future. What differs between numpy and
+torch (packing a fusion buffer, scaling in place, cloning) is behind :class:`ArrayOps`;
+:class:`NumpyOps` here, ``TorchOps`` in :mod:`spark_estimators.collective.torch.arrays`.
 
 Fusion: a grouped allreduce packs its tensors into one flat buffer (grown once per dtype and
 device, then reused) and reduces it with a single backend call.
@@ -18,11 +18,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from spark_estimators.collective import adasum as _adasum
-from spark_estimators.collective import engine as eng
-from spark_estimators.collective.backend import DTYPES, FLOATING_DTYPES, Buffer, ReduceOp
-from spark_estimators.collective.engine import Agreement, Kind, Request
-from spark_estimators.collective.process_sets import global_root
+from spark_estimators.collective.backends.base import DTYPES, FLOATING_DTYPES, Buffer, ReduceOp
+from spark_estimators.collective.runtime import adasum as _adasum
+from spark_estimators.collective.runtime import engine as eng
+from spark_estimators.collective.runtime.engine import Agreement, Kind, Request
+from spark_estimators.collective.runtime.process_sets import global_root
 from spark_estimators.errors import ConfigurationError
 
 
@@ -131,7 +131,8 @@ def allreduce(
     """Reduce ``inputs`` into ``outputs`` (the same objects for in-place) as one fused op.
 
     All inputs share one dtype and device; the result future resolves to ``outputs``.
-    ``op=ADASUM`` reduces each tensor with Adasum (see :mod:`~spark_estimators.collective.adasum`).
+    ``op=ADASUM`` reduces each tensor with Adasum (see
+    :mod:`~spark_estimators.collective.runtime.adasum`).
     """
     engine = eng.require("allreduce", process_set)
     display = name or engine.auto_name("allreduce")

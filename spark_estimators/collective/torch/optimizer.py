@@ -39,13 +39,13 @@ from typing import Any
 
 import torch
 
-from spark_estimators.collective import engine as _engine
-from spark_estimators.collective import ops as _ops
-from spark_estimators.collective import settings as _settings
-from spark_estimators.collective.backend import ReduceOp, resolve_op
-from spark_estimators.collective.engine import Handle
-from spark_estimators.collective.torch_compression import Compression, Compressor
-from spark_estimators.collective.torch_ops import (
+from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.runtime import engine as _engine
+from spark_estimators.collective.runtime import ops as _ops
+from spark_estimators.collective.runtime import settings as _settings
+from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.torch.compression import Compression, Compressor
+from spark_estimators.collective.torch.ops import (
     _TORCH,
     _groups,
     _waited,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from spark_estimators.collective.backend import Backend, Buffer, ReduceOp, Topology
+from spark_estimators.collective.backends.base import Backend, Buffer, ReduceOp, Topology
 from spark_estimators.errors import CollectiveError, ConfigurationError, RendezvousTimeoutError
 
 if TYPE_CHECKING:

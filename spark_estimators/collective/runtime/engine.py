@@ -52,8 +52,8 @@ from typing import Any
 import numpy as np
 
 from spark_estimators import envvars as ev
-from spark_estimators.collective import settings
-from spark_estimators.collective.backend import DTYPES, Backend, ReduceOp, dtype_code
+from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp, dtype_code
+from spark_estimators.collective.runtime import settings
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Engine:
         self._limit = settings.inline_limit(backend.size)
         #: The process set this engine serves (0: the global set).
         self.set_id = 0
-        #: A :class:`~spark_estimators.collective.timeline.Timeline` recording the ops, or None.
+        #: A :class:`~spark_estimators.collective.api.timeline.Timeline` recording the ops, or None.
         self.timeline: Any = None
 
     def start(self) -> None:
@@ -460,7 +460,7 @@ def require(op: str, process_set: Any = None) -> Engine:
     """The engine that runs ``op``: the global one, or ``process_set``'s.
 
     Clear errors when ``init()`` has not been called, or this rank is not a member of
-    ``process_set`` (a :class:`~spark_estimators.collective.process_sets.ProcessSet`).
+    ``process_set`` (a :class:`~spark_estimators.collective.runtime.process_sets.ProcessSet`).
     """
     engine = _engine
     if engine is None:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from spark_estimators import collective as _core
-from spark_estimators.collective.backend import ReduceOp, resolve_op
+from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 #: Alignment TensorFlow requires for zero-copy DLPack import on the CPU.
@@ -316,7 +316,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if resolved not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ConfigurationError(f"op={resolved.name} is not supported: use Average or Sum")
     if process_set is not None:
-        from spark_estimators.collective import engine as _engine
+        from spark_estimators.collective.runtime import engine as _engine
 
         _engine.require("DistributedOptimizer", process_set)  # a member of a registered set
     if gradient_predivide_factor != 1.0 and resolved is not ReduceOp.AVERAGE:

@@ -18,47 +18,17 @@ and semantics: ``init``, ``rank``, ``size``, ``local_rank``, ... (shared with
 
 from __future__ import annotations
 
-from spark_estimators.collective import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    ReduceOp,
-    Sum,
-    add_process_set,
-    backend_name,
-    cross_rank,
-    cross_size,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    init,
-    is_homogeneous,
-    is_initialized,
-    local_rank,
-    local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    rank,
-    remove_process_set,
-    shutdown,
-    size,
-    start_timeline,
-    stop_timeline,
-)
-from spark_estimators.collective import torch_elastic as elastic  # noqa: E402  (hvd.elastic.run)
-from spark_estimators.collective.engine import Handle
-from spark_estimators.collective.torch_compression import (
+from spark_estimators.collective import api as _api
+from spark_estimators.collective.api import *  # noqa: F403
+from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.torch import elastic as elastic  # noqa: E402  (hvd.elastic.run)
+from spark_estimators.collective.torch.compression import (
     Compression,
     Compressor,
     FP16Compressor,
     NoneCompressor,
 )
-from spark_estimators.collective.torch_ops import (
+from spark_estimators.collective.torch.ops import (
     allgather,
     allgather_async,
     allgather_object,
@@ -84,31 +54,21 @@ from spark_estimators.collective.torch_ops import (
     reducescatter_async,
     synchronize,
 )
-from spark_estimators.collective.torch_optimizer import (
+from spark_estimators.collective.torch.optimizer import (
     DistributedOptimizer,
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from spark_estimators.collective.torch_sync_bn import SyncBatchNorm
+from spark_estimators.collective.torch.sync_bn import SyncBatchNorm
 
 __all__ = [
-    "Adasum",
-    "elastic",
-    "Average",
     "Compression",
     "Compressor",
     "DistributedOptimizer",
     "FP16Compressor",
     "Handle",
-    "Max",
-    "Min",
     "NoneCompressor",
-    "ProcessSet",
-    "Product",
-    "ReduceOp",
-    "Sum",
     "SyncBatchNorm",
-    "add_process_set",
     "allgather",
     "allgather_async",
     "allgather_object",
@@ -118,7 +78,6 @@ __all__ = [
     "allreduce_async_",
     "alltoall",
     "alltoall_async",
-    "backend_name",
     "barrier",
     "broadcast",
     "broadcast_",
@@ -127,33 +86,15 @@ __all__ = [
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
-    "cross_rank",
-    "cross_size",
-    "gloo_built",
-    "gloo_enabled",
-    "global_process_set",
+    "elastic",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
-    "init",
-    "is_homogeneous",
-    "is_initialized",
     "join",
-    "local_rank",
-    "local_size",
-    "mpi_built",
-    "mpi_enabled",
-    "mpi_threads_supported",
-    "nccl_built",
     "poll",
-    "rank",
     "reducescatter",
     "reducescatter_async",
-    "remove_process_set",
-    "shutdown",
-    "size",
-    "start_timeline",
-    "stop_timeline",
     "synchronize",
 ]
+__all__ += _api.__all__

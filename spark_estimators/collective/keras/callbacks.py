@@ -26,7 +26,7 @@ import keras
 import numpy as np
 
 from spark_estimators import collective as _core
-from spark_estimators.collective.keras_optimizer import check_initialized
+from spark_estimators.collective.keras.optimizer import check_initialized
 
 logger = logging.getLogger(__name__)
 

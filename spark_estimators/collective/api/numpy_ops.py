@@ -1,0 +1,313 @@
+"""The numpy collective ops of :mod:`spark_estimators.collective` (Horovod's names and arguments).
+
+Every op takes numpy arrays; torch tensors go through :mod:`spark_estimators.collective.torch`.
+The ops hand their buffers to the engine (:mod:`spark_estimators.collective.runtime.ops`), which
+negotiates them with the other ranks and runs them on the active backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.runtime import ops as _ops
+from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.runtime.process_sets import ProcessSet
+from spark_estimators.errors import CollectiveError
+
+_NUMPY = _ops.NumpyOps()
+
+
+def _array(x: Any, op: str) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise CollectiveError(
+            f"spark_estimators.collective.{op} takes numpy arrays, got {type(x).__name__}; for "
+            "torch tensors use spark_estimators.collective.torch"
+        )
+    return x
+
+
+def _writable(x: Any, op: str) -> np.ndarray:
+    arr = _array(x, op)
+    if not (arr.flags.writeable and arr.flags.c_contiguous):
+        raise CollectiveError(f"{op} works in place and needs a writable C-contiguous array")
+    return arr
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an async op and return its result (raises the op's error)."""
+    return handle.wait()
+
+
+def poll(handle: Handle) -> bool:
+    """True when the async op has finished (:func:`synchronize` will not block)."""
+    return handle.done()
+
+
+def allreduce_async_(
+    array: np.ndarray,
+    op: ReduceOp | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    average: bool | None = None,
+    process_set: ProcessSet | None = None,
+) -> Handle:
+    """Start an in-place allreduce of a writable C-contiguous array; see :func:`allreduce`."""
+    return _allreduce_handle(
+        array, op, name, prescale_factor, postscale_factor, average, False, process_set
+    )
+
+
+def _allreduce_handle(
+    array: np.ndarray,
+    op: ReduceOp | None,
+    name: str | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    average: bool | None,
+    blocking: bool,
+    process_set: ProcessSet | None = None,
+) -> Handle:
+    arr = _writable(array, "allreduce_")
+    resolved = _ops_resolve(op, average)
+    future = _ops.allreduce(
+        _NUMPY, [arr], [arr], resolved, name, prescale_factor, postscale_factor, blocking,
+        process_set,
+    )  # fmt: skip
+    return Handle([future], name or "allreduce", lambda results: results[0][0])
+
+
+def allreduce_(
+    array: np.ndarray,
+    op: ReduceOp | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    average: bool | None = None,
+    process_set: ProcessSet | None = None,
+) -> np.ndarray:
+    """Allreduce a writable C-contiguous array in place and return it.
+
+    This is the entry point for framework buffers (e.g. the Keras adapter's fused gradient
+    buffer): no copy is made.
+    """
+    handle = _allreduce_handle(
+        array, op, name, prescale_factor, postscale_factor, average, True, process_set
+    )
+    return handle.wait()  # type: ignore[no-any-return]
+
+
+def allreduce(
+    array: np.ndarray,
+    op: ReduceOp | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    average: bool | None = None,
+    process_set: ProcessSet | None = None,
+) -> np.ndarray:
+    """Reduce ``array`` across ranks and return the result (the input is not modified).
+
+    Parameters
+    ----------
+    array
+        Same dtype and shape on every rank.
+    op
+        ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum``
+        (power-of-two number of ranks, floating dtypes).
+    name
+        Name used in error messages; must be the same on every rank when given.
+    prescale_factor, postscale_factor
+        Multiply the input before / the result after the reduction (floating dtypes only).
+    average
+        Deprecated Horovod flag: ``False`` means ``Sum``.
+    process_set
+        Reduce among this :class:`ProcessSet`'s members only (default: every rank).
+
+    Returns
+    -------
+    numpy.ndarray
+        ``postscale * reduce(prescale * array)`` (Average divides by ``size()``).
+    """
+    arr = _array(array, "allreduce")
+    out = np.array(arr, copy=True, order="C")
+    return allreduce_(out, op, name, prescale_factor, postscale_factor, average, process_set)
+
+
+def grouped_allreduce(
+    arrays: Sequence[np.ndarray],
+    op: ReduceOp | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> list[np.ndarray]:
+    """Reduce several arrays in one fused operation per dtype; returns new arrays."""
+    outs = [np.array(_array(a, "grouped_allreduce"), copy=True, order="C") for a in arrays]
+    return grouped_allreduce_(outs, op, name, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_(
+    arrays: Sequence[np.ndarray],
+    op: ReduceOp | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> list[np.ndarray]:
+    """In-place :func:`grouped_allreduce`."""
+    arrs = [_writable(a, "grouped_allreduce_") for a in arrays]
+    resolved = _ops_resolve(op, None)
+    futures = []
+    groups = _by_dtype(arrs)
+    for i, group in enumerate(groups):
+        label = None if name is None else f"{name}.{i}"
+        future = _ops.allreduce(
+            _NUMPY,
+            group,
+            group,
+            resolved,
+            label,
+            prescale_factor,
+            postscale_factor,
+            blocking=len(groups) == 1,
+            process_set=process_set,
+        )
+        futures.append(future)
+    for future in futures:
+        future.result()
+    return arrs
+
+
+def _by_dtype(arrays: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
+    groups: dict[str, list[np.ndarray]] = {}
+    for a in arrays:
+        groups.setdefault(a.dtype.name, []).append(a)
+    return list(groups.values())
+
+
+def allgather(
+    array: np.ndarray, name: str | None = None, process_set: ProcessSet | None = None
+) -> np.ndarray:
+    """Concatenate every rank's array on the first dimension (which may differ)."""
+    arr = _array(array, "allgather")
+    return _ops.allgather(_NUMPY, arr, name, True, process_set).result()
+
+
+def broadcast(
+    array: np.ndarray,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> np.ndarray:
+    """Return ``root_rank``'s array on every rank (the input is not modified).
+
+    ``root_rank`` is a global rank, also with a ``process_set`` (it must be a member).
+    """
+    arr = _array(array, "broadcast")
+    out = np.array(arr, copy=True, order="C")
+    return _ops.broadcast(_NUMPY, out, out, root_rank, name, True, process_set).result()
+
+
+def broadcast_(
+    array: np.ndarray,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> np.ndarray:
+    """Overwrite a writable array with ``root_rank``'s, in place, and return it."""
+    arr = _writable(array, "broadcast_")
+    return _ops.broadcast(_NUMPY, arr, arr, root_rank, name, True, process_set).result()
+
+
+def alltoall(
+    array: np.ndarray,
+    splits: Sequence[int] | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Send ``splits[r]`` rows to rank r and receive theirs, concatenated in rank order.
+
+    Returns the received array, and with ``splits`` given also the received row counts.
+    """
+    arr = _array(array, "alltoall")
+    future = _ops.alltoall(_NUMPY, arr, splits, name, True, process_set)
+    out, received = future.result()
+    return out if splits is None else (out, received)
+
+
+def reducescatter(
+    array: np.ndarray,
+    op: ReduceOp | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> np.ndarray:
+    """Reduce across ranks; rank r gets block r of the first dimension (first ranks get more)."""
+    resolved = _ops_resolve(op, None, adasum=False)
+    arr = _array(array, "reducescatter")
+    future = _ops.reducescatter(
+        _NUMPY, arr, resolved, name, prescale_factor, postscale_factor, True, process_set
+    )
+    return np.asarray(future.result())
+
+
+def barrier(process_set: ProcessSet | None = None) -> None:
+    """Block until every rank (of ``process_set``) has called ``barrier()``."""
+    _ops.barrier(True, process_set).result()
+
+
+def join() -> int:
+    """Declare this rank done; help others' allreduces with zeros until all joined.
+
+    Returns
+    -------
+    int
+        The rank that joined last.
+    """
+    return int(_ops.join(blocking=True).result())
+
+
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
+) -> list[Any]:
+    """Return the list of every rank's picklable ``obj``, in rank order."""
+    return list(_ops.allgather_object(obj, name, True, process_set).result())
+
+
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
+) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` on every rank."""
+    return _ops.broadcast_object(obj, root_rank, name, True, process_set).result()
+
+
+def _ops_resolve(
+    op: ReduceOp | int | None, average: bool | None, *, adasum: bool = True
+) -> ReduceOp:
+    return resolve_op(op, average, adasum=adasum)
+
+
+__all__ = [
+    "allgather",
+    "allgather_object",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async_",
+    "alltoall",
+    "barrier",
+    "broadcast",
+    "broadcast_",
+    "broadcast_object",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "join",
+    "poll",
+    "reducescatter",
+    "synchronize",
+]
