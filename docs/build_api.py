@@ -54,7 +54,6 @@ PUBLIC_MODULES = [
     "spark_estimators.task",
     "spark_estimators.elastic",
     "spark_estimators.collective.elastic",
-    "spark_estimators.collective.torch.elastic",
     "spark_estimators.torch",
     "spark_estimators.lightning",
     "spark_estimators.keras",
@@ -63,7 +62,6 @@ PUBLIC_MODULES = [
 #: Module -> the packages it needs beyond the core dependencies.
 FRAMEWORKS = {
     "spark_estimators.collective.torch": ("torch",),
-    "spark_estimators.collective.torch.elastic": ("torch",),
     "spark_estimators.torch": ("torch",),
     "spark_estimators.lightning": ("torch", "pytorch_lightning"),
     "spark_estimators.collective.keras": ("tensorflow", "keras"),
