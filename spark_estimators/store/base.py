@@ -128,6 +128,34 @@ def make_layout(
     )
 
 
+def parent_of_data_paths(store_name: str, train_path: str | None, val_path: str | None) -> str:
+    """The directory holding ``train_path`` (and ``val_path``): a store's prefix when none is given.
+
+    >>> parent_of_data_paths("HDFSStore", "hdfs://nn/u/me/train_ds", "hdfs://nn/u/me/val_ds")
+    'hdfs://nn/u/me'
+    """
+    if not train_path:
+        raise ConfigurationError(
+            f"{store_name} needs a prefix_path (a directory for runs/ and prepared data), or at "
+            "least train_path= for data prepared elsewhere"
+        )
+    heads, parents = set(), []
+    for path in filter(None, (train_path, val_path)):
+        head, rest = "", path
+        if "://" in path:
+            scheme, _, after = path.partition("://")
+            authority, _, rest = after.partition("/")
+            head, rest = f"{scheme}://{authority}", "/" + rest
+        heads.add(head)
+        parents.append(posixpath.dirname(rest.rstrip("/")) or "/")
+    if len(heads) > 1:
+        raise ConfigurationError(
+            f"{store_name}: train_path {train_path!r} and val_path {val_path!r} are on different "
+            "filesystems; give prefix_path= explicitly"
+        )
+    return heads.pop() + posixpath.commonpath(parents)
+
+
 class StoreBase:
     """Layout and I/O shared by :class:`Store` and its remote view :class:`RemoteStore`."""
 

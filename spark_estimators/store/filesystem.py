@@ -11,7 +11,7 @@ from spark_estimators.store._filesystems import (
     HadoopFilesystemSpec,
     parse_hdfs_url,
 )
-from spark_estimators.store.base import Store, make_layout
+from spark_estimators.store.base import Store, make_layout, parent_of_data_paths
 
 
 class FilesystemStore(Store):
@@ -91,7 +91,9 @@ class HDFSStore(Store):
     ``"/user/me/exp"``. ``host``/``port`` arguments win over the URL's; without either the client
     uses ``fs.defaultFS`` from the Hadoop configuration (``host="default"``, ``port=0``).
     Connecting needs libhdfs and the Hadoop jars on ``CLASSPATH`` on the driver and the executors;
-    the connection is made lazily, on first use.
+    the connection is made lazily, on first use. Without ``prefix_path``, the directory holding
+    ``train_path`` and ``val_path`` is the prefix (horovod's docs build
+    ``HDFSStore(train_path=..., val_path=...)`` for ``fit_on_parquet``).
 
     Examples
     --------
@@ -102,7 +104,7 @@ class HDFSStore(Store):
 
     def __init__(
         self,
-        prefix_path: str,
+        prefix_path: str | None = None,
         host: str | None = None,
         port: int | None = None,
         user: str | None = None,
@@ -115,6 +117,13 @@ class HDFSStore(Store):
         runs_path: str | None = None,
         save_runs: bool = True,
     ) -> None:
+        if prefix_path is None:
+            # horovod's docs build HDFSStore(train_path=..., val_path=...) for fit_on_parquet.
+            prefix_path = parent_of_data_paths(
+                "HDFSStore",
+                self._url_of(train_path) if train_path else None,
+                self._url_of(val_path) if val_path else None,
+            )
         parsed = parse_hdfs_url(prefix_path)
         self._url_prefix = parsed.url_prefix
         spec = HadoopFilesystemSpec(
@@ -142,6 +151,11 @@ class HDFSStore(Store):
         spec = self._spec
         assert isinstance(spec, HadoopFilesystemSpec)
         return {"host": spec.host, "port": spec.port, "user": spec.user}
+
+    @staticmethod
+    def _url_of(path: str) -> str:
+        parsed = parse_hdfs_url(path)
+        return parsed.url_prefix + parsed.path
 
     def _to_url(self, path: str) -> str:
         if path.startswith("/"):

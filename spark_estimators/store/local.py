@@ -8,7 +8,7 @@ from typing import Any
 
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.store._filesystems import LocalFilesystemSpec
-from spark_estimators.store.base import Store, make_layout
+from spark_estimators.store.base import Store, make_layout, parent_of_data_paths
 
 #: Where Databricks mounts DBFS on every node. Tests point it at a temp dir; the mapping is done
 #: on the driver when the store is built, so executors need no such setting.
@@ -32,7 +32,10 @@ class LocalStore(Store):
     ----------
     prefix_path
         A local directory (or ``file://`` URL). With more than one machine it must be a shared
-        mount, since executors write the prepared data and the driver reads it.
+        mount, since executors write the prepared data and the driver reads it. May be left out
+        when ``train_path`` is given (horovod's docs build ``HDFSStore(train_path=...,
+        val_path=...)`` for ``fit_on_parquet``): it is then the directory that holds the train
+        and validation paths, and ``runs/`` goes there.
     train_path, val_path, test_path, runs_path
         Override one entry of the layout (see :mod:`spark_estimators.store.base`).
     save_runs
@@ -47,7 +50,7 @@ class LocalStore(Store):
 
     def __init__(
         self,
-        prefix_path: str,
+        prefix_path: str | None = None,
         *,
         train_path: str | None = None,
         val_path: str | None = None,
@@ -55,6 +58,12 @@ class LocalStore(Store):
         runs_path: str | None = None,
         save_runs: bool = True,
     ) -> None:
+        if prefix_path is None:
+            prefix_path = parent_of_data_paths(
+                type(self).__name__,
+                _local_prefix(train_path) if train_path else None,
+                _local_prefix(val_path) if val_path else None,
+            )
         local = _local_prefix(prefix_path)
         layout = make_layout(
             local,
