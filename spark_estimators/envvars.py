@@ -44,6 +44,9 @@ HOST_HASH_SALT = PREFIX + "HOST_HASH_SALT"
 FUSION_THRESHOLD = PREFIX + "FUSION_THRESHOLD"
 INLINE_LIMIT = PREFIX + "INLINE_LIMIT"
 MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
+#: Secret that signs saved models and estimators (HMAC-SHA256 of ``stage.pkl``) and is required
+#: to load them; see core/persistence.py and docs/security.md.
+MODEL_KEY = PREFIX + "MODEL_KEY"
 #: Path of the collective timeline (per-rank Chrome trace); see collective/timeline.py.
 TIMELINE = PREFIX + "TIMELINE"
 

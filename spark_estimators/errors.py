@@ -95,6 +95,45 @@ class ElasticResetLimitError(TrainingFailedError):
     """An elastic job was reset more often than ``reset_limit`` allows."""
 
 
+class ModelIntegrityError(SparkEstimatorsError):
+    """A saved model or checkpoint failed its integrity check and was not unpickled.
+
+    Raised when the digest (or the keyed HMAC) recorded at save does not match the file read at
+    load, when a key is configured and the saved stage carries no HMAC, or when a checkpoint holds
+    objects that ``torch.load(weights_only=True)`` refuses.
+
+    Parameters
+    ----------
+    message
+        Human-readable explanation naming the file and the fix.
+    path
+        The file that failed the check.
+    expected
+        The digest recorded at save (``None`` when there was none).
+    found
+        The digest of the file as read.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        path: str | None = None,
+        expected: str | None = None,
+        found: str | None = None,
+    ):
+        super().__init__(message)
+        self.path = path
+        self.expected = expected
+        self.found = found
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.path, self.expected, self.found))
+
+
+class UnverifiedModelWarning(UserWarning):
+    """A saved stage was loaded without an integrity check (saved before digests were recorded)."""
+
+
 def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line for line in text.splitlines())
 
@@ -103,10 +142,12 @@ __all__ = [
     "CollectiveError",
     "ConfigurationError",
     "ElasticResetLimitError",
+    "ModelIntegrityError",
     "RemoteError",
     "RendezvousTimeoutError",
     "RpcError",
     "SparkEstimatorsError",
     "StoreError",
     "TrainingFailedError",
+    "UnverifiedModelWarning",
 ]

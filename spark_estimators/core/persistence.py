@@ -6,11 +6,28 @@ JSON-able params, plus ``stage.pkl``: a cloudpickle of the params that hold Pyth
 (model, optimizer, loss, callbacks, ...) and of the stage's extra state (a fitted model's
 weights, history, run id). The ``store`` and ``backend`` params are never saved: they hold
 credentials, sessions and clients; set them again after loading an estimator.
+
+Trust boundary (docs/security.md, "Saved models and checkpoints"): unpickling ``stage.pkl`` runs
+whatever code it names, so it is verified **before** it is unpickled. At save the metadata
+records ``stageDigest``: the SHA-256 of ``stage.pkl`` and, when a key is given (``key=`` or the
+environment variable ``SPARK_ESTIMATORS_MODEL_KEY``), its HMAC-SHA256 under that key. At load a
+mismatch raises :class:`~spark_estimators.errors.ModelIntegrityError` and nothing is unpickled.
+The plain digest catches corruption and a replaced ``stage.pkl``; only the HMAC, with a key kept
+outside the storage, also stops someone who can rewrite the metadata. Decisions:
+
+- a stage saved before digests were recorded (no ``stageDigest``) loads with an
+  :class:`~spark_estimators.errors.UnverifiedModelWarning`, unless a key is configured: then it is
+  refused, as is any stage without an HMAC (stripping the HMAC must not bypass the key);
+- a signed stage loaded without a key is checked against its SHA-256 only, with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
+import warnings
 from typing import Any
 
 import cloudpickle
@@ -23,8 +40,13 @@ from pyspark.ml.util import (
     MLWriter,
 )
 
+from spark_estimators import envvars
+from spark_estimators.errors import ModelIntegrityError, UnverifiedModelWarning
+
 NOT_SAVED = ("store", "backend")
 BLOB_NAME = "stage.pkl"
+#: Key of the integrity record in the stage's Spark metadata (``metadata/part-00000``).
+DIGEST_KEY = "stageDigest"
 
 
 def _is_json(value: Any) -> bool:
@@ -41,12 +63,92 @@ def _open(path: str, mode: str) -> Any:
     return fsspec.open(path, mode)
 
 
+def model_key(key: str | bytes | None = None) -> bytes | None:
+    """The signing key: ``key`` when given, else ``$SPARK_ESTIMATORS_MODEL_KEY``, else None."""
+    if key is None:
+        key = os.environ.get(envvars.MODEL_KEY) or None
+    if key is None:
+        return None
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+def integrity_record(blob: bytes, key: bytes | None) -> dict[str, str]:
+    """What the metadata records about ``stage.pkl``: its SHA-256 and, with a key, its HMAC."""
+    record = {"file": BLOB_NAME, "sha256": hashlib.sha256(blob).hexdigest()}
+    if key is not None:
+        record["hmacSha256"] = hmac.new(key, blob, hashlib.sha256).hexdigest()
+    return record
+
+
+def verify_blob(path: str, blob: bytes, record: Any, key: bytes | None) -> None:
+    """Check ``blob`` (read from ``path``) against its recorded digest before it is unpickled.
+
+    Raises
+    ------
+    ModelIntegrityError
+        The digest or HMAC does not match, or a key is configured and the stage has no HMAC.
+    """
+    fix = (
+        "Load only models you saved yourself or got from a source you trust; if this one is "
+        "yours, save it again from the fitted model."
+    )
+    if not isinstance(record, dict) or "sha256" not in record:
+        if key is not None:
+            raise ModelIntegrityError(
+                f"refused to load {path!r}: a model key is configured ({envvars.MODEL_KEY} or "
+                "key=) but this stage was saved without a signature, so it cannot be verified. "
+                "Save it again with the key, or load it without a key if you trust its source.",
+                path=path,
+            )
+        warnings.warn(
+            f"{path!r} has no integrity record (saved before spark_estimators recorded one); "
+            "it is unpickled unverified, which runs any code it holds. Save it again to record "
+            "its digest.",
+            UnverifiedModelWarning,
+            stacklevel=4,
+        )
+        return
+    found = hashlib.sha256(blob).hexdigest()
+    if not hmac.compare_digest(found, str(record["sha256"])):
+        raise ModelIntegrityError(
+            f"refused to load {path!r}: its SHA-256 is {found} but the model's metadata "
+            f"recorded {record['sha256']}; the file was changed or corrupted after it was saved "
+            f"and was not unpickled. {fix}",
+            path=path,
+            expected=str(record["sha256"]),
+            found=found,
+        )
+    signature = record.get("hmacSha256")
+    if key is None:
+        if signature is not None:
+            warnings.warn(
+                f"{path!r} is signed but no key is set ({envvars.MODEL_KEY} or key=): only its "
+                "SHA-256 was checked, which does not stop someone who can also rewrite the "
+                "metadata.",
+                UnverifiedModelWarning,
+                stacklevel=4,
+            )
+        return
+    expected = hmac.new(key, blob, hashlib.sha256).hexdigest()
+    if signature is None or not hmac.compare_digest(expected, str(signature)):
+        what = "carries no HMAC" if signature is None else "has an HMAC that does not match"
+        raise ModelIntegrityError(
+            f"refused to load {path!r}: it {what} under the configured model key "
+            f"({envvars.MODEL_KEY} or key=); it was not signed with this key or was altered, "
+            f"and was not unpickled. {fix}",
+            path=path,
+            expected=None if signature is None else str(signature),
+            found=expected,
+        )
+
+
 class StageWriter(MLWriter):
     """Writes a stage; the stage may define ``_extra_state() -> dict`` for non-param state."""
 
-    def __init__(self, instance: Any):
+    def __init__(self, instance: Any, key: str | bytes | None = None):
         super().__init__()
         self.instance = instance
+        self._key = key
 
     def saveImpl(self, path: str) -> None:
         inst = self.instance
@@ -59,27 +161,39 @@ class StageWriter(MLWriter):
                 json_params[param.name] = value
             else:
                 blob_params[param.name] = value
-        # The session (not self.sc): a Spark Connect client has no SparkContext.
-        DefaultParamsWriter.saveMetadata(inst, path, self.sparkSession, paramMap=json_params)
         extra = inst._extra_state() if hasattr(inst, "_extra_state") else {}
+        blob = cloudpickle.dumps({"params": blob_params, "extra": extra})
+        record = integrity_record(blob, model_key(self._key))
+        # The session (not self.sc): a Spark Connect client has no SparkContext.
+        DefaultParamsWriter.saveMetadata(
+            inst,
+            path,
+            self.sparkSession,
+            extraMetadata={DIGEST_KEY: record},
+            paramMap=json_params,
+        )
         with _open(path.rstrip("/") + "/" + BLOB_NAME, "wb") as f:
-            f.write(cloudpickle.dumps({"params": blob_params, "extra": extra}))
+            f.write(blob)
 
 
 class StageReader(MLReader):
-    """Reads a stage written by :class:`StageWriter` back into ``cls``."""
+    """Reads a stage written by :class:`StageWriter` back into ``cls``, verified first."""
 
-    def __init__(self, cls: type):
+    def __init__(self, cls: type, key: str | bytes | None = None):
         super().__init__()
         self.cls = cls
+        self._key = key
 
     def load(self, path: str) -> Any:
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        blob_path = path.rstrip("/") + "/" + BLOB_NAME
+        with _open(blob_path, "rb") as f:
+            data = f.read()
+        verify_blob(blob_path, data, metadata.get(DIGEST_KEY), model_key(self._key))
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         DefaultParamsReader.getAndSetParams(instance, metadata)
-        with _open(path.rstrip("/") + "/" + BLOB_NAME, "rb") as f:
-            blob = cloudpickle.loads(f.read())
+        blob = cloudpickle.loads(data)
         for name, value in blob["params"].items():
             instance._set(**{name: value})
         if hasattr(instance, "_restore_extra_state"):
@@ -88,18 +202,23 @@ class StageReader(MLReader):
 
 
 class PersistenceMixin(MLWritable, MLReadable):
-    """``write()`` / ``read()`` / ``save()`` / ``load()`` for our stages."""
+    """``write()`` / ``read()`` / ``save()`` / ``load()`` for our stages.
+
+    ``save(path, key=...)`` signs the stage with an HMAC under ``key`` and ``load(path,
+    key=...)`` requires a matching one; without ``key`` both use ``$SPARK_ESTIMATORS_MODEL_KEY``
+    when set (the way to sign stages inside a ``Pipeline``).
+    """
 
     def write(self) -> MLWriter:
         return StageWriter(self)
 
-    def save(self, path: str) -> None:
-        self.write().save(path)
+    def save(self, path: str, key: str | bytes | None = None) -> None:
+        StageWriter(self, key=key).save(path)
 
     @classmethod
     def read(cls) -> MLReader:
         return StageReader(cls)
 
     @classmethod
-    def load(cls, path: str) -> Any:
-        return cls.read().load(path)
+    def load(cls, path: str, key: str | bytes | None = None) -> Any:
+        return StageReader(cls, key=key).load(path)

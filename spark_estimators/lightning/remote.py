@@ -279,6 +279,7 @@ def train(spec: LightningTrainSpec) -> dict[str, Any]:
 
     from spark_estimators.lightning.callbacks import StoreCheckpoint, TerminateOnNaN
     from spark_estimators.torch.remote import _epoch_steps, _fingerprint
+    from spark_estimators.torch.serialization import load_checkpoint
 
     rank = int(os.environ.get(ev.SE_RANK, "0"))
     _quiet_lightning(spec.verbose, rank)
@@ -334,7 +335,11 @@ def train(spec: LightningTrainSpec) -> dict[str, Any]:
             val_reader, _epoch_steps(val_reader, spec.validation_steps_per_epoch), convert
         )
     trainer.fit(
-        module, train_dataloaders=train_loader, val_dataloaders=val_loader, ckpt_path=ckpt_path
+        module,
+        train_dataloaders=train_loader,
+        val_dataloaders=val_loader,
+        ckpt_path=ckpt_path,
+        **_weights_only_resume(trainer, ckpt_path, spec.checkpoint_file),
     )
 
     result: dict[str, Any] = {"rank": rank, "fingerprint": _fingerprint(module)}
@@ -344,7 +349,7 @@ def train(spec: LightningTrainSpec) -> dict[str, Any]:
         state = {k: v.detach().clone() for k, v in module.state_dict().items()}
         best = _best_checkpoint(user.callbacks)
         if best is not None:
-            state = torch.load(best, map_location="cpu", weights_only=False)["state_dict"]
+            state = load_checkpoint(best, map_location="cpu", name=best)["state_dict"]
         shapes, forward_error = _output_shapes(module, train_reader, spec)
         result.update(
             state_dict=state,
@@ -383,6 +388,24 @@ def _quiet_lightning(verbose: int, rank: int) -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     # Hot-start fills the checkpoint directory on purpose.
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+
+
+def _weights_only_resume(trainer: Any, ckpt_path: str | None, name: str | None) -> dict[str, Any]:
+    """``trainer.fit`` keywords that load the resumed checkpoint (from the store) weights-only.
+
+    pytorch-lightning >= 2.6 takes ``weights_only``; older ones load with ``weights_only=False``,
+    so there the file is first checked with a weights-only load of our own.
+    """
+    import inspect
+
+    if ckpt_path is None:
+        return {}
+    if "weights_only" in inspect.signature(trainer.fit).parameters:
+        return {"weights_only": True}
+    from spark_estimators.torch.serialization import load_checkpoint
+
+    load_checkpoint(ckpt_path, map_location="cpu", name=str(name))
+    return {}
 
 
 def _best_checkpoint(callbacks: list[Any]) -> str | None:

@@ -426,7 +426,9 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     start_epoch = spec.start_epoch
     if spec.start_epoch > 0 and rank == 0:
         ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
-        state = torch.load(io.BytesIO(spec.store.read_bytes(ckpt)), map_location=device)
+        state = serialization.load_checkpoint(
+            io.BytesIO(spec.store.read_bytes(ckpt)), map_location=device, name=ckpt
+        )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         if int(state.get("epoch", -1)) >= start_epoch and "history" in state:

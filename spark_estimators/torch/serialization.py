@@ -7,7 +7,14 @@ and parameter positions per group, state) and is rebuilt on the loaded module, a
 TorchEstimator rebuilt every optimizer. Plain modules keep travelling pickled (cloudpickle).
 
 Saved :class:`~spark_estimators.torch.TorchModel` blobs of a scripted module start with
-:data:`SCRIPT_MAGIC`; :func:`model_from_bytes` reads both kinds.
+:data:`SCRIPT_MAGIC`; :func:`model_from_bytes` reads both kinds. A saved model's bytes are
+unpickled only after :mod:`spark_estimators.core.persistence` verified the file's digest.
+
+Checkpoints (TorchEstimator's ``checkpoint.pt``, Lightning's ``.ckpt``) hold only tensors and plain
+containers, so they are read with :func:`load_checkpoint`: ``torch.load(weights_only=True)``
+asked for explicitly (torch < 2.6, which ``pyproject`` allows, defaults to ``False``), which never
+runs code named in the file; a refusal becomes a
+:class:`~spark_estimators.errors.ModelIntegrityError` naming the file.
 """
 
 from __future__ import annotations
@@ -92,6 +99,39 @@ def unpack(model: Any, optimizer: Any) -> tuple[Any, Any]:
     if isinstance(optimizer, OptimizerRecipe):
         optimizer = optimizer.build(model)
     return model, optimizer
+
+
+def load_checkpoint(source: Any, map_location: Any, name: str) -> Any:
+    """``torch.load(source, weights_only=True)``; a refused object raises ModelIntegrityError.
+
+    Parameters
+    ----------
+    source
+        A path or a binary file object.
+    map_location
+        As for ``torch.load``.
+    name
+        The file's name in the store, for the error message.
+    """
+    import pickle
+
+    import torch
+
+    from spark_estimators.errors import ModelIntegrityError
+
+    try:
+        return torch.load(source, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise ModelIntegrityError(
+            f"refused to load checkpoint {name!r}: it holds objects other than tensors and plain "
+            f"containers, which torch.load(weights_only=True) does not unpickle ({exc}). A "
+            "checkpoint written by spark_estimators holds only those, so this file was altered "
+            "or written by other code; delete it (or the run's checkpoint directory) to train "
+            "from scratch. If your own module's hyper-parameters or optimizer state hold such "
+            "objects, register their classes with torch.serialization.add_safe_globals in the "
+            "module that defines them, or keep them to plain values.",
+            path=name,
+        ) from exc
 
 
 def model_to_bytes(model: Any) -> bytes:
