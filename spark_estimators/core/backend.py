@@ -32,6 +32,9 @@ class Backend(ABC):
     def num_processes(self) -> int:
         """Number of ranks this backend starts."""
 
+    def check_admission(self) -> None:  # noqa: B027 - optional hook, nothing to check by default
+        """Raise ConfigurationError when the ranks cannot start (called before data is written)."""
+
 
 class SparkBackend(Backend):
     """Launch on Spark tasks with :func:`spark_estimators.run` (barrier mode).
@@ -85,6 +88,16 @@ class SparkBackend(Backend):
 
             return default_num_proc(get_spark(self.spark))
         return self._num_proc
+
+    def check_admission(self) -> None:
+        """Fail in the driver when the cluster has fewer task slots than ranks."""
+        from spark_estimators.core.session import get_spark
+        from spark_estimators.runner import ADMISSION_WAIT_S, check_admission
+
+        timeout = self.start_timeout if self.start_timeout is not None else ADMISSION_WAIT_S
+        check_admission(
+            get_spark(self.spark), self.num_processes(), wait_s=min(timeout, ADMISSION_WAIT_S)
+        )
 
     def run(
         self,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 import uuid
 from typing import Any
 
@@ -206,6 +207,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         from spark_estimators.data import prepare_data
 
         store = self._store()
+        self._preflight(store)
         meta = prepare_data(
             self._num_proc(),
             store,
@@ -217,6 +219,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
             compress_sparse=self.getCompressSparseCols(),
             partitions_per_process=self.getPartitionsPerProcess(),
             verbose=self.getVerbose(),
+            check_columns=self._check_data_shapes,
         )
         return self._fit_on_prepared(meta)
 
@@ -232,6 +235,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         """
         est = self.copy(params) if params else self
         est._validate_params(None)
+        est._preflight(est._store())
         from spark_estimators.data import load_dataset_metadata
 
         # Prepared datasets first; else Parquet written by anyone at the store's un-indexed
@@ -249,7 +253,21 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
                 f"column(s) {missing!r} are not in the prepared dataset "
                 f"{meta.dataset_idx!r}, which has {sorted(meta.columns)!r}"
             )
+        est._check_data_shapes(meta.columns)
         return est._fit_on_prepared(meta)
+
+    def _preflight(self, store: Any) -> None:
+        """Driver-side checks before any data is written or job started: store and slots."""
+        store.check_writable()
+        self._launch_backend().check_admission()
+
+    def _check_data_shapes(self, columns: dict[str, Any]) -> None:
+        """``input_shapes``/``label_shapes`` against the values per row the data holds."""
+        from spark_estimators.core.tensors import check_shapes
+
+        sizes = {name: int(math.prod(info.shape)) for name, info in columns.items()}
+        check_shapes("input_shapes", self.getFeatureCols(), self.getInputShapes(), sizes)
+        check_shapes("label_shapes", self.getLabelCols(), self.getLabelShapes(), sizes)
 
     def _store(self) -> Any:
         store = self.getStore()

@@ -51,6 +51,41 @@ def shape_column(
     return values.reshape((n, *dims))
 
 
+def check_shapes(
+    param: str, cols: Sequence[str], shapes: Sequence[Any] | None, row_sizes: dict[str, int]
+) -> None:
+    """Raise ConfigurationError when a shape in ``shapes`` cannot hold its column's rows.
+
+    ``row_sizes`` gives the values per row of each column (1 for scalars), from the data's
+    description; the rule is :func:`shape_column`'s, so what passes here reshapes on the ranks
+    and in ``transform`` alike.
+    """
+    from spark_estimators.errors import ConfigurationError
+
+    if shapes is None:
+        return
+    for col, shape in zip(cols, shapes, strict=False):
+        if shape is None or col not in row_sizes:
+            continue
+        dims = [int(d) for d in shape]
+        per_row = dims[1:] if dims and dims[0] == -1 else dims
+        n = row_sizes[col]
+        known = int(np.prod([d for d in per_row if d != -1], dtype=np.int64))
+        free = sum(d == -1 for d in per_row)
+        if free > 1 or any(d == 0 or d < -1 for d in per_row):
+            ok = False
+        elif free == 1:
+            ok = known > 0 and n % known == 0
+        else:
+            ok = known == n
+        if not ok:
+            raise ConfigurationError(
+                f"{param} gives column {col!r} the shape {list(shape)!r}, but its rows hold {n} "
+                f"value(s) each, which that shape cannot hold; use a shape whose per-row part "
+                f"multiplies to {n}, e.g. {[-1, n]!r} (the leading -1 is the batch)"
+            )
+
+
 def model_inputs(
     arrays: dict[str, np.ndarray],
     cols: Sequence[str],

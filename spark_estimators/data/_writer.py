@@ -10,6 +10,7 @@ collected line names) are swept by the driver.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import numpy as np
 
 from spark_estimators.data._arrow import invalid_rows, vector_udt_parts, vector_udt_sizes
 from spark_estimators.data.metadata import SCHEMA_METADATA_KEY, ColumnInfo
+from spark_estimators.errors import StoreError
 from spark_estimators.store._filesystems import FilesystemSpec
 
 INFO_SCHEMA = "info string"
@@ -188,32 +190,34 @@ class PartitionWriter:
                 continue
             dir_fs = self.spec.to_fs_path(dir_url)
             if self.spec.needs_directories:
-                fs.create_dir(dir_fs, recursive=True)
+                with _store_errors(dir_url):
+                    fs.create_dir(dir_fs, recursive=True)
             writers[split] = _RollingParquetWriter(
                 fs, dir_url, dir_fs, stem, schema, self.row_group_bytes, self.max_file_bytes
             )
         stats: dict[str, Any] = {"rows_in": 0, "dropped": 0, "invalid": {}, "bad_length": {}}
         failed = False
-        try:
-            for batch in batches:
-                stats["rows_in"] += batch.num_rows
-                out, val_mask, bad = self._convert(batch, schema, stats)
-                failed = failed or bad
-                if failed or out.num_rows == 0:
-                    continue  # keep counting problems, stop writing
-                if val_mask is None or "val" not in writers:
-                    writers["train"].write(out)
-                else:
-                    writers["train"].write(out.filter(pa.array(~val_mask)))
-                    writers["val"].write(out.filter(pa.array(val_mask)))
-            if failed:
+        with _store_errors(self.train_dir):
+            try:
+                for batch in batches:
+                    stats["rows_in"] += batch.num_rows
+                    out, val_mask, bad = self._convert(batch, schema, stats)
+                    failed = failed or bad
+                    if failed or out.num_rows == 0:
+                        continue  # keep counting problems, stop writing
+                    if val_mask is None or "val" not in writers:
+                        writers["train"].write(out)
+                    else:
+                        writers["train"].write(out.filter(pa.array(~val_mask)))
+                        writers["val"].write(out.filter(pa.array(val_mask)))
+                if failed:
+                    for w in writers.values():
+                        w.abort()
+                files = {split: w.close() for split, w in writers.items()}
+            except BaseException:
                 for w in writers.values():
                     w.abort()
-            files = {split: w.close() for split, w in writers.items()}
-        except BaseException:
-            for w in writers.values():
-                w.abort()
-            raise
+                raise
         lines = [json.dumps({"split": s, **f}) for s, fl in files.items() for f in fl]
         lines.append(json.dumps({"stats": stats, "partition": part}))
         yield pa.RecordBatch.from_pydict({"info": lines})
@@ -265,6 +269,17 @@ class PartitionWriter:
             flags = batch.column(self.split_col).to_numpy(zero_copy_only=False).astype(bool)
             val_mask = flags[~drop] if any_drop else flags
         return out, val_mask, False
+
+
+@contextlib.contextmanager
+def _store_errors(dir_url: str) -> Iterator[None]:
+    """OSErrors from the store become StoreError naming the directory (the driver re-raises it)."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except OSError as exc:
+        raise StoreError(f"cannot write the prepared data under {dir_url!r}: {exc}") from exc
 
 
 def _delete_quietly(fs: Any, path: str) -> None:

@@ -41,7 +41,7 @@ import logging
 import math
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from spark_estimators.data._writer import INFO_SCHEMA, PartitionWriter
@@ -52,7 +52,7 @@ from spark_estimators.data.metadata import (
     ParquetFileInfo,
     now_iso,
 )
-from spark_estimators.errors import ConfigurationError
+from spark_estimators.errors import ConfigurationError, StoreError
 from spark_estimators.store.base import StoreBase
 
 logger = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ def prepare_data(
     *,
     seed: int = 42,
     drop_invalid_rows: bool = False,
+    check_columns: Callable[[dict[str, ColumnInfo]], None] | None = None,
 ) -> DatasetMetadata:
     """Write train/validation Parquet for ``df`` into ``store`` (or reuse it) and describe it.
 
@@ -121,6 +122,10 @@ def prepare_data(
         Seed of the random validation split.
     drop_invalid_rows
         Drop rows with a null or NaN in a used column instead of raising.
+    check_columns
+        Called with the columns' descriptions (shapes, dtypes) before anything is written, and
+        for a reused dataset; raising there stops the preparation (estimators check
+        ``input_shapes`` this way).
 
     Returns
     -------
@@ -163,6 +168,8 @@ def prepare_data(
     with _lock_for(idx):
         cached = _load_complete(store, idx, cache_key)
         if cached is not None:
+            if check_columns is not None:
+                check_columns(dict(cached.columns))
             log(
                 "prepare_data: reusing dataset %s (%d train rows, %d val rows)",
                 idx,
@@ -171,6 +178,9 @@ def prepare_data(
             )
             return cached
         columns = _infer_columns(df, used, kinds, compress_sparse)
+        if check_columns is not None:
+            check_columns({c.name: c for c in columns})
+        store.check_writable()
         ppp = partitions_per_process or auto_partitions_per_process(df, num_proc)
         meta = _write(
             store,
@@ -517,7 +527,14 @@ def _write(
         row_group_bytes=ROW_GROUP_BYTES,
         max_file_bytes=MAX_FILE_BYTES,
     )
-    lines = [r[0] for r in shuffled.select(*converted).mapInArrow(writer, INFO_SCHEMA).collect()]
+    try:
+        rows = shuffled.select(*converted).mapInArrow(writer, INFO_SCHEMA).collect()
+    except Exception as exc:
+        store_error = _executor_store_error(exc)
+        if store_error is None:
+            raise
+        raise StoreError(f"{store_error} (on an executor, in {store!r})") from exc
+    lines = [r[0] for r in rows]
     files: dict[str, list[ParquetFileInfo]] = {"train": [], "val": []}
     invalid: dict[str, int] = {}
     bad_length: dict[str, list[Any]] = {}
@@ -566,6 +583,15 @@ def _write(
         params={**params, "dropped_rows": dropped},
         created_at=now_iso(),
     )
+
+
+def _executor_store_error(exc: BaseException) -> str | None:
+    """The StoreError message a writer task raised, found in Spark's wrapped error, or None."""
+    marker = "StoreError: "
+    for line in reversed(str(exc).splitlines()):
+        if marker in line:
+            return line.split(marker, 1)[1].strip()
+    return None
 
 
 def _bad_data_error(

@@ -376,6 +376,22 @@ class StoreBase:
         with open(local_path, "rb") as src, self.open_write(path, atomic=atomic) as out:
             shutil.copyfileobj(src, out, _COPY_CHUNK)
 
+    def check_writable(self) -> None:
+        """Write and delete a small probe file at the store's root, or raise StoreError.
+
+        Estimators call it in the driver before any data is written, so an unwritable store is
+        reported in milliseconds, naming the path, instead of as a failed executor task.
+        """
+        probe = f".se-write-probe-{uuid.uuid4().hex[:12]}"
+        try:
+            self.write_bytes(probe, b"ok")
+            self.delete(probe)
+        except StoreError as exc:
+            raise StoreError(
+                f"the store at {self.prefix_path!r} is not writable from the driver ({exc}); "
+                "give a store path this user can create and write (executors need the same)"
+            ) from exc
+
     def makedirs(self, path: str) -> None:
         """Create a directory and its parents (a no-op on object stores)."""
         if self._spec.needs_directories:
