@@ -47,6 +47,7 @@ MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
 #: Secret that signs saved models and estimators (HMAC-SHA256 of ``stage.pkl``) and is required
 #: to load them; see core/persistence.py and docs/security.md.
 MODEL_KEY = PREFIX + "MODEL_KEY"
+LAZY_DYNAMO = PREFIX + "LAZY_DYNAMO"  # "0" turns off the rank's deferred torch._dynamo import
 #: Path of the collective timeline (per-rank Chrome trace); see collective/timeline.py.
 TIMELINE = PREFIX + "TIMELINE"
 

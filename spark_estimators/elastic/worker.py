@@ -16,6 +16,7 @@ import threading
 import traceback
 from typing import Any
 
+from spark_estimators.task import lazy_dynamo
 from spark_estimators.task.child import _flush, _lifeline, _read_config
 
 
@@ -52,6 +53,7 @@ class _Rendezvous:
 def main() -> None:
     config = _read_config()
     threading.Thread(target=_lifeline, name="se-lifeline", daemon=True).start()
+    lazy_dynamo.install()  # as in task.child: eager training never imports torch._dynamo
 
     import cloudpickle
 

@@ -18,6 +18,8 @@ import threading
 import traceback
 from typing import Any
 
+from spark_estimators.task import context, lazy_dynamo
+
 
 def _read_config() -> dict[str, Any]:
     head = sys.stdin.buffer.read(4)
@@ -66,11 +68,12 @@ def _wait_for_other_ranks(client: Any) -> None:
 def main() -> None:
     config = _read_config()
     threading.Thread(target=_lifeline, name="se-lifeline", daemon=True).start()
+    lazy_dynamo.install()  # eager training never pays for importing torch._dynamo
+    context.set_task_started(config.get("task_started"))
 
     import cloudpickle
 
     from spark_estimators.driver.rpc import RpcClient
-    from spark_estimators.task import context
 
     rank = int(config["rank"])
     client = RpcClient(tuple(config["driver_address"]), config["secret"], timeout=None)

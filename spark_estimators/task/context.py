@@ -11,6 +11,7 @@ from spark_estimators import envvars as ev
 _client: Any = None
 _rank: int = -1
 _lock = threading.Lock()
+_task_started: float | None = None
 
 
 def set_driver_client(client: Any, rank: int) -> None:
@@ -18,6 +19,20 @@ def set_driver_client(client: Any, rank: int) -> None:
     global _client, _rank
     with _lock:
         _client, _rank = client, rank
+
+
+def set_task_started(timestamp: float | None) -> None:
+    """Called by the rank process entry point with its Spark task's start time."""
+    global _task_started
+    _task_started = None if timestamp is None else float(timestamp)
+
+
+def task_started() -> float | None:
+    """``time.time()`` when this rank's Spark task started (None outside a rank).
+
+    Start-up benchmarks measure from it (``bench/startup.py``).
+    """
+    return _task_started
 
 
 def has_driver() -> bool:

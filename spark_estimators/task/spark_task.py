@@ -233,7 +233,12 @@ def describe_exit(code: int) -> str:
 
 
 def run_rank(
-    index: int, attempt: int, gpus: tuple[str, ...], config: TaskConfig, executor_address: str = ""
+    index: int,
+    attempt: int,
+    gpus: tuple[str, ...],
+    config: TaskConfig,
+    executor_address: str = "",
+    task_started: float | None = None,
 ) -> int:
     """Register with the driver, run the rank process to completion, report; returns the rank."""
     client = RpcClient(config.driver_address, config.secret, timeout=config.start_timeout + 30)
@@ -282,6 +287,7 @@ def run_rank(
                     "driver_address": config.driver_address,
                     "secret": config.secret,
                     "rank": settings.rank,
+                    "task_started": task_started,
                 },
             )
         except BrokenPipeError:
@@ -314,6 +320,7 @@ def run_rank(
 
 def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
     """The ``mapInArrow(..., barrier=True)`` function: one rank per Spark partition."""
+    started = time.time()
     import pyarrow as pa
     from pyspark import BarrierTaskContext
 
@@ -322,12 +329,11 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
     ctx = BarrierTaskContext.get()
     index = ctx.partitionId()
     gpus = task_gpus(ctx, config.use_gpu)
-    started = time.time()
     try:
         executor_address = ctx.getTaskInfos()[index].address
     except Exception:
         executor_address = ""
-    rank = run_rank(index, ctx.attemptNumber(), gpus, config, executor_address)
+    rank = run_rank(index, ctx.attemptNumber(), gpus, config, executor_address, started)
     yield pa.RecordBatch.from_pydict(
         {"index": [index], "rank": [rank], "seconds": [time.time() - started]}
     )
