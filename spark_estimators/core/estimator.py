@@ -32,6 +32,25 @@ READERS = ("arrow", "petastorm")
 COLLECTIVE_BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 
+# horovod's data-module keywords (TorchEstimator, KerasEstimator): the reader here is built in.
+HOROVOD_DATA_MODULE_KEYWORDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "data_module": (
+        (None,),
+        "batches come from the built-in reader over the prepared data; shape them with "
+        "transformation_fn, input_shapes and label_shapes, or remove data_module",
+    ),
+    "continuous_cols": (
+        (None, []),
+        "list the columns in feature_cols (each column is one model input), or remove it",
+    ),
+    "categorical_cols": (
+        (None, []),
+        "list the columns in feature_cols as integer indices (StringIndexer) for embeddings "
+        "(each column is one model input), or remove it",
+    ),
+}
+
+
 def _bad(param: str, value: Any, expected: str, fix: str = "") -> ConfigurationError:
     msg = f"{param}={value!r} is invalid: expected {expected}"
     return ConfigurationError(msg + (f". {fix}" if fix else ""))
@@ -41,6 +60,9 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
     """Base of every spark_estimators estimator (see the framework subclasses)."""
 
     _framework = "base"
+    # horovod keywords of this estimator with no param here: name -> (values accepted because
+    # they mean "not used", the alternative named in the error for any other value).
+    _horovod_only: dict[str, tuple[tuple[Any, ...], str]] = {}
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
@@ -51,8 +73,17 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         """Set params by Spark ML (camelCase) or horovod (snake_case) names."""
         for key, value in kwargs.items():
             name = to_camel(key)
+            if key in self._horovod_only and not self.hasParam(name):
+                unused, alternative = self._horovod_only[key]
+                if any(value is u or (u is not None and value == u) for u in unused):
+                    continue
+                raise ConfigurationError(
+                    f"{type(self).__name__}: horovod's {key}={value!r} has no equivalent here; "
+                    f"{alternative}"
+                )
             if not self.hasParam(name):
-                known = sorted({p.name for p in self.params} | set(ALIASES))
+                mine = {k for k, v in ALIASES.items() if self.hasParam(v)}
+                known = sorted({p.name for p in self.params} | mine)
                 close = difflib.get_close_matches(key, known, n=3)
                 hint = f" Did you mean {', '.join(close)}?" if close else ""
                 raise ConfigurationError(

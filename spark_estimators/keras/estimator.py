@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from spark_estimators.core.estimator import SparkEstimator
+from spark_estimators.core.estimator import HOROVOD_DATA_MODULE_KEYWORDS, SparkEstimator
 from spark_estimators.core.params import make_param
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.keras.model import KerasModel, dumps_custom_objects
@@ -70,6 +70,14 @@ class KerasEstimator(SparkEstimator):
     """
 
     _framework = "keras"
+    _horovod_only = {
+        **HOROVOD_DATA_MODULE_KEYWORDS,
+        "tensorflow_dataset_prefetch_buffer_size": (
+            (None, 0),
+            "the reader prefetches batches on its own thread; use train_reader_num_workers / "
+            "val_reader_num_workers, or remove it",
+        ),
+    }
 
     customObjects = make_param(
         "customObjects", "dict name -> custom class/function for loading the model"

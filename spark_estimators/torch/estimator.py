@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from spark_estimators.core.estimator import SparkEstimator
+from spark_estimators.core.estimator import HOROVOD_DATA_MODULE_KEYWORDS, SparkEstimator
 from spark_estimators.core.params import make_param
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.torch import serialization
@@ -55,6 +55,7 @@ class TorchEstimator(SparkEstimator):
     """
 
     _framework = "torch"
+    _horovod_only = HOROVOD_DATA_MODULE_KEYWORDS
 
     trainMinibatchFn = make_param(
         "trainMinibatchFn",

@@ -127,3 +127,34 @@ def test_lightning_only_horovod_params_are_refused(kwargs, pattern):
     )
     with pytest.raises(ConfigurationError, match=pattern):
         est._validate_params(["x", "y"])
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "pattern"),
+    [
+        ("data_module", object, "built-in reader.*transformation_fn"),
+        ("continuous_cols", ["x"], "feature_cols"),
+        ("categorical_cols", ["c"], "StringIndexer"),
+    ],
+)
+def test_horovod_data_module_keywords_name_the_alternative(key, value, pattern):
+    with pytest.raises(ConfigurationError, match=f"horovod's {key}=.*no equivalent.*{pattern}"):
+        TorchEstimator(**{key: value})
+    # horovod's defaults mean "not used": accepted.
+    TorchEstimator(data_module=None, continuous_cols=None, categorical_cols=None)
+
+
+def test_keras_prefetch_keyword_names_the_alternative():
+    pytest.importorskip("keras")
+    from spark_estimators.keras import KerasEstimator
+
+    KerasEstimator(tensorflow_dataset_prefetch_buffer_size=0)
+    with pytest.raises(ConfigurationError, match="reader_num_workers"):
+        KerasEstimator(tensorflow_dataset_prefetch_buffer_size=4)
+
+
+def test_unknown_keyword_suggests_only_this_estimators_names():
+    # data_module is a Lightning param: TorchEstimator must not suggest it back.
+    with pytest.raises(ConfigurationError) as info:
+        TorchEstimator(debug_data_loadr=True)
+    assert "debug_data_loader" not in str(info.value)
