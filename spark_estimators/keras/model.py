@@ -80,7 +80,8 @@ class KerasModel(SparkModel):
     plain optimizer when its loss and metrics can be loaded); ``getHistory()`` the per-epoch
     metrics averaged over the ranks (``epoch``, ``loss``, metrics, ``val_*``);
     ``write().save(path)`` / ``KerasModel.load(path)`` and Pipeline persistence work as for any
-    Spark ML model.
+    Spark ML model. Loading unpickles ``custom_objects`` and reads the ``.keras`` archive with
+    ``safe_mode=False``, so it is verified first, as for ``TorchModel`` (docs/security.md).
     """
 
     def __init__(

@@ -22,7 +22,8 @@ class LightningModel(TorchModel):
     ``getHistory()`` holds one dict per epoch: ``epoch``, every scalar the module logged
     (``trainer.callback_metrics``) and ``loss`` (the mean loss ``training_step`` returned), each
     averaged over the ranks. ``write().save(path)`` / ``LightningModel.load(path)`` and Pipeline
-    persistence work as for any Spark ML model.
+    persistence work as for any Spark ML model, verified before unpickling as for ``TorchModel``
+    (docs/security.md).
     """
 
     def __init__(

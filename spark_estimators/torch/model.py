@@ -41,6 +41,10 @@ class TorchModel(SparkModel):
     ``getModel()`` returns the ``torch.nn.Module`` (on the CPU, in eval mode);
     ``getHistory()`` the per-epoch metrics; ``write().save(path)`` / ``TorchModel.load(path)``
     and Pipeline persistence work as for any Spark ML model.
+
+    Loading unpickles the module, which can run code: load only models you trust. ``load``
+    checks the SHA-256 (and, with ``key=`` or ``SPARK_ESTIMATORS_MODEL_KEY``, the HMAC) recorded
+    at save before unpickling and raises ``ModelIntegrityError`` on a mismatch (docs/security.md).
     """
 
     def _model_to_bytes(self) -> bytes:
