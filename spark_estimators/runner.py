@@ -20,13 +20,10 @@ host(s) and remote traceback.
 from __future__ import annotations
 
 import logging
-import sys
-import sysconfig
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from functools import partial
 from typing import IO, Any
 
@@ -34,7 +31,13 @@ import cloudpickle
 
 from spark_estimators import envvars as ev
 from spark_estimators import run_options
-from spark_estimators.core.session import (
+from spark_estimators._base.environ import validate_env
+from spark_estimators._base.output import OutputPrinter
+from spark_estimators._base.pickling import (  # noqa: F401  dumps_by_value: its old home
+    dumps_by_value,
+    pickle_payload,
+)
+from spark_estimators._base.session import (
     available_task_slots,
     cancel_job_group,
     default_num_proc,
@@ -74,87 +77,6 @@ def _resolve_backend(backend: str | None, use_mpi: bool | None, use_gloo: bool |
     return backend
 
 
-def _validate_env(env: dict[str, Any] | None) -> dict[str, str]:
-    if env is None:
-        return {}
-    if not isinstance(env, dict):
-        raise ConfigurationError(f"env must be a dict of str to str, got {type(env).__name__}")
-    bad = [k for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)]
-    if bad:
-        raise ConfigurationError(
-            f"env must map str to str; these keys do not: {bad[:5]!r} (convert values with str())"
-        )
-    return dict(env)
-
-
-def _by_value_module(fn: Any) -> Any:
-    """The module of ``fn`` when it is user code that executors may not import (scripts, tests).
-
-    Functions from installed packages (site-packages) and from spark_estimators travel by
-    reference; functions of a user's own modules travel by value, as ``__main__`` ones do.
-    """
-    name = getattr(fn, "__module__", None) or ""
-    module = sys.modules.get(name)
-    if module is None or name == "__main__" or name.split(".")[0] == "spark_estimators":
-        return None
-    path = getattr(module, "__file__", None) or ""
-    if not path or "site-packages" in path or "dist-packages" in path:
-        return None
-    if path.startswith(sysconfig.get_paths()["stdlib"]):
-        return None
-    return module
-
-
-def _user_modules(objects: Sequence[Any]) -> list[Any]:
-    """User modules that define the given objects or their classes.
-
-    For torch models, the classes of their sub-modules count too.
-    """
-    found: dict[str, Any] = {}
-
-    def visit(obj: Any) -> None:
-        for candidate in (obj, type(obj)):
-            module = _by_value_module(candidate)
-            if module is not None:
-                found[module.__name__] = module
-
-    for obj in objects:
-        if isinstance(obj, list | tuple):
-            for item in obj:
-                visit(item)
-            continue
-        visit(obj)
-        children = getattr(obj, "modules", None)  # torch.nn.Module
-        if callable(children):
-            try:
-                for child in children():
-                    visit(child)
-            except TypeError:
-                pass
-    return list(found.values())
-
-
-def dumps_by_value(obj: Any, roots: Sequence[Any] = ()) -> bytes:
-    """Pickle ``obj`` with cloudpickle; user modules of ``roots`` and ``obj`` go by value.
-
-    Executors and rank processes can import installed packages but not a user's own modules
-    (a test file, a script next to the notebook), so those are pickled by value.
-    """
-    modules = _user_modules([obj, *roots])
-    for module in modules:
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        return bytes(cloudpickle.dumps(obj))
-    finally:
-        for module in modules:
-            cloudpickle.unregister_pickle_by_value(module)
-
-
-def pickle_payload(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
-    """Pickle ``(fn, args, kwargs)`` with cloudpickle, by value for the user's own module of fn."""
-    return dumps_by_value((fn, args, kwargs), roots=[fn])
-
-
 def check_admission(spark: Any, num_proc: int, wait_s: float = 0.0) -> None:
     """Fail fast when the cluster cannot run ``num_proc`` tasks at once (barrier mode).
 
@@ -168,28 +90,6 @@ def check_admission(spark: Any, num_proc: int, wait_s: float = 0.0) -> None:
             f"executors/cores (e.g. master local[{num_proc}], more spark.executor.instances, "
             f"or a lower spark.task.cpus)."
         )
-
-
-class _OutputPrinter:
-    """Writes rank output to the given streams, each line prefixed with ``[rank]``."""
-
-    def __init__(self, stdout: IO[str] | None, stderr: IO[str] | None, timestamp: bool):
-        self._stdout = stdout
-        self._stderr = stderr
-        self._timestamp = timestamp
-        self._lock = threading.Lock()
-
-    def __call__(self, rank: int, stream: str, lines: list[str]) -> None:
-        out = self._stderr if stream == "stderr" else self._stdout
-        if out is None:
-            out = sys.stderr if stream == "stderr" else sys.stdout
-        stamp = ""
-        if self._timestamp:
-            stamp = datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3] + " "
-        text = "".join(f"[{rank}]{stamp and ' ' + stamp}{line}\n" for line in lines)
-        with self._lock:
-            out.write(text)
-            out.flush()
 
 
 def _spark_job(
@@ -312,7 +212,7 @@ def run(
         raise ConfigurationError(f"kwargs must be a dict, got {type(kwargs).__name__}")
     collective_backend = _resolve_backend(backend, use_mpi, use_gloo)
     run_options.check_unsupported("run", extra_mpi_args=extra_mpi_args, executable=executable)
-    extra_env = _validate_env(run_options.rank_env(env, nics=nics, timeline=timeline))
+    extra_env = validate_env(run_options.rank_env(env, nics=nics, timeline=timeline))
     timeout = ev.start_timeout() if start_timeout is None else float(start_timeout)
     if timeout <= 0:
         raise ConfigurationError(f"start_timeout must be > 0 seconds, got {start_timeout!r}")
@@ -334,7 +234,7 @@ def run(
         payload,
         env=extra_env,
         host=driver_host,
-        output=_OutputPrinter(stdout, stderr, prefix_output_with_timestamp),
+        output=OutputPrinter(stdout, stderr, prefix_output_with_timestamp),
         events=event_callback,
     )
     pmi = None

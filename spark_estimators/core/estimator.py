@@ -430,7 +430,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         ``user`` is pickled by value together with the modules of ``roots`` (the user's model,
         losses, callbacks, ...); ``info`` is the run's checkpoint info (None: start at epoch 0).
         """
-        from spark_estimators.runner import dumps_by_value
+        from spark_estimators._base.pickling import dumps_by_value
 
         return {
             "user_blob": dumps_by_value(user, roots=[r for r in roots if r not in (None, False)]),

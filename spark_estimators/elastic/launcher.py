@@ -24,7 +24,10 @@ from typing import IO, Any
 import cloudpickle
 
 from spark_estimators import envvars as ev
-from spark_estimators.core.session import (
+from spark_estimators._base.environ import validate_env
+from spark_estimators._base.output import OutputPrinter
+from spark_estimators._base.pickling import pickle_payload
+from spark_estimators._base.session import (
     available_task_slots,
     cancel_job_group,
     default_num_proc,
@@ -43,7 +46,6 @@ from spark_estimators.errors import (
     RendezvousTimeoutError,
     TrainingFailedError,
 )
-from spark_estimators.runner import _OutputPrinter, _validate_env, pickle_payload
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +179,7 @@ def run_elastic(
     ensure_driver_side("run_elastic")
     if not callable(fn):
         raise ConfigurationError(f"fn must be callable, got {type(fn).__name__}")
-    extra_env = _validate_env(env)
+    extra_env = validate_env(env)
     spark = get_spark(spark)
     policy = _policy(
         spark, num_proc, min_num_proc, max_num_proc, start_timeout, elastic_timeout,
@@ -195,7 +197,7 @@ def run_elastic(
         payload,
         env=extra_env,
         host=host,
-        output=_OutputPrinter(stdout, stderr, False),
+        output=OutputPrinter(stdout, stderr, False),
         events=event_callback,
     )
     config = TaskConfig(

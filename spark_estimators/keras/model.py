@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 def dumps_custom_objects(custom_objects: dict[str, Any] | None) -> bytes:
     """Pickle ``custom_objects``; classes from the user's own modules go by value."""
-    from spark_estimators.runner import dumps_by_value
+    from spark_estimators._base.pickling import dumps_by_value
 
     objects = dict(custom_objects or {})
     return dumps_by_value(objects, roots=list(objects.values()))

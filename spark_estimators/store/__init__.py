@@ -28,6 +28,7 @@ See :mod:`spark_estimators.store.base` for the layout and the atomic-write guara
 
 from __future__ import annotations
 
+from spark_estimators.store import registry as _registry  # noqa: F401  (installs Store.create)
 from spark_estimators.store.base import FileStat, RemoteStore, Store, StoreBase
 from spark_estimators.store.filesystem import FilesystemStore, HDFSStore
 from spark_estimators.store.local import DBFSLocalStore, LocalStore

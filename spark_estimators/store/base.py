@@ -38,7 +38,7 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -52,6 +52,18 @@ VAL_DATA_NAME = "intermediate_val_data"
 TEST_DATA_NAME = "intermediate_test_data"
 RUNS_NAME = "runs"
 CHECKPOINTS_SUBDIR = "checkpoints"
+
+#: What :meth:`Store.create` calls: installed by :mod:`spark_estimators.store.registry`, which the
+#: package imports, so the base class need not import the stores built on it.
+_store_factory: Callable[..., Store] | None = None
+
+
+def set_store_factory(factory: Callable[..., Store]) -> None:
+    """Install the function behind :meth:`Store.create` (done by the store registry)."""
+    global _store_factory
+    _store_factory = factory
+
+
 LOGS_SUBDIR = "logs"
 METADATA_SUFFIX = ".metadata.json"
 
@@ -521,9 +533,9 @@ class Store(StoreBase, abc.ABC):
         >>> Store.create("/tmp/experiments")
         LocalStore('/tmp/experiments')
         """
-        from spark_estimators.store.registry import create_store
-
-        return create_store(prefix_path, **kwargs)
+        if _store_factory is None:  # never: importing this module imports the package first
+            raise StoreError("spark_estimators.store was not imported; import it first")
+        return _store_factory(prefix_path, **kwargs)
 
     def to_remote(
         self, run_id: str | None = None, dataset_idx: int | str | None = None

@@ -1,4 +1,9 @@
-"""``Store.create(url)``: pick the store class from a URL's scheme (and the Databricks rules)."""
+"""``Store.create(url)``: pick the store class from a URL's scheme (and the Databricks rules).
+
+This module sits above the stores it picks from and installs :func:`create_store` as the factory
+of :meth:`spark_estimators.store.Store.create` when imported (``spark_estimators.store`` imports
+it), so ``store.base`` never imports the classes built on it.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ from typing import Any
 
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.store._filesystems import check_protocol_installed
-from spark_estimators.store.base import Store
+from spark_estimators.store.base import Store, set_store_factory
+from spark_estimators.store.filesystem import FilesystemStore, HDFSStore
+from spark_estimators.store.local import DBFSLocalStore, LocalStore, is_databricks, is_dbfs_path
 
 _SCHEME_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
@@ -23,9 +30,6 @@ def url_scheme(url: str) -> str:
 
 def create_store(prefix_path: str, **kwargs: Any) -> Store:
     """See :meth:`spark_estimators.store.Store.create`."""
-    from spark_estimators.store.filesystem import FilesystemStore, HDFSStore
-    from spark_estimators.store.local import DBFSLocalStore, LocalStore, is_databricks, is_dbfs_path
-
     if not isinstance(prefix_path, str) or not prefix_path:
         raise ConfigurationError(
             f"store prefix {prefix_path!r} must be a non-empty path or URL, e.g. '/tmp/exp' or "
@@ -62,3 +66,6 @@ def create_store(prefix_path: str, **kwargs: Any) -> Store:
             ) from exc
         raise
     return FilesystemStore(prefix_path, storage_options=options, **kwargs)
+
+
+set_store_factory(create_store)

@@ -138,7 +138,7 @@ def model_to_bytes(model: Any) -> bytes:
     """A trained model as bytes: TorchScript modules through ``torch.jit.save``."""
     if is_script_module(model):
         return SCRIPT_MAGIC + script_to_bytes(model)
-    from spark_estimators.runner import dumps_by_value
+    from spark_estimators._base.pickling import dumps_by_value
 
     return dumps_by_value(model)
 
