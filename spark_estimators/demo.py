@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -18,15 +19,25 @@ def _r2(y: np.ndarray, pred: np.ndarray) -> float:
 
 
 def main() -> None:
+    from spark_estimators.core.session import create_local_session
+    from spark_estimators.store import LocalStore
+
+    # The store (prepared data, checkpoints) is this run's scratch: removed when the demo ends.
+    with tempfile.TemporaryDirectory(prefix="spark_estimators-demo-") as store_dir:
+        spark = create_local_session("local[2]")
+        try:
+            _fit_and_report(spark, LocalStore(store_dir))
+        finally:
+            spark.stop()
+
+
+def _fit_and_report(spark: Any, store: Any) -> None:
     import torch
     from pyspark.ml.functions import array_to_vector
     from pyspark.sql import functions as F
 
-    from spark_estimators.core.session import create_local_session
-    from spark_estimators.store import LocalStore
     from spark_estimators.torch import TorchEstimator
 
-    spark = create_local_session("local[2]")
     spark.sparkContext.setLogLevel("ERROR")
     rng = np.random.default_rng(7)
     n, d = 20_000, 8
@@ -51,7 +62,7 @@ def main() -> None:
     )
     estimator = TorchEstimator(
         num_proc=2,
-        store=LocalStore(tempfile.mkdtemp(prefix="spark_estimators-demo-")),
+        store=store,
         model=model,
         optimizer=torch.optim.Adam(model.parameters(), lr=2e-3),
         loss=torch.nn.MSELoss(),
@@ -74,7 +85,6 @@ def main() -> None:
     for h in fitted.getHistory():
         print(f"  epoch {h['epoch']}: loss={h['loss']:.4f} val_loss={h.get('val_loss', 0):.4f}")
     print(f"test rows: {len(rows)}, R^2 = {_r2(y_true, y_pred):.3f}")
-    spark.stop()
 
 
 if __name__ == "__main__":

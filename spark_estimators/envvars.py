@@ -33,6 +33,8 @@ SE_GPU_ADDRESSES = PREFIX + "GPU_ADDRESSES"
 SE_BACKEND = PREFIX + "BACKEND"
 SE_HOSTNAME = PREFIX + "HOSTNAME"
 SE_JOB_ID = PREFIX + "JOB_ID"
+#: The rank's scratch dir, removed by its Spark task when the rank exits (task/scratch.py).
+RANK_SCRATCH = PREFIX + "RANK_SCRATCH"
 
 # User-facing knobs.
 START_TIMEOUT = PREFIX + "START_TIMEOUT"
@@ -40,6 +42,8 @@ START_TIMEOUT = PREFIX + "START_TIMEOUT"
 # Connect client on another machine than the executors can reach by default).
 DRIVER_HOST = PREFIX + "DRIVER_HOST"
 COLLECTIVE_TIMEOUT = PREFIX + "COLLECTIVE_TIMEOUT"
+#: Seconds without a heartbeat after which a run's lock counts as stale (store/lock.py).
+RUN_LOCK_TIMEOUT = PREFIX + "RUN_LOCK_TIMEOUT"
 HOST_HASH_SALT = PREFIX + "HOST_HASH_SALT"
 FUSION_THRESHOLD = PREFIX + "FUSION_THRESHOLD"
 INLINE_LIMIT = PREFIX + "INLINE_LIMIT"

@@ -303,13 +303,14 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
     def _store(self) -> Any:
         store = self.getStore()
         if store is None:
-            import tempfile
+            from spark_estimators.store.local import session_local_store
 
-            from spark_estimators.store import LocalStore
-
-            store = LocalStore(tempfile.mkdtemp(prefix="spark_estimators-store-"))
+            store = session_local_store()  # removed when this Python process exits
             self._set(store=store)
-            logger.info("no store given: using a LocalStore at %s", store.prefix_path)
+            logger.info(
+                "no store given: using a LocalStore at %s, removed when Python exits",
+                store.prefix_path,
+            )
         return store
 
     def _num_proc(self) -> int:

@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 
 from spark_estimators.core import tensors
 from spark_estimators.core.spec import TrainSpec  # noqa: E402
+from spark_estimators.task.scratch import make_temp_dir, scratch_root  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class KerasUserObjects:
 # -- (de)serialization shared with the driver ----------------------------------------------------
 def model_to_bytes(model: Any) -> bytes:
     """The model as ``.keras`` archive bytes."""
-    tmp = tempfile.mkdtemp(prefix="se-keras-")
+    tmp = make_temp_dir("se-keras-")
     try:
         path = os.path.join(tmp, "model.keras")
         model.save(path)
@@ -90,7 +91,7 @@ def model_from_bytes(
     data: bytes, custom_objects: dict[str, Any] | None, compile: bool = True
 ) -> Any:
     """Load ``.keras`` bytes; ``safe_mode`` is off because the model is the user's own."""
-    tmp = tempfile.mkdtemp(prefix="se-keras-")
+    tmp = make_temp_dir("se-keras-")
     try:
         path = os.path.join(tmp, "model.keras")
         with open(path, "wb") as f:
@@ -288,7 +289,6 @@ class StoreCheckpoint(keras.callbacks.Callback):
         self.spec = spec
         self.history = history
         self.local_dirs = local_dirs
-        self.tmp = tempfile.mkdtemp(prefix="se-keras-ckpt-")
         # The learning rate in the checkpoint is scaled for this many ranks (see _restore).
         self.size = size
 
@@ -298,9 +298,10 @@ class StoreCheckpoint(keras.callbacks.Callback):
         entry.update({k: _plain(v) for k, v in (logs or {}).items()})
         self.history.append(entry)
         ckpt, info = checkpoint_paths(spec.store, spec.run_id)
-        local = os.path.join(self.tmp, CHECKPOINT_FILE)
-        self.model.save(local)
-        spec.store.upload_file(local, ckpt, atomic=True)
+        with tempfile.TemporaryDirectory(prefix="se-keras-ckpt-", dir=scratch_root()) as tmp:
+            local = os.path.join(tmp, CHECKPOINT_FILE)
+            self.model.save(local)
+            spec.store.upload_file(local, ckpt, atomic=True)
         spec.store.write_bytes_atomic(
             info,
             json.dumps({"epoch": int(epoch), "size": self.size, "history": self.history}).encode(
@@ -313,9 +314,6 @@ class StoreCheckpoint(keras.callbacks.Callback):
             target = CHECKPOINTS_SUBDIR if subdir == "checkpoints" else LOGS_SUBDIR
             spec.store.sync_dir(local_dir, spec.run_id, subdir=target)
         send_event("epoch", entry)
-
-    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def _plain(value: Any) -> Any:
@@ -341,7 +339,7 @@ def _rank_zero_callbacks(
     for cb in user.callbacks:
         if isinstance(cb, keras.callbacks.TensorBoard):
             if rank == 0:
-                cb.log_dir = local_dirs.setdefault("logs", tempfile.mkdtemp(prefix="se-tb-"))
+                cb.log_dir = local_dirs.setdefault("logs", make_temp_dir("se-tb-"))
                 out.append(cb)
         elif isinstance(cb, keras.callbacks.ModelCheckpoint):
             if rank == 0:
@@ -355,7 +353,7 @@ def _rank_zero_callbacks(
     if rank == 0 and "logs" not in local_dirs:
         # TensorBoard logs of every run, as Horovod's estimator writes them (no graph: it costs
         # seconds per fit and the model summary is in the checkpoint).
-        logs_dir = local_dirs.setdefault("logs", tempfile.mkdtemp(prefix="se-tb-"))
+        logs_dir = local_dirs.setdefault("logs", make_temp_dir("se-tb-"))
         out.append(keras.callbacks.TensorBoard(logs_dir, write_graph=False))
     return out
 
@@ -372,7 +370,7 @@ def _load_checkpoint_callback_weights(model: Any, user: KerasUserObjects) -> Non
 
 def _redirect(cb: Any, local_dirs: dict[str, str]) -> None:
     """Point a ModelCheckpoint at a local dir synced to the run's ``checkpoints/``."""
-    local = local_dirs.setdefault("checkpoints", tempfile.mkdtemp(prefix="se-ckpt-"))
+    local = local_dirs.setdefault("checkpoints", make_temp_dir("se-ckpt-"))
     name = os.path.basename(str(cb.filepath)) or "model.keras"
     if name in (CHECKPOINT_FILE, CHECKPOINT_INFO):
         name = "user_" + name  # the store checkpoint of the run has that name
@@ -406,7 +404,7 @@ def _restore(model: Any, spec: KerasTrainSpec, size: int) -> None:
     ckpt, info_path = checkpoint_paths(spec.store, spec.run_id)
     info = json.loads(spec.store.read_text(info_path)) if spec.store.exists(info_path) else {}
     saved_size = int(info.get("size", size))
-    tmp = tempfile.mkdtemp(prefix="se-keras-restore-")
+    tmp = make_temp_dir("se-keras-restore-")
     try:
         local = os.path.join(tmp, CHECKPOINT_FILE)
         with open(local, "wb") as f:
@@ -448,16 +446,16 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
         val_data = make_dataset(EpochFeed(val_reader, spec, 0, val_repeat), spec)
     history = list(spec.history)
     local_dirs: dict[str, str] = {}
-    callbacks: list[Any] = [
-        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
-        hvd.callbacks.MetricAverageCallback(),
-        FeedEpochCallback(feed),
-        *_rank_zero_callbacks(user, rank, local_dirs),
-        hvd.callbacks.StopTrainingAgreement(),
-    ]
-    if rank == 0:
-        callbacks += [FirstBatchEvent(), StoreCheckpoint(spec, history, local_dirs, size)]
     try:
+        callbacks: list[Any] = [
+            hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+            hvd.callbacks.MetricAverageCallback(),
+            FeedEpochCallback(feed),
+            *_rank_zero_callbacks(user, rank, local_dirs),
+            hvd.callbacks.StopTrainingAgreement(),
+        ]
+        if rank == 0:
+            callbacks += [FirstBatchEvent(), StoreCheckpoint(spec, history, local_dirs, size)]
         model.fit(
             make_dataset(feed, spec),
             epochs=spec.epochs,

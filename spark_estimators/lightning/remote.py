@@ -28,6 +28,7 @@ import numpy as np
 from spark_estimators import envvars as ev
 from spark_estimators.core import tensors
 from spark_estimators.core.spec import TrainSpec
+from spark_estimators.task.scratch import make_temp_dir, remove_at_rank_exit
 
 logger = logging.getLogger(__name__)
 
@@ -204,8 +205,9 @@ def _local_checkpoint_dir(spec: LightningTrainSpec, rank: int) -> str:
     does so when its ``dirpath`` is unchanged); the store's checkpoints are copied back into it.
     """
     if rank != 0:
-        return tempfile.mkdtemp(prefix="se-lightning-ckpt-")
-    path = os.path.join(tempfile.gettempdir(), "spark_estimators-lightning", spec.run_id)
+        return make_temp_dir("se-lightning-ckpt-")
+    path = os.path.join(tempfile.gettempdir(), f"spark_estimators-lightning-{spec.run_id}")
+    remove_at_rank_exit(path)  # outside the scratch dir, so registered: gone even if killed
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
     return path
@@ -274,12 +276,6 @@ def train(spec: LightningTrainSpec) -> dict[str, Any]:
     """Fit on this rank; rank 0 returns weights, history and metrics, every rank a fingerprint."""
     import cloudpickle
     import pytorch_lightning as pl
-    import torch
-    from pytorch_lightning.callbacks import ModelCheckpoint
-
-    from spark_estimators.lightning.callbacks import StoreCheckpoint, TerminateOnNaN
-    from spark_estimators.torch.remote import _epoch_steps, _fingerprint
-    from spark_estimators.torch.serialization import load_checkpoint
 
     rank = int(os.environ.get(ev.SE_RANK, "0"))
     _quiet_lightning(spec.verbose, rank)
@@ -289,10 +285,37 @@ def train(spec: LightningTrainSpec) -> dict[str, Any]:
     module = user.model
     use_cuda = _use_cuda(spec)
 
-    run_dir = tempfile.mkdtemp(prefix="se-lightning-run-")
+    run_dir = make_temp_dir("se-lightning-run-")
+    ckpt_dir: str | None = None
+    try:
+        ckpt_dir = _local_checkpoint_dir(spec, rank)
+        return _fit(spec, rank, user, module, use_cuda, run_dir, ckpt_dir)
+    finally:
+        # Everything worth keeping is in the store now (or the fit failed).
+        for local in (ckpt_dir, run_dir):
+            if local is not None:
+                shutil.rmtree(local, ignore_errors=True)
+
+
+def _fit(
+    spec: LightningTrainSpec,
+    rank: int,
+    user: LightningUserObjects,
+    module: Any,
+    use_cuda: bool,
+    run_dir: str,
+    ckpt_dir: str,
+) -> dict[str, Any]:
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.callbacks import ModelCheckpoint
+
+    from spark_estimators.lightning.callbacks import StoreCheckpoint, TerminateOnNaN
+    from spark_estimators.torch.remote import _epoch_steps, _fingerprint
+    from spark_estimators.torch.serialization import load_checkpoint
+
     logs_dir = os.path.join(run_dir, "logs")
     os.makedirs(logs_dir)
-    ckpt_dir = _local_checkpoint_dir(spec, rank)
     ckpt_path = _fetch_checkpoints(spec, rank, ckpt_dir)
 
     callbacks = list(user.callbacks)
@@ -361,9 +384,6 @@ def train(spec: LightningTrainSpec) -> dict[str, Any]:
         )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-    # Everything worth keeping is in the store now.
-    for local in (ckpt_dir, run_dir):
-        shutil.rmtree(local, ignore_errors=True)
     return result
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +77,19 @@ class LocalStore(Store):
             save_runs=save_runs,
         )
         super().__init__(LocalFilesystemSpec(), layout)
+
+
+def session_local_store(prefix: str = "spark_estimators-store-") -> LocalStore:
+    """A LocalStore in a new temp dir that is removed when this Python process exits.
+
+    The store of a fit given no ``store=``: the user chose no place to keep prepared data,
+    checkpoints and logs, so they are scratch of this session. The fitted model holds its weights
+    in memory, and a refit with the same ``run_id`` in the same session still resumes from the
+    checkpoint; pass ``store=`` to keep them longer (or to share them between machines).
+    """
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return LocalStore(path)
 
 
 def is_databricks() -> bool:

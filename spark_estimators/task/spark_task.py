@@ -31,6 +31,7 @@ from typing import IO, Any
 from spark_estimators import envvars as ev
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import RemoteError
+from spark_estimators.task.scratch import create_scratch, remove_scratch
 
 STDERR_TAIL_LINES = 40
 WATCH_INTERVAL_S = 1.0
@@ -242,6 +243,7 @@ def run_rank(
 ) -> int:
     """Register with the driver, run the rank process to completion, report; returns the rank."""
     client = RpcClient(config.driver_address, config.secret, timeout=config.start_timeout + 30)
+    scratch: str | None = None
     try:
         hostname = socket.gethostname()
         reg = {
@@ -261,6 +263,7 @@ def run_rank(
         env.update(reply["env"])
         for name in reply.get("unset", ()):  # e.g. another MPI launcher's PMI_FD
             env.pop(name, None)
+        scratch = create_scratch(env)  # removed below even when the rank was killed
         proc = subprocess.Popen(
             [sys.executable, "-m", "spark_estimators.task.child"],
             stdin=subprocess.PIPE,
@@ -295,6 +298,7 @@ def run_rank(
         code = proc.wait()
         stop.set()
         kill_group(proc)  # leave no grandchild behind
+        remove_scratch(scratch)  # before the job can end: the driver sees it gone on return
         try:
             proc.stdin.close()
         except OSError:
@@ -315,6 +319,7 @@ def run_rank(
         client.call("task_done", index)
         return int(settings.rank)
     finally:
+        remove_scratch(scratch)  # a no-op when already removed above
         client.close()
 
 

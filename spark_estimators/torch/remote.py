@@ -19,8 +19,8 @@ import inspect
 import io
 import json
 import logging
+import shutil
 import sys
-import tempfile
 import threading
 import time
 import types
@@ -31,6 +31,7 @@ import numpy as np
 
 from spark_estimators.core import tensors
 from spark_estimators.core.spec import TrainSpec
+from spark_estimators.task.scratch import make_temp_dir
 from spark_estimators.torch import serialization
 
 logger = logging.getLogger(__name__)
@@ -351,7 +352,8 @@ class _TensorBoard:
 
     def __init__(self, spec: TorchTrainSpec):
         self.spec = spec
-        self.local = tempfile.mkdtemp(prefix="se-tb-")
+        # Synced to the store after every epoch; removed by close() (or with the rank's scratch).
+        self.local = make_temp_dir("se-tb-")
         self.writer: Any = None
         try:
             # tensorboard imports TensorFlow for file I/O when it is installed (seconds of start-up
@@ -374,8 +376,11 @@ class _TensorBoard:
         self.spec.store.sync_dir(self.local, self.spec.run_id)
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        finally:
+            shutil.rmtree(self.local, ignore_errors=True)
 
 
 def _preload_in_background(modules: tuple[str, ...]) -> None:

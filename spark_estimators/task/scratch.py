@@ -1,0 +1,65 @@
+"""Scratch space of a rank: temp dirs that go away with the rank, however it ends.
+
+The Spark task makes one scratch dir per rank process (under the rank's ``TMPDIR``: ``env=``
+can move it) and names it in ``SPARK_ESTIMATORS_RANK_SCRATCH``. Our training code makes its temp
+dirs inside it with :func:`make_temp_dir`, and a path that must live elsewhere (a fixed path, the
+same on every attempt of a run) is registered with :func:`remove_at_rank_exit`. When the rank
+process exits, even when it was killed by the abort of a failed job and ran no ``finally``, the
+task removes the scratch dir and every registered path. The user's own ``TMPDIR`` is left as it
+is: ranks on one host still share ``tempfile.gettempdir()``.
+
+Outside a rank (tests, the driver) both helpers fall back to the plain temp dir, and the caller
+alone is responsible for removing what it made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+
+from spark_estimators import envvars as ev
+
+#: The list of extra paths to remove, one per line, inside the scratch dir.
+_MANIFEST = ".remove-at-exit"
+
+
+def scratch_root() -> str | None:
+    """The rank's scratch dir; None outside a rank (``dir=None`` means the plain temp dir)."""
+    base = os.environ.get(ev.RANK_SCRATCH)
+    return base if base and os.path.isdir(base) else None
+
+
+def make_temp_dir(prefix: str) -> str:
+    """A new temp dir in the rank's scratch dir (or the temp dir outside a rank)."""
+    return tempfile.mkdtemp(prefix=prefix, dir=scratch_root())
+
+
+def remove_at_rank_exit(path: str) -> None:
+    """Have the task remove ``path`` once this rank process has exited (no-op outside a rank)."""
+    base = scratch_root()
+    if base is not None:
+        with open(os.path.join(base, _MANIFEST), "a", encoding="utf-8") as f:
+            f.write(os.path.abspath(path) + "\n")
+
+
+def create_scratch(env: dict[str, str]) -> str | None:
+    """Task side: make the scratch dir of one rank and name it in ``env`` (None if impossible)."""
+    for base in (env.get("TMPDIR") or None, None):
+        with contextlib.suppress(OSError):
+            path = tempfile.mkdtemp(prefix="se-rank-", dir=base)
+            env[ev.RANK_SCRATCH] = path
+            return path
+    return None
+
+
+def remove_scratch(path: str | None) -> None:
+    """Task side, after the rank exited: remove its scratch dir and the paths it registered."""
+    if path is None:
+        return
+    with contextlib.suppress(OSError), open(os.path.join(path, _MANIFEST), encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                shutil.rmtree(line.strip(), ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)
