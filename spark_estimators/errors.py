@@ -22,6 +22,33 @@ class StoreError(SparkEstimatorsError):
     """A Store could not read, write or list a path."""
 
 
+class RunInUseError(SparkEstimatorsError, RuntimeError):
+    """Another live fit holds this ``run_id`` (its lock in the store has a fresh heartbeat).
+
+    Parameters
+    ----------
+    message
+        Human-readable explanation (names the run, the owner and the fix).
+    run_id
+        The run that is in use.
+    owner
+        The holder's id as written in the lock file (``host:pid:token``).
+    heartbeat_age_s
+        Seconds since the holder's last heartbeat.
+    """
+
+    def __init__(
+        self, message: str, run_id: str = "", owner: str = "", heartbeat_age_s: float = 0.0
+    ):
+        super().__init__(message)
+        self.run_id = run_id
+        self.owner = owner
+        self.heartbeat_age_s = heartbeat_age_s
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.run_id, self.owner, self.heartbeat_age_s))
+
+
 class CollectiveError(SparkEstimatorsError, RuntimeError):
     """A collective operation failed: not initialised, mismatched tensors, a peer died, timeout."""
 

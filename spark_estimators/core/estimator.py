@@ -7,6 +7,7 @@ picklable spec argument) and ``_create_model``.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import math
@@ -239,20 +240,21 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
 
         store = self._store()
         self._preflight(store)
-        meta = prepare_data(
-            self._num_proc(),
-            store,
-            df,
-            feature_cols=self.getFeatureCols(),
-            label_cols=self.getLabelCols(),
-            validation=self.getValidation(),
-            sample_weight_col=self.getSampleWeightCol(),
-            compress_sparse=self.getCompressSparseCols(),
-            partitions_per_process=self.getPartitionsPerProcess(),
-            verbose=self.getVerbose(),
-            check_columns=self._check_data_shapes,
-        )
-        return self._fit_on_prepared(meta)
+        with self._hold_run(store):
+            meta = prepare_data(
+                self._num_proc(),
+                store,
+                df,
+                feature_cols=self.getFeatureCols(),
+                label_cols=self.getLabelCols(),
+                validation=self.getValidation(),
+                sample_weight_col=self.getSampleWeightCol(),
+                compress_sparse=self.getCompressSparseCols(),
+                partitions_per_process=self.getPartitionsPerProcess(),
+                verbose=self.getVerbose(),
+                check_columns=self._check_data_shapes,
+            )
+            return self._fit_on_prepared(meta)
 
     def fit_on_parquet(self, params: Any = None, dataset_idx: Any = None) -> Any:
         """Train on a dataset already in the store (from ``prepare_data`` or an earlier fit).
@@ -267,6 +269,11 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         est = self.copy(params) if params else self
         est._validate_params(None)
         est._preflight(est._store())
+        with est._hold_run(est._store()):
+            return est._fit_on_parquet(dataset_idx)
+
+    def _fit_on_parquet(self, dataset_idx: Any) -> Any:
+        est = self
         from spark_estimators.data import load_dataset_metadata
 
         # Prepared datasets first; else Parquet written by anyone at the store's un-indexed
@@ -299,6 +306,18 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         sizes = {name: int(math.prod(info.shape)) for name, info in columns.items()}
         check_shapes("input_shapes", self.getFeatureCols(), self.getInputShapes(), sizes)
         check_shapes("label_shapes", self.getLabelCols(), self.getLabelShapes(), sizes)
+
+    def _hold_run(self, store: Any) -> contextlib.AbstractContextManager[Any]:
+        """Own the given ``run_id`` for the fit (a second live fit on it fails fast).
+
+        A fit without ``run_id`` gets a fresh random one, which nobody else can hold.
+        """
+        run_id = self.getRunId()
+        if not run_id:
+            return contextlib.nullcontext()
+        from spark_estimators.store.lock import hold_run
+
+        return hold_run(store, run_id)
 
     def _store(self) -> Any:
         store = self.getStore()
