@@ -419,27 +419,9 @@ class StoreBase:
           followed by a write; two writers racing in that gap both get True and the last write
           wins. Callers that must know read the content back and compare.
         """
-        target = self.fs_path(path)
-        self._ensure_parent(target, path)
-        if self._is_local():
-            return _local_create_exclusive(target, data)
-        handler = getattr(self.filesystem, "handler", None)  # pyarrow's wrapper of an fsspec fs
-        fsspec_fs = getattr(handler, "fs", None)
-        if fsspec_fs is not None:
-            try:
-                with self._io_errors("write", path), fsspec_fs.open(target, "xb") as out:
-                    out.write(data)
-                return True
-            except StoreError as exc:
-                if isinstance(exc.__cause__, FileExistsError):
-                    return False
-                raise
-            except (ValueError, NotImplementedError, TypeError):
-                pass  # this backend has no "xb" mode: fall back to check-then-write
-        if self.exists(path):
-            return False
-        self.write_bytes(path, data, atomic=True)
-        return True
+        from spark_estimators.store._exclusive import write_if_absent
+
+        return write_if_absent(self, path, data)
 
     def makedirs(self, path: str) -> None:
         """Create a directory and its parents (a no-op on object stores)."""
@@ -626,39 +608,6 @@ def _replace(fs: Any, src: str, dst: str) -> None:
             raise
         fs.delete_file(dst)
         fs.move(src, dst)
-
-
-def _local_create_exclusive(target: str, data: bytes) -> bool:
-    """``write_if_absent`` on a local path: write a temp file, then hard-link it into place."""
-    tmp = posixpath.join(
-        posixpath.dirname(target), f".{posixpath.basename(target)}.tmp-{uuid.uuid4().hex[:12]}"
-    )
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, target)
-            return True
-        except FileExistsError:
-            return False
-        except OSError:
-            pass  # no hard links here (some FUSE mounts): O_EXCL below
-    except OSError as exc:
-        raise StoreError(f"cannot write {target!r}: {exc}") from exc
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-    try:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    except OSError as exc:
-        raise StoreError(f"cannot create {target!r}: {exc}") from exc
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    return True
 
 
 def _delete_quietly(fs: Any, path: str) -> None:
