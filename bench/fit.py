@@ -5,22 +5,28 @@ Usage:
     .venv/bin/python bench/fit.py --preset large     # 1M x 32, MLP, 1 epoch
 
 Both sides start from the same cached DataFrame on local[2], 2 processes, batch 256. The cases
-alternate for ``--rounds`` rounds (ours first in round 1): round 1 shows a fresh session, where
-ours also pays for starting Spark's Python workers (its Parquet write runs in them; the
-baseline's JVM write does not, and its barrier job then finds them started); later rounds
-compare both warm. Each run gets a new store and a new output directory (nothing is cached).
+alternate for ``--rounds`` rounds (default 6; ours first in odd rounds, TorchDistributor first in
+even ones): round 1 shows a fresh session, where ours also pays for starting Spark's Python
+workers (its Parquet write runs in them; the baseline's JVM write does not, and its barrier job
+then finds them started); later rounds compare both warm. Each run gets a new store and a new
+output directory (nothing is cached). The summary gives the medians of the warm rounds (2..N)
+and of all rounds, and their ratio.
 TorchDistributor follows its documentation: the DataFrame is written to Parquet, and the train
 function run by ``TorchDistributor(num_processes=2, local_mode=False)`` reads its share of the
 files with pyarrow into a DataLoader and trains a DDP model. Reported: total wall time from the
 call to its return, and time to the first training batch (wall clock, from the same start).
-Horovod 0.28.1 measured on this machine (not re-runnable here): 100k x 10, 2 epochs,
-22-34 s total, 10-12 s to the first batch.
+
+Horovod 0.28.1 is not installed here (it does not build against torch 2.13 without a patch; see
+bench/README.md for the recipe). Side by side on this machine (issue 20: same hour, 8
+alternating rounds of this preset) horovod's TorchEstimator took 13.8 / 17.1 / 20.0 s (min /
+median / max); the 22-34 s in older notes came from a slower day of the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import tempfile
 import time
 from typing import Any
@@ -30,6 +36,7 @@ PRESETS = {
     "large": {"rows": 1_000_000, "features": 32, "hidden": [128, 64], "epochs": 1},
 }
 BATCH = 256
+HOROVOD_MEDIAN_S = 17.1  # horovod 0.28.1's median on the horovod preset, side by side (issue 20)
 
 
 def build_mlp(n_in: int, hidden: list[int]) -> Any:
@@ -152,7 +159,7 @@ def fit_distributor(df: Any, cfg: dict[str, Any]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", choices=sorted(PRESETS), default="horovod")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
     cfg = PRESETS[args.preset]
 
@@ -176,21 +183,37 @@ def main() -> None:
     ours_name, td_name = "spark_estimators TorchEstimator", "TorchDistributor + Arrow"
     print(f"preset {args.preset}: {cfg}, batch {BATCH}, 2 processes, local[2]")
     print(f"{'round':>5s} {'case':34s} {'total s':>8s} {'first batch s':>14s} {'last loss':>10s}")
+    totals: dict[str, list[float]] = {ours_name: [], td_name: []}
     ratios = []
     for rnd in range(1, args.rounds + 1):
-        results = {ours_name: fit_ours(vdf, cfg), td_name: fit_distributor(df, cfg)}
+        order = [(ours_name, fit_ours, vdf), (td_name, fit_distributor, df)]
+        if rnd % 2 == 0:
+            order.reverse()
+        results = {name: fn(frame, cfg) for name, fn, frame in order}
         for name, r in results.items():
+            totals[name].append(r["total_s"])
             print(
                 f"{rnd:5d} {name:34s} {r['total_s']:8.2f} {r['first_batch_s']:14.2f} "
                 f"{r['loss']:10.4f}"
             )
         ours, td = results[ours_name]["total_s"], results[td_name]["total_s"]
         ratios.append(ours / td)
-        line = f"round {rnd}: ours / TorchDistributor = {ours / td:.3f}"
-        if args.preset == "horovod":
-            line += f"; ours / horovod (22-34 s measured here) = {ours / 34:.3f} .. {ours / 22:.3f}"
-        print(line, flush=True)
+        print(f"round {rnd}: ours / TorchDistributor = {ours / td:.3f}", flush=True)
     print("ours / TorchDistributor per round: " + ", ".join(f"{r:.3f}" for r in ratios))
+    for label, first in (("all rounds", 0), ("warm rounds 2..", 1)):
+        if len(ratios) <= first:
+            continue
+        ours_med = statistics.median(totals[ours_name][first:])
+        td_med = statistics.median(totals[td_name][first:])
+        line = (
+            f"median of {label}: ours {ours_med:.2f} s, TorchDistributor {td_med:.2f} s, "
+            f"ratio of medians {ours_med / td_med:.3f}, median of ratios "
+            f"{statistics.median(ratios[first:]):.3f}"
+        )
+        if args.preset == "horovod":
+            hvd = ours_med / HOROVOD_MEDIAN_S
+            line += f"; ours / horovod's {HOROVOD_MEDIAN_S} s (issue 20, not this run) = {hvd:.3f}"
+        print(line)
     spark.stop()
 
 
