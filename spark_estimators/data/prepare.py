@@ -12,7 +12,10 @@ How it works
    metadata is returned; a new driver process finds it the same way. ``num_proc`` and
    ``partitions_per_process`` only change the file layout, not the content, and the readers
    balance rows exactly for any number of ranks, so they are not part of the key.
-3. One small job reads a few rows (empty DataFrame, shapes of arrays/vectors, sparse or dense).
+3. Shapes: scalars and ML vectors whose column metadata gives their size (VectorAssembler's
+   ``ml_attr``) need no data. Otherwise one small job reads a few rows (shapes of arrays/vectors,
+   sparse or dense, an empty DataFrame). So a DataFrame of such columns costs exactly the jobs of
+   ``df.repartition(n).write.parquet`` (AQE's shuffle-map job and the write job).
 4. One write job: ``repartition(num_proc * partitions_per_process)`` (a shuffle, so every rank
    gets an equal share; ``coalesce`` would not balance), ``vector_to_array`` for dense ML vectors
    in the JVM, then ``mapInArrow`` writes Parquet **from the executors through the store's own
@@ -35,7 +38,6 @@ still give every rank several row groups to shuffle; many more, smaller files on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -45,8 +47,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from spark_estimators.data._writer import INFO_SCHEMA, PartitionWriter
+from spark_estimators.data.cache_key import compute_cache_key
 from spark_estimators.data.metadata import (
-    FORMAT_VERSION,
     ColumnInfo,
     DatasetMetadata,
     ParquetFileInfo,
@@ -64,6 +66,7 @@ DEFAULT_PARTITIONS_PER_PROCESS = 4
 MAX_AUTO_PARTITIONS_PER_PROCESS = 32
 SAMPLE_ROWS = 32
 SPLIT_COL = "__spark_estimators_is_val__"
+EMPTY_MESSAGE = "the DataFrame is empty (0 rows); check the filters that produced it"
 
 _SCALAR_DTYPES = {
     "boolean": "bool",
@@ -177,7 +180,11 @@ def prepare_data(
                 cached.val_rows,
             )
             return cached
-        columns = _infer_columns(df, used, kinds, compress_sparse)
+        # Shapes from the schema when it has them: no sample job before the write (the write
+        # finds an empty DataFrame itself); else from the first rows.
+        columns = _columns_from_schema(df, used, kinds, compress_sparse)
+        if columns is None:
+            columns = _infer_columns(df, used, kinds, compress_sparse)
         if check_columns is not None:
             check_columns({c.name: c for c in columns})
         store.check_writable()
@@ -329,81 +336,6 @@ def _kind_of(df: Any, name: str, for_validation: bool = False) -> str:
     )
 
 
-# ------------------------------------------------------------------------------ cache key
-def compute_cache_key(df: Any, params: dict[str, Any], store: StoreBase) -> str:
-    """sha256 of the plan's semantic hash, input files (size, mtime), params and store paths."""
-    material = {
-        "format": FORMAT_VERSION,
-        "plan": int(df.semanticHash()),
-        "schema": df.schema.json(),
-        "inputs": input_file_stats(df),
-        "params": params,
-        "store": [store.prefix_path, store.get_train_data_path(), store.get_val_data_path()],
-    }
-    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def input_file_stats(df: Any) -> list[list[Any]]:
-    """``[path, size, mtime]`` of every file the plan reads (sizes/mtimes from Hadoop's FS)."""
-    files = sorted(df.inputFiles())
-    if not files:
-        return []
-    try:
-        spark = df.sparkSession
-        jvm = spark.sparkContext._jvm
-        conf = spark.sparkContext._jsc.hadoopConfiguration()
-        by_dir: dict[str, dict[str, tuple[int, int]]] = {}
-        out: list[list[Any]] = []
-        for f in files:
-            parent = f.rsplit("/", 1)[0]
-            if parent not in by_dir:
-                jpath = jvm.org.apache.hadoop.fs.Path(parent)
-                statuses = jpath.getFileSystem(conf).listStatus(jpath)
-                by_dir[parent] = {
-                    s.getPath().getName(): (int(s.getLen()), int(s.getModificationTime()))
-                    for s in statuses
-                }
-            size, mtime = by_dir[parent].get(f.rsplit("/", 1)[1], (-1, -1))
-            out.append([f, size, mtime])
-        return out
-    except Exception as exc:  # Spark Connect has no JVM handle: stat them from here
-        logger.debug("cannot stat input files through Spark (%s); trying pyarrow", exc)
-        return _stat_with_pyarrow(files)
-
-
-def _stat_with_pyarrow(files: list[str]) -> list[list[Any]]:
-    """``[path, size, mtime]`` through pyarrow's filesystems (Spark Connect clients).
-
-    A file this process cannot see (another machine's local path, a scheme pyarrow lacks) keys
-    the cache by its name only, and a warning says so: a rewritten file of the same name would
-    then be served from the cache.
-    """
-    import pyarrow.fs as pafs
-
-    out: list[list[Any]] = []
-    unseen = []
-    for f in files:
-        try:
-            fs, path = pafs.FileSystem.from_uri(f)
-            info = fs.get_file_info(path)
-            if info.type == pafs.FileType.NotFound:
-                raise FileNotFoundError(path)
-            mtime = info.mtime_ns // 1_000_000 if info.mtime_ns is not None else None
-            out.append([f, info.size, mtime])
-        except Exception:
-            unseen.append(f)
-            out.append([f, None, None])
-    if unseen:
-        logger.warning(
-            "prepare_data cannot see %d input file(s) from this process (e.g. %s): the cache "
-            "key uses their names only, so a file rewritten under the same name is not "
-            "noticed; delete the dataset (store.delete_dataset) after changing the input",
-            len(unseen),
-            unseen[0],
-        )
-    return out
-
-
 def _lock_for(idx: str) -> threading.Lock:
     with _locks_guard:
         return _locks.setdefault(idx, threading.Lock())
@@ -424,13 +356,45 @@ def _load_complete(store: StoreBase, idx: str, cache_key: str) -> DatasetMetadat
 def auto_partitions_per_process(df: Any, num_proc: int) -> int:
     """Partitions per process so each holds about 64 MiB by Spark's estimate (see module docs)."""
     try:
-        size = int(df._jdf.queryExecution().optimizedPlan().stats().sizeInBytes().longValue())
+        # A scala BigInt; py4j answers it as a Python int (``.longValue()`` on it failed, so
+        # every classic session got the no-estimate default).
+        estimate = df._jdf.queryExecution().optimizedPlan().stats().sizeInBytes()
+        size = int(estimate if isinstance(estimate, int) else estimate.longValue())
     except Exception:  # no estimate (Spark Connect, or the plan has none)
         size = -1
     if size <= 0 or size >= (1 << 50):  # Spark reports Long.MaxValue when it does not know
         return DEFAULT_PARTITIONS_PER_PROCESS
     wanted = math.ceil(size / (num_proc * TARGET_PARTITION_BYTES))
     return max(1, min(MAX_AUTO_PARTITIONS_PER_PROCESS, wanted))
+
+
+def _columns_from_schema(
+    df: Any, used: list[str], kinds: dict[str, str], compress_sparse: bool
+) -> list[ColumnInfo] | None:
+    """The columns when the schema alone describes them, else None (then a sample is read).
+
+    Scalars need no data; an ML vector column whose metadata gives its size (``ml_attr`` with
+    ``num_attrs``, as VectorAssembler and most ML transformers write) needs none either unless
+    ``compress_sparse`` asks whether its rows are mostly sparse. Array columns always need the
+    sample. The write then checks every row's length against this size, as after a sample.
+    """
+    out = []
+    for name in used:
+        field = df.schema[name]
+        dt = field.dataType
+        if kinds[name] == "scalar":
+            out.append(
+                ColumnInfo(name, "scalar", _SCALAR_DTYPES[dt.simpleString()], (), dt.simpleString())
+            )
+            continue
+        if kinds[name] != "vector" or compress_sparse:
+            return None
+        attrs = (field.metadata or {}).get("ml_attr") or {}
+        size = attrs.get("num_attrs") if isinstance(attrs, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            return None
+        out.append(ColumnInfo(name, "vector", "float64", (size,), dt.simpleString()))
+    return out
 
 
 def _infer_columns(
@@ -442,9 +406,7 @@ def _infer_columns(
 
     rows = df.select(*used).limit(SAMPLE_ROWS).collect()
     if not rows:
-        raise ConfigurationError(
-            "the DataFrame is empty (0 rows); check the filters that produced it"
-        )
+        raise ConfigurationError(EMPTY_MESSAGE)
     out = []
     for name in used:
         dt = df.schema[name].dataType
@@ -552,6 +514,8 @@ def _write(
             files[d["split"]].append(ParquetFileInfo.from_dict(d))
     dirs = [d for d in (train_dir, val_dir) if d]
     problem = _bad_data_error(columns, invalid, bad_length, drop_invalid)
+    if problem is None and not files["train"] and not files["val"] and not dropped:
+        problem = ConfigurationError(EMPTY_MESSAGE)  # no sample job ran to find it before
     if problem is not None or not files["train"]:
         _sweep(store, dirs, token, {})  # nothing of this preparation stays
     else:

@@ -258,3 +258,74 @@ def parquet_files_under(store):
         for name in names
         if name.endswith(".parquet")
     ]
+
+
+def spark_jobs_of(spark, fn):
+    """Number of Spark jobs ``fn()`` starts (counted through a job group of its own)."""
+    import uuid
+
+    sc = spark.sparkContext
+    group = f"count-{uuid.uuid4().hex}"
+    sc.setJobGroup(group, "count jobs")
+    try:
+        fn()
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    return len(sc.statusTracker().getJobIdsForGroup(group))
+
+
+def assembled_df(spark, n=200):
+    from pyspark.ml.feature import VectorAssembler
+
+    base = spark.range(n).selectExpr("id", "id * 0.5 as a", "id * 2.0 as b", "id % 3 as y")
+    return VectorAssembler(inputCols=["a", "b"], outputCol="features").transform(base)
+
+
+def test_prepare_data_runs_the_jobs_of_a_plain_repartitioned_write(spark, store, tmp_path):
+    """Scalars and assembled vectors need no sample job: the same jobs as the baseline write."""
+    df = assembled_df(spark)
+    n = 2
+    baseline = spark_jobs_of(
+        spark,
+        lambda: df.select("id", "features", "y").repartition(n).write.parquet(str(tmp_path / "b")),
+    )
+    box = {}
+
+    def prepare():
+        box["meta"] = prepare_data(n, store, df, ["id", "features"], ["y"])
+
+    ours = spark_jobs_of(spark, prepare)
+    assert ours == baseline
+    meta = box["meta"]
+    assert meta.shapes["features"] == (2,) and meta.columns["features"].kind == "vector"
+    rows, _ = read_all(store, meta)
+    assert sorted(rows) == list(range(200))
+    np.testing.assert_array_equal(rows[7]["features"], [3.5, 14.0])
+    # A refit on an equal plan writes nothing and runs no job.
+    assert spark_jobs_of(spark, lambda: prepare_data(n, store, df, ["id", "features"], ["y"])) == 0
+
+
+def test_vector_size_from_metadata_is_checked_on_every_row(spark, store):
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    # Column metadata claiming 3 values per row, rows holding 2: the write names the column.
+    df = spark.range(50).select(
+        "id",
+        array_to_vector(F.array(F.col("id") * 1.0, F.lit(1.0))).alias(
+            "v", metadata={"ml_attr": {"num_attrs": 3}}
+        ),
+    )
+    with pytest.raises(ConfigurationError, match=r"'v' has 50 row\(s\) whose length differs fro"):
+        prepare_data(1, store, df, ["v"], ["id"])
+    assert store.list_datasets() == [] and parquet_files_under(store) == []
+
+
+def test_automatic_partitions_follow_spark_size_estimate(spark, store):
+    from spark_estimators.data.prepare import auto_partitions_per_process
+
+    # spark.range estimates 8 bytes per row: 800 kB -> 1 per process; 8 GB -> the cap of 32.
+    assert auto_partitions_per_process(spark.range(100_000), 2) == 1
+    assert auto_partitions_per_process(spark.range(1_000_000_000), 2) == 32
+    meta = prepare_data(2, store, assembled_df(spark), ["features"], ["y"])
+    assert meta.params["partitions"] == 2
