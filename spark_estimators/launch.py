@@ -38,6 +38,7 @@ from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any
 
 from spark_estimators import envvars as ev
+from spark_estimators._base.child import exit_now, start_lifeline
 from spark_estimators.errors import ConfigurationError, RemoteError, TrainingFailedError
 
 if TYPE_CHECKING:
@@ -379,20 +380,10 @@ def _collect(
     return results, failures, stopped
 
 
-def _lifeline() -> None:
-    """EOF on stdin means the launcher is gone: take this rank's process group down."""
-    try:
-        while sys.stdin.buffer.read(65536):
-            pass
-    except (OSError, ValueError):
-        pass
-    os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
 def _worker_main(payload_path: str) -> None:
     import cloudpickle
 
-    threading.Thread(target=_lifeline, name="se-lifeline", daemon=True).start()
+    start_lifeline()
     rank = int(os.environ.get(ev.SE_RANK, "0"))
     result_path = os.path.join(os.path.dirname(payload_path), f"result.{rank}.pkl")
     code = 0
@@ -414,13 +405,7 @@ def _worker_main(payload_path: str) -> None:
     with open(result_path + ".tmp", "wb") as f:
         f.write(data)
     os.replace(result_path + ".tmp", result_path)
-    timeline = sys.modules.get("spark_estimators.collective.api.timeline")
-    if timeline is not None:  # os._exit skips atexit: write the collective timeline's tail
-        timeline.flush_all()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    # Never hang at exit on threads the function left behind (the collective engine included).
-    os._exit(code)
+    exit_now(code)
 
 
 # -- command line ----------------------------------------------------------------------------

@@ -9,5 +9,7 @@ up. ``tests/unit/test_import_graph.py`` checks it.
   (public as :mod:`spark_estimators.core.session`);
 - :mod:`.pickling`: cloudpickle with the user's own modules by value;
 - :mod:`.output`: printing the ranks' output lines with their rank;
-- :mod:`.environ`: checking a user's ``env=`` for the rank processes.
+- :mod:`.environ`: checking a user's ``env=`` for the rank processes;
+- :mod:`.child`: what every rank process does around the user's function (read its settings,
+  die with its parent, flush and exit).
 """

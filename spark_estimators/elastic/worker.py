@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import threading
 import traceback
 from typing import Any
 
+from spark_estimators._base.child import exit_now, flush_streams, read_config, start_lifeline
 from spark_estimators.task import lazy_dynamo
-from spark_estimators.task.child import _flush, _lifeline, _read_config
 
 
 class _Rendezvous:
@@ -43,16 +42,15 @@ class _Rendezvous:
     def reset(self) -> None:
         if not self():
             # The job finished while this worker waited: nothing left to do.
-            _flush()
-            os._exit(0)
+            exit_now(0)
 
     def host_updates(self) -> bool:
         return bool(self.client.call("host_updates", self.round))
 
 
 def main() -> None:
-    config = _read_config()
-    threading.Thread(target=_lifeline, name="se-lifeline", daemon=True).start()
+    config = read_config()
+    start_lifeline()
     lazy_dynamo.install()  # as in task.child: eager training never imports torch._dynamo
 
     import cloudpickle
@@ -68,12 +66,11 @@ def main() -> None:
     code = 0
     try:
         if not link():
-            _flush()
-            os._exit(0)
+            exit_now(0)
         elastic.set_driver_hooks(link.reset, link.host_updates)
         fn, args, kwargs = cloudpickle.loads(client.call("fetch_fn", wid))
         value = fn(*args, **(kwargs or {}))
-        _flush()
+        flush_streams()
         client.call(
             "result",
             {
@@ -86,7 +83,7 @@ def main() -> None:
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
         code = 1
         tb = traceback.format_exc()
-        _flush()
+        flush_streams()
         try:
             client.call(
                 "failure",
@@ -99,8 +96,7 @@ def main() -> None:
             )
         except Exception:
             sys.stderr.write(tb)
-    _flush()
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

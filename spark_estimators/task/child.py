@@ -8,44 +8,13 @@ process group so nothing is left running. Imports stay light so the process star
 
 from __future__ import annotations
 
-import os
-import pickle
-import signal
 import socket
-import struct
 import sys
-import threading
 import traceback
 from typing import Any
 
+from spark_estimators._base.child import exit_now, flush_streams, read_config, start_lifeline
 from spark_estimators.task import context, lazy_dynamo
-
-
-def _read_config() -> dict[str, Any]:
-    head = sys.stdin.buffer.read(4)
-    if len(head) != 4:
-        raise SystemExit("spark_estimators.task.child must be started by a Spark task")
-    (n,) = struct.unpack("!I", head)
-    return dict(pickle.loads(sys.stdin.buffer.read(n)))
-
-
-def _lifeline() -> None:
-    try:
-        while sys.stdin.buffer.read(65536):
-            pass
-    except (OSError, ValueError):
-        pass
-    # The parent task is gone: take the whole process group (fn's own children too) with us.
-    os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-
 
 #: How long one "has every rank reported?" long poll waits at the driver.
 ALL_REPORTED_POLL_S = 5.0
@@ -66,8 +35,8 @@ def _wait_for_other_ranks(client: Any) -> None:
 
 
 def main() -> None:
-    config = _read_config()
-    threading.Thread(target=_lifeline, name="se-lifeline", daemon=True).start()
+    config = read_config()
+    start_lifeline()
     lazy_dynamo.install()  # eager training never pays for importing torch._dynamo
     context.set_task_started(config.get("task_started"))
 
@@ -82,13 +51,13 @@ def main() -> None:
     try:
         fn, args, kwargs = cloudpickle.loads(client.call("fetch_fn", rank))
         value = fn(*args, **(kwargs or {}))
-        _flush()
+        flush_streams()
         client.call("result", {"rank": rank, "value": cloudpickle.dumps(value)})
         _wait_for_other_ranks(client)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
         code = 1
         tb = traceback.format_exc()
-        _flush()
+        flush_streams()
         try:
             client.call(
                 "failure",
@@ -101,12 +70,7 @@ def main() -> None:
             )
         except Exception:
             sys.stderr.write(tb)
-    timeline = sys.modules.get("spark_estimators.collective.api.timeline")
-    if timeline is not None:  # os._exit skips atexit: write the collective timeline's tail
-        timeline.flush_all()
-    _flush()
-    # os._exit: never hang at interpreter exit on threads or process groups fn left behind.
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,67 @@
+"""What every rank process does around the user's function: start, watch its parent, exit.
+
+Shared by the rank processes of :func:`spark_estimators.run` (:mod:`spark_estimators.task.child`),
+of ``run_elastic`` (:mod:`spark_estimators.elastic.worker`) and of the local launcher
+(:mod:`spark_estimators.launch`). Imports stay light: a rank process starts with these.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import struct
+import sys
+import threading
+from typing import Any, NoReturn
+
+#: The collective timeline module, flushed before exit when the rank used it (never imported here).
+_TIMELINE_MODULE = "spark_estimators.collective.api.timeline"
+
+
+def read_config() -> dict[str, Any]:
+    """Read the rank's settings: a length-prefixed pickle that the parent task writes to stdin."""
+    head = sys.stdin.buffer.read(4)
+    if len(head) != 4:
+        raise SystemExit("spark_estimators.task.child must be started by a Spark task")
+    (n,) = struct.unpack("!I", head)
+    return dict(pickle.loads(sys.stdin.buffer.read(n)))
+
+
+def lifeline() -> None:
+    """Read stdin until EOF, then kill this process group: EOF means the parent is gone."""
+    try:
+        while sys.stdin.buffer.read(65536):
+            pass
+    except (OSError, ValueError):
+        pass
+    # The parent is gone: take the whole process group (fn's own children too) with us.
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def start_lifeline() -> None:
+    """Run :func:`lifeline` in a daemon thread."""
+    threading.Thread(target=lifeline, name="se-lifeline", daemon=True).start()
+
+
+def flush_streams() -> None:
+    """Flush stdout and stderr, ignoring streams that are already closed."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def exit_now(code: int) -> NoReturn:
+    """Flush the collective timeline (when used) and the streams, then ``os._exit(code)``.
+
+    ``os._exit`` skips atexit handlers (hence the explicit timeline flush) and never hangs at
+    interpreter exit on threads or process groups that the user's function left behind (the
+    collective engine's thread included).
+    """
+    timeline = sys.modules.get(_TIMELINE_MODULE)
+    if timeline is not None:
+        timeline.flush_all()
+    flush_streams()
+    os._exit(code)
