@@ -106,6 +106,7 @@ class State:
         self._reset_callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
+        """Run the registered reset callbacks (called after every reset)."""
         for callback in self._reset_callbacks:
             callback()
 
@@ -126,12 +127,15 @@ class State:
             raise HostsUpdatedInterrupt(skip_sync=False)
 
     def save(self) -> None:
+        """Remember the current state as the one :meth:`restore` goes back to."""
         raise NotImplementedError
 
     def restore(self) -> None:
+        """Go back to the state of the last :meth:`save`."""
         raise NotImplementedError
 
     def sync(self) -> None:
+        """Make every rank hold rank 0's state (after a rendezvous)."""
         raise NotImplementedError
 
 
@@ -154,13 +158,16 @@ class ObjectState(State):
             setattr(self, name, value)
 
     def save(self) -> None:
+        """Copy the attributes as the point :meth:`restore` goes back to."""
         self._saved_state = {k: copy.deepcopy(getattr(self, k)) for k in self._saved_state}
 
     def restore(self) -> None:
+        """Put back the attribute values of the last :meth:`save`."""
         for name, value in self._saved_state.items():
             setattr(self, name, copy.deepcopy(value))
 
     def sync(self) -> None:
+        """Broadcast rank 0's saved attributes and restore them on every rank."""
         if self._saved_state:
             self._saved_state = self._bcast_object(self._saved_state, 0)
             self.restore()

@@ -14,11 +14,12 @@ import numpy as np
 
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import ops as _ops
+from spark_estimators.collective.runtime.arrays import NumpyOps
 from spark_estimators.collective.runtime.engine import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.errors import CollectiveError
 
-_NUMPY = _ops.NumpyOps()
+_NUMPY = NumpyOps()
 
 
 def _array(x: Any, op: str) -> np.ndarray:

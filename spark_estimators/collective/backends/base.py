@@ -182,10 +182,12 @@ class Backend(abc.ABC):
 
     @property
     def rank(self) -> int:
+        """Rank of this process in the group (``topology.rank``)."""
         return self.topology.rank
 
     @property
     def size(self) -> int:
+        """Number of ranks in the group (``topology.size``)."""
         return self.topology.size
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -261,6 +261,7 @@ class MPIBackend(Backend):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
+        """Initialise MPI (once per process) and check its rank and size against the launcher's."""
         watchdog = _Watchdog(self.topology.rank)
         watchdog.arm(self.start_timeout, "joining the MPI group (MPI_Init)", ev.START_TIMEOUT)
         try:
@@ -328,6 +329,7 @@ class MPIBackend(Backend):
 
     # -- process sets ------------------------------------------------------------------------
     def subgroup(self, ranks: Sequence[int]) -> Backend | None:
+        """A backend over a sub-communicator of ``ranks``; None on non-members."""
         mpi = _import_mpi()
         group = self.comm.Get_group().Incl([int(r) for r in ranks])
         try:
@@ -377,6 +379,7 @@ class MPIBackend(Backend):
         return sub
 
     def shutdown(self) -> None:
+        """Free this backend's communicator (MPI itself stays initialised for the process)."""
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -394,6 +397,7 @@ class MPIBackend(Backend):
             self.comm = None
 
     def mpi_threads_supported(self) -> bool:
+        """True when MPI was initialised with ``MPI_THREAD_MULTIPLE``."""
         mpi = _import_mpi()
         return bool(mpi.Query_thread() == mpi.THREAD_MULTIPLE)
 
@@ -429,21 +433,25 @@ class MPIBackend(Backend):
 
     # -- data ops ----------------------------------------------------------------------------
     def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
+        """Reduce ``buf`` in place across the communicator (``MPI_Allreduce``)."""
         from mpi4py import MPI
 
         spec, mpi_op = self._reduction(buf, op)
         self._run("allreduce", lambda: self.comm.Allreduce(MPI.IN_PLACE, spec, mpi_op))
 
     def broadcast(self, buf: Buffer, root: int) -> None:
+        """Overwrite ``buf`` with rank ``root``'s (``MPI_Bcast``)."""
         arr = _view(buf)
         self._run("broadcast", lambda: self.comm.Bcast(arr, root=root))
 
     def barrier(self) -> None:
+        """Block until every rank of the communicator arrives."""
         self._run("barrier", self.comm.Barrier)
 
     # Moves use the arrays' own MPI datatypes (mpi4py reads them from the buffer format; every
     # dtype _view returns has one), counted in elements.
     def allgather(self, buf: Buffer, first_dims: Sequence[int]) -> Buffer:
+        """Concatenate every rank's ``buf`` on the first dimension (``MPI_Allgatherv``)."""
         src = _view(buf)
         rest = src.shape[1:]
         out, recv = _new_like(buf, (sum(first_dims), *rest))
@@ -457,6 +465,7 @@ class MPIBackend(Backend):
         return out
 
     def alltoall(self, buf: Buffer, send_rows: Sequence[int], recv_rows: Sequence[int]) -> Buffer:
+        """Exchange row blocks with every rank (``MPI_Alltoallv``)."""
         src = _view(buf)
         rest = src.shape[1:]
         out, recv = _new_like(buf, (sum(recv_rows), *rest))
@@ -472,6 +481,7 @@ class MPIBackend(Backend):
         return out
 
     def reducescatter(self, buf: Buffer, op: ReduceOp, rows: Sequence[int]) -> Buffer:
+        """Reduce ``buf`` and return this rank's block of ``rows`` rows."""
         src = _view(buf)
         rest = tuple(src.shape[1:])
         out, _ = _new_like(buf, (rows[self.rank], *rest))
@@ -487,13 +497,16 @@ class MPIBackend(Backend):
 
     # -- objects -----------------------------------------------------------------------------
     def allgather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order."""
         return list(self._run("allgather_object", lambda: self.comm.allgather(obj)))
 
     def broadcast_object(self, obj: Any, root: int) -> Any:
+        """Rank ``root``'s picklable ``obj`` on every rank."""
         return self._run("broadcast_object", lambda: self.comm.bcast(obj, root=root))
 
     # -- join support ------------------------------------------------------------------------
     def zeros(self, numel: int, dtype: str, device: str) -> Buffer:
+        """A zero numpy buffer (the MPI backend is CPU-only)."""
         if device != "cpu":
             raise ConfigurationError(f"backend='mpi' has no device {device!r}; it is CPU-only")
         if dtype == "bfloat16":  # only torch has it; mirror the peers' bfloat16 reduction

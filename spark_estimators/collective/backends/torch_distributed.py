@@ -92,6 +92,7 @@ class TorchDistributedBackend(Backend):
         return torch.device("cpu")
 
     def start(self) -> None:
+        """Join the torch.distributed group (TCP rendezvous at the rank-0 address)."""
         import torch
         import torch.distributed as dist
 
@@ -152,6 +153,7 @@ class TorchDistributedBackend(Backend):
         self._owns_group = True
 
     def subgroup(self, ranks: Sequence[int]) -> Backend | None:
+        """A backend over a ``torch.distributed.new_group`` of ``ranks``; None on non-members."""
         import torch.distributed as dist
 
         members = [int(r) for r in ranks]
@@ -173,6 +175,7 @@ class TorchDistributedBackend(Backend):
         return sub
 
     def shutdown(self) -> None:
+        """Destroy the process group (a subgroup destroys only itself)."""
         import torch.distributed as dist
 
         if self.group is not None:
@@ -191,11 +194,13 @@ class TorchDistributedBackend(Backend):
 
     # -- data ops ----------------------------------------------------------------------------
     def allreduce(self, buf: Buffer, op: ReduceOp) -> None:
+        """Reduce ``buf`` in place with ``torch.distributed.all_reduce``."""
         import torch.distributed as dist
 
         dist.all_reduce(_as_tensor(buf), op=_torch_op(op), group=self.group)
 
     def broadcast(self, buf: Buffer, root: int) -> None:
+        """Overwrite ``buf`` with rank ``root``'s (``torch.distributed.broadcast``)."""
         import torch.distributed as dist
 
         if self.group is None:
@@ -204,11 +209,13 @@ class TorchDistributedBackend(Backend):
             dist.broadcast(_as_tensor(buf), group=self.group, group_src=root)
 
     def barrier(self) -> None:
+        """Block until every rank of the group arrives."""
         import torch.distributed as dist
 
         dist.barrier(group=self.group)
 
     def allgather(self, buf: Buffer, first_dims: Sequence[int]) -> Buffer:
+        """Concatenate every rank's ``buf`` on the first dimension (sizes may differ)."""
         import torch
 
         tensor = _as_tensor(buf)
@@ -228,6 +235,7 @@ class TorchDistributedBackend(Backend):
         return _like_input(torch.cat(parts), buf)
 
     def alltoall(self, buf: Buffer, send_rows: Sequence[int], recv_rows: Sequence[int]) -> Buffer:
+        """Exchange row blocks with every rank (``all_to_all_single``)."""
         import torch.distributed as dist
 
         tensor = _as_tensor(buf)
@@ -242,7 +250,7 @@ class TorchDistributedBackend(Backend):
         return _like_input(out, buf)
 
     def reducescatter(self, buf: Buffer, op: ReduceOp, rows: Sequence[int]) -> Buffer:
-
+        """Reduce ``buf`` and return this rank's block of ``rows`` rows."""
         tensor = _as_tensor(buf)
         if len(set(rows)) > 1 or op is not ReduceOp.SUM:
             return super().reducescatter(buf, op, rows)
@@ -251,6 +259,7 @@ class TorchDistributedBackend(Backend):
         return _like_input(out, buf)
 
     def zeros(self, numel: int, dtype: str, device: str) -> Buffer:
+        """A zero tensor on ``device`` (``cuda`` under nccl)."""
         import torch
 
         target = self.device if device == "cuda" else torch.device("cpu")

@@ -97,6 +97,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.broadcast_done = False
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Broadcast the model's (and optimizer's) variables from ``root_rank``."""
         model = self.model
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
@@ -119,6 +120,7 @@ class MetricAverageCallback(keras.callbacks.Callback):
         self.device = device
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Average the epoch's metrics across ranks in ``logs``."""
         if logs is not None:
             average_logs(logs)
 
@@ -176,6 +178,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self._restore_momentum: float | None = None
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        """Remember the initial learning rate and the steps per epoch."""
         if not self.staircase and not self.steps_per_epoch:
             steps = (self.params or {}).get("steps")
             if not steps:
@@ -186,6 +189,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             self.steps_per_epoch = int(steps)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Set the learning rate for this epoch when the schedule is per epoch."""
         self.current_epoch = epoch
 
     def _in_scope(self) -> bool:
@@ -204,6 +208,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             momentum.assign(self._restore_momentum * new_lr / old_lr)
 
     def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Set the learning rate for this step when the schedule is per batch."""
         if not self._in_scope():
             return
         if self.staircase and batch == 0:
@@ -213,11 +218,13 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             self._adjust(self.current_epoch + float(batch) / self.steps_per_epoch)
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Put back the momentum that the learning-rate change of this step scaled."""
         if self._restore_momentum is not None:
             self.model.optimizer.momentum.assign(self._restore_momentum)
             self._restore_momentum = None
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Record the learning rate of the epoch in ``logs``."""
         if logs is not None:
             logs["lr"] = _get_lr(self.model.optimizer)
 
@@ -267,6 +274,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         self.verbose = verbose
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Record the learning rate; at the last warmup epoch, say that the warmup finished."""
         super().on_epoch_end(epoch, logs)
         if epoch == self.warmup_epochs - 1 and self.verbose > 0 and _core.rank() == 0:
             lr = _get_lr(self.model.optimizer)
@@ -281,6 +289,7 @@ class StopTrainingAgreement(keras.callbacks.Callback):
     """
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Stop on every rank when any rank's ``model.stop_training`` is set (a max-allreduce)."""
         check_initialized("StopTrainingAgreement")
         if _core.size() == 1:
             return

@@ -61,10 +61,12 @@ class Compressor:
 
     @staticmethod
     def compress(buf: np.ndarray) -> np.ndarray:
+        """Return ``buf`` unchanged."""
         return buf
 
     @staticmethod
     def decompress(wire: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Return ``out`` (the reduction already wrote it in place)."""
         return out
 
 
@@ -77,12 +79,14 @@ class FP16Compressor(Compressor):
 
     @staticmethod
     def compress(buf: np.ndarray) -> np.ndarray:
+        """Return ``buf`` as float16 when it is a floating buffer."""
         if buf.dtype.kind == "f" and buf.dtype != np.float16:
             return buf.astype(np.float16)
         return buf
 
     @staticmethod
     def decompress(wire: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Copy ``wire`` back into ``out``'s dtype and return ``out``."""
         if wire is not out:
             np.copyto(out, wire, casting="unsafe")
         return out
@@ -354,6 +358,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
 
 
 def check_initialized(what: str) -> None:
+    """Raise :class:`~spark_estimators.errors.CollectiveError` naming ``what`` before ``init()``."""
     if not _core.is_initialized():
         raise CollectiveError(
             f"{what} needs the collective group: call spark_estimators.collective.keras.init() "

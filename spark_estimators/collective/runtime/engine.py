@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 
 class Kind(enum.IntEnum):
+    """The kinds of collective request; the number travels in the negotiation vector."""
+
     ALLREDUCE = 1
     ALLGATHER = 2
     BROADCAST = 3
@@ -155,9 +157,11 @@ class Handle:
         self.name = name
 
     def done(self) -> bool:
+        """True when every part of the op has finished."""
         return all(f.done() for f in self._futures)
 
     def wait(self) -> Any:
+        """Block until the op finished and return its result (raises the op's error)."""
         results = [f.result() for f in self._futures]
         if self._finish is not None:
             return self._finish(results)
@@ -195,10 +199,12 @@ class Engine:
         self.timeline: Any = None
 
     def start(self) -> None:
+        """Start the engine thread."""
         self._thread.start()
 
     @property
     def broken(self) -> CollectiveError | None:
+        """The error that broke the group, or None while it works."""
         return self._broken
 
     @property

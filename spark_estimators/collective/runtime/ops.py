@@ -3,8 +3,8 @@
 Each function validates its arguments in the caller's thread, builds a
 :class:`~spark_estimators.collective.runtime.engine.Request` whose ``execute`` runs on the
 engine thread after negotiation, submits it and returns the future. What differs between numpy and
-torch (packing a fusion buffer, scaling in place, cloning) is behind :class:`ArrayOps`;
-:class:`NumpyOps` here, ``TorchOps`` in :mod:`spark_estimators.collective.torch.arrays`.
+torch (packing a fusion buffer, scaling in place, cloning) is behind
+:class:`~spark_estimators.collective.runtime.arrays.ArrayOps` (:mod:`.arrays`).
 
 Fusion: a grouped allreduce packs its tensors into one flat buffer (grown once per dtype and
 device, then reused) and reduces it with a single backend call.
@@ -14,86 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from spark_estimators.collective.backends.base import DTYPES, FLOATING_DTYPES, Buffer, ReduceOp
 from spark_estimators.collective.runtime import adasum as _adasum
 from spark_estimators.collective.runtime import engine as eng
+from spark_estimators.collective.runtime.arrays import ArrayOps
 from spark_estimators.collective.runtime.engine import Agreement, Kind, Request
 from spark_estimators.collective.runtime.process_sets import global_root
 from spark_estimators.errors import ConfigurationError
-
-
-class ArrayOps(Protocol):
-    """The array operations the op implementations need from a framework."""
-
-    def dtype(self, x: Buffer) -> str: ...
-    def device(self, x: Buffer) -> str: ...
-    def shape(self, x: Buffer) -> tuple[int, ...]: ...
-    def is_contiguous(self, x: Buffer) -> bool: ...
-    def flat_view(self, x: Buffer) -> Buffer: ...
-    def clone(self, x: Buffer) -> Buffer: ...
-    def copy_(self, dst: Buffer, src: Buffer) -> None: ...
-    def scale_(self, x: Buffer, factor: float) -> None: ...
-    def pack(self, xs: Sequence[Buffer]) -> Buffer: ...
-    def unpack(self, flat: Buffer, outs: Sequence[Buffer]) -> None: ...
-    def adopt(self, result: Buffer, like: Buffer) -> Buffer: ...
-
-
-class NumpyOps:
-    """:class:`ArrayOps` for numpy arrays (used by the core API and the Keras adapter)."""
-
-    def __init__(self) -> None:
-        self._fusion: dict[str, np.ndarray] = {}
-
-    def dtype(self, x: np.ndarray) -> str:
-        return x.dtype.name
-
-    def device(self, x: np.ndarray) -> str:
-        return "cpu"
-
-    def shape(self, x: np.ndarray) -> tuple[int, ...]:
-        return tuple(int(d) for d in x.shape)
-
-    def is_contiguous(self, x: np.ndarray) -> bool:
-        return bool(x.flags.c_contiguous and x.flags.writeable)
-
-    def flat_view(self, x: np.ndarray) -> np.ndarray:
-        return x.reshape(-1)
-
-    def clone(self, x: np.ndarray) -> np.ndarray:
-        return np.array(x, copy=True, order="C")
-
-    def copy_(self, dst: np.ndarray, src: np.ndarray) -> None:
-        np.copyto(dst, np.asarray(src).reshape(dst.shape))
-
-    def scale_(self, x: np.ndarray, factor: float) -> None:
-        np.multiply(x, x.dtype.type(factor), out=x)
-
-    def pack(self, xs: Sequence[np.ndarray]) -> np.ndarray:
-        total = sum(int(x.size) for x in xs)
-        dtype = xs[0].dtype
-        buf = self._fusion.get(dtype.name)
-        if buf is None or buf.size < total:
-            buf = np.empty(total, dtype=dtype)
-            self._fusion[dtype.name] = buf
-        flat = buf[:total]
-        offset = 0
-        for x in xs:
-            flat[offset : offset + x.size] = x.reshape(-1)
-            offset += x.size
-        return flat
-
-    def unpack(self, flat: np.ndarray, outs: Sequence[np.ndarray]) -> None:
-        offset = 0
-        for out in outs:
-            out[...] = flat[offset : offset + out.size].reshape(out.shape)
-            offset += out.size
-
-    def adopt(self, result: Buffer, like: np.ndarray) -> np.ndarray:
-        return np.asarray(result)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

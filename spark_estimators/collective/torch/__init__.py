@@ -28,14 +28,10 @@ from spark_estimators.collective.torch.compression import (
     FP16Compressor,
     NoneCompressor,
 )
-from spark_estimators.collective.torch.ops import (
+from spark_estimators.collective.torch.exchange import (
     allgather,
     allgather_async,
     allgather_object,
-    allreduce,
-    allreduce_,
-    allreduce_async,
-    allreduce_async_,
     alltoall,
     alltoall_async,
     barrier,
@@ -44,14 +40,20 @@ from spark_estimators.collective.torch.ops import (
     broadcast_async,
     broadcast_async_,
     broadcast_object,
+    join,
+    reducescatter,
+    reducescatter_async,
+)
+from spark_estimators.collective.torch.ops import (
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
     grouped_allreduce,
     grouped_allreduce_,
     grouped_allreduce_async,
     grouped_allreduce_async_,
-    join,
     poll,
-    reducescatter,
-    reducescatter_async,
     synchronize,
 )
 from spark_estimators.collective.torch.optimizer import (

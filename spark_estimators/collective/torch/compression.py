@@ -12,10 +12,12 @@ class Compressor:
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Return ``tensor`` unchanged (no context)."""
         return tensor, None
 
     @staticmethod
     def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Return ``tensor`` unchanged."""
         return tensor
 
 
@@ -28,12 +30,14 @@ class FP16Compressor(Compressor):
 
     @staticmethod
     def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Cast a floating ``tensor`` to float16; the context is its dtype."""
         if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
             return tensor.to(torch.float16), tensor.dtype
         return tensor, None
 
     @staticmethod
     def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Cast ``tensor`` back to the dtype in ``ctx``."""
         return tensor.to(ctx) if ctx is not None else tensor
 
 

@@ -68,10 +68,12 @@ class TorchState(ObjectState):
             self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
 
     def save(self) -> None:
+        """Copy the model's and optimizer's state dicts, then the attributes."""
         self._save_torch()
         super().save()
 
     def restore(self) -> None:
+        """Load the saved model and optimizer state, then the attributes."""
         if self.model is not None and self._saved_model is not None:
             self.model.load_state_dict(self._saved_model)
         if self.optimizer is not None and self._saved_optimizer is not None:
@@ -79,6 +81,7 @@ class TorchState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
+        """Broadcast rank 0's model, optimizer state and attributes to every rank."""
         from spark_estimators.collective.torch.optimizer import broadcast_parameters
 
         if self.model is not None:

@@ -44,15 +44,15 @@ from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime import settings as _settings
 from spark_estimators.collective.runtime.engine import Handle
-from spark_estimators.collective.torch.compression import Compression, Compressor
-from spark_estimators.collective.torch.ops import (
+from spark_estimators.collective.torch.arrays import (
     _TORCH,
-    _groups,
-    _waited,
-    broadcast_object,
-    grouped_allreduce_async_,
+    dtype_device_groups,
+    waited,
     waited_ops,
 )
+from spark_estimators.collective.torch.compression import Compression, Compressor
+from spark_estimators.collective.torch.exchange import broadcast_object
+from spark_estimators.collective.torch.ops import grouped_allreduce_async_
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 
@@ -434,7 +434,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
 
 
 # -- model and optimizer state ---------------------------------------------------------------
-@_waited
+@waited
 def broadcast_parameters(
     params: dict[str, Any] | Iterable[Any],
     root_rank: int,
@@ -466,7 +466,7 @@ def broadcast_parameters(
     if not tensors:
         return
     futures = []
-    groups = _groups(tensors)
+    groups = dtype_device_groups(tensors)
     for g, idx in enumerate(groups):
         futures.append(
             _ops.grouped_broadcast(

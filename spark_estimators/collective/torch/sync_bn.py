@@ -98,6 +98,7 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalise with the batch statistics of every rank (training) or the running ones."""
         self._check_input_dim(input)
         engine = _engine.current()
         distributed = engine is not None and engine.backend.size > 1

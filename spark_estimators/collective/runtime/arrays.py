@@ -1,0 +1,118 @@
+"""The array operations the collective ops need from a framework: :class:`ArrayOps`.
+
+:class:`NumpyOps` implements them for numpy arrays; ``TorchOps`` in
+:mod:`spark_estimators.collective.torch.arrays` for torch tensors. What differs between the two is
+packing a fusion buffer, scaling in place and cloning; the ops in :mod:`.ops` are written once
+against this protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from spark_estimators.collective.backends.base import Buffer
+
+
+class ArrayOps(Protocol):
+    """The array operations the op implementations need from a framework."""
+
+    def dtype(self, x: Buffer) -> str:
+        """The dtype name (``"float32"``)."""
+
+    def device(self, x: Buffer) -> str:
+        """The device type (``"cpu"``, ``"cuda"``)."""
+
+    def shape(self, x: Buffer) -> tuple[int, ...]:
+        """The shape as a tuple of ints."""
+
+    def is_contiguous(self, x: Buffer) -> bool:
+        """True when the buffer can be reduced in place."""
+
+    def flat_view(self, x: Buffer) -> Buffer:
+        """A 1-D view of the same memory."""
+
+    def clone(self, x: Buffer) -> Buffer:
+        """A contiguous copy."""
+
+    def copy_(self, dst: Buffer, src: Buffer) -> None:
+        """Copy ``src`` into ``dst`` (same number of elements)."""
+
+    def scale_(self, x: Buffer, factor: float) -> None:
+        """Multiply ``x`` by ``factor`` in place."""
+
+    def pack(self, xs: Sequence[Buffer]) -> Buffer:
+        """Copy ``xs`` into one flat fusion buffer and return it."""
+
+    def unpack(self, flat: Buffer, outs: Sequence[Buffer]) -> None:
+        """Copy a packed buffer back into ``outs``."""
+
+    def adopt(self, result: Buffer, like: Buffer) -> Buffer:
+        """The backend's ``result`` as a buffer of this framework, like ``like``."""
+
+
+class NumpyOps:
+    """:class:`ArrayOps` for numpy arrays (used by the core API and the Keras adapter)."""
+
+    def __init__(self) -> None:
+        self._fusion: dict[str, np.ndarray] = {}
+
+    def dtype(self, x: np.ndarray) -> str:
+        """The dtype name (``"float32"``)."""
+        return x.dtype.name
+
+    def device(self, x: np.ndarray) -> str:
+        """Always ``"cpu"``."""
+        return "cpu"
+
+    def shape(self, x: np.ndarray) -> tuple[int, ...]:
+        """The shape as a tuple of ints."""
+        return tuple(int(d) for d in x.shape)
+
+    def is_contiguous(self, x: np.ndarray) -> bool:
+        """True for a writable C-contiguous array."""
+        return bool(x.flags.c_contiguous and x.flags.writeable)
+
+    def flat_view(self, x: np.ndarray) -> np.ndarray:
+        """A 1-D view of the same memory."""
+        return x.reshape(-1)
+
+    def clone(self, x: np.ndarray) -> np.ndarray:
+        """A C-contiguous copy."""
+        return np.array(x, copy=True, order="C")
+
+    def copy_(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy ``src`` into ``dst`` (same number of elements)."""
+        np.copyto(dst, np.asarray(src).reshape(dst.shape))
+
+    def scale_(self, x: np.ndarray, factor: float) -> None:
+        """Multiply ``x`` by ``factor`` in place."""
+        np.multiply(x, x.dtype.type(factor), out=x)
+
+    def pack(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        """Copy ``xs`` into the reused fusion buffer of their dtype and return its used part."""
+        total = sum(int(x.size) for x in xs)
+        dtype = xs[0].dtype
+        buf = self._fusion.get(dtype.name)
+        if buf is None or buf.size < total:
+            buf = np.empty(total, dtype=dtype)
+            self._fusion[dtype.name] = buf
+        flat = buf[:total]
+        offset = 0
+        for x in xs:
+            flat[offset : offset + x.size] = x.reshape(-1)
+            offset += x.size
+        return flat
+
+    def unpack(self, flat: np.ndarray, outs: Sequence[np.ndarray]) -> None:
+        """Copy a packed buffer back into ``outs``."""
+        offset = 0
+        for out in outs:
+            out[...] = flat[offset : offset + out.size].reshape(out.shape)
+            offset += out.size
+
+    def adopt(self, result: Buffer, like: np.ndarray) -> np.ndarray:
+        """The backend's ``result`` as a numpy array."""
+        return np.asarray(result)

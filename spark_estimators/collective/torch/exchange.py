@@ -1,0 +1,229 @@
+"""Torch collective ops that move data: allgather, broadcast, alltoall, reducescatter, join.
+
+Part of :mod:`spark_estimators.collective.torch` (Horovod's names, arguments and semantics); the
+reductions are in :mod:`.ops`. Out-of-place ``allgather`` and ``broadcast`` are differentiable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.runtime import engine as _engine
+from spark_estimators.collective.runtime import ops as _ops
+from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.torch.arrays import _TORCH, as_tensor, in_waited_ops, waited
+from spark_estimators.collective.torch.compression import Compression, Compressor
+from spark_estimators.collective.torch.ops import allreduce_async
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = None
+) -> Handle:
+    """Start an allgather; see :func:`allgather`."""
+    t = as_tensor(tensor, "allgather_async")
+    future = _ops.allgather(_TORCH, t, name, in_waited_ops(), process_set)
+    return Handle([future], name or "allgather")
+
+
+class _AllgatherFunction(torch.autograd.Function):
+    @staticmethod
+    @waited
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: Any) -> torch.Tensor:
+        ctx.dim0, ctx.process_set = tensor.shape[0], process_set
+        return allgather_async(tensor, name, process_set).wait()
+
+    @staticmethod
+    @waited
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ps = ctx.process_set
+        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.SUM, process_set=ps).wait()
+        dims = allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64), None, ps).wait()
+        offset = int(dims[: _engine.require("allgather", ps).backend.rank].sum())
+        return reduced.narrow(0, offset, ctx.dim0), None, None
+
+
+@waited
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = None
+) -> torch.Tensor:
+    """Concatenate ``tensor`` from every rank on dim 0; the first dimension may differ.
+
+    Returns
+    -------
+    torch.Tensor
+        Shape ``(sum of every rank's dim 0, *tensor.shape[1:])``, in rank order.
+    """
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AllgatherFunction.apply(tensor, name, process_set)  # type: ignore[no-any-return]
+    return allgather_async(tensor, name, process_set).wait()  # type: ignore[no-any-return]
+
+
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+) -> Handle:
+    """Start an in-place broadcast from ``root_rank``."""
+    t = as_tensor(tensor, "broadcast_async_")
+    future = _ops.broadcast(_TORCH, t, t, root_rank, name, in_waited_ops(), process_set)
+    return Handle([future], name or "broadcast", lambda results: tensor)
+
+
+@waited
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s, in place, and return it."""
+    return broadcast_async_(tensor, root_rank, name, process_set).wait()
+
+
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+) -> Handle:
+    """Start a broadcast into a new tensor."""
+    t = as_tensor(tensor, "broadcast_async")
+    out = torch.empty_like(t, memory_format=torch.contiguous_format)
+    future = _ops.broadcast(_TORCH, t, out, root_rank, name, in_waited_ops(), process_set)
+    return Handle([future], name or "broadcast", lambda results: out)
+
+
+class _BroadcastFunction(torch.autograd.Function):
+    @staticmethod
+    @waited
+    def forward(
+        ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any
+    ) -> torch.Tensor:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return broadcast_async(tensor, root_rank, name, process_set).wait()
+
+    @staticmethod
+    @waited
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        ps = ctx.process_set
+        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.SUM, process_set=ps).wait()
+        if _engine.require("broadcast").backend.rank != ctx.root_rank:  # global ranks
+            reduced.zero_()
+        return reduced, None, None, None
+
+
+@waited
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+) -> torch.Tensor:
+    """Return ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere)."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _BroadcastFunction.apply(  # type: ignore[no-any-return]
+            tensor, root_rank, name, process_set
+        )
+    return broadcast_async(tensor, root_rank, name, process_set).wait()  # type: ignore[no-any-return]
+
+
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: Any = None,
+) -> Handle:
+    """Start an alltoall; see :func:`alltoall`."""
+    t = as_tensor(tensor, "alltoall_async")
+    split_list = None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
+    future = _ops.alltoall(_TORCH, t, split_list, name, in_waited_ops(), process_set)
+
+    def finish(results: list[Any]) -> Any:
+        out, received = results[0]
+        if splits is None:
+            return out
+        return out, torch.from_numpy(np.asarray(received, dtype=np.int32))
+
+    return Handle([future], name or "alltoall", finish)
+
+
+@waited
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: Any = None,
+) -> Any:
+    """Send ``splits[r]`` rows of ``tensor`` to rank r; receive every rank's rows for this one.
+
+    Without ``splits`` the first dimension is split evenly (it must divide by ``size()``).
+
+    Returns
+    -------
+    torch.Tensor or tuple
+        The received rows in rank order; with ``splits`` also a tensor of the row counts
+        received from each rank (Horovod's second return value).
+    """
+    return alltoall_async(tensor, splits, name, process_set).wait()
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: ReduceOp | None = ReduceOp.AVERAGE,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """Start a reducescatter; see :func:`reducescatter`."""
+    compressed, ctx = compression.compress(as_tensor(tensor, "reducescatter_async"))
+    future = _ops.reducescatter(
+        _TORCH, compressed, resolve_op(op), name, prescale_factor, postscale_factor,
+        in_waited_ops(), process_set,
+    )  # fmt: skip
+    return Handle(
+        [future], name or "reducescatter", lambda results: compression.decompress(results[0], ctx)
+    )
+
+
+@waited
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: type[Compressor] = Compression.none,
+    op: ReduceOp | None = ReduceOp.AVERAGE,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks; rank r receives block r of the first dimension.
+
+    Blocks are as even as possible, the first ``dim0 % size()`` ranks get one extra row.
+    """
+    return reducescatter_async(  # type: ignore[no-any-return]
+        tensor, name, compression, op, process_set, prescale_factor, postscale_factor
+    ).wait()
+
+
+def barrier(process_set: Any = None) -> None:
+    """Block until every rank (of ``process_set``) has called ``barrier()``."""
+    _ops.barrier(True, process_set).result()
+
+
+def join(device: int = -1) -> int:
+    """Declare this rank out of data; contribute zeros to others' allreduces until all join.
+
+    Returns
+    -------
+    int
+        The rank that joined last. ``device`` is accepted for Horovod compatibility: joined
+        ranks create their zeros on the device the other ranks' tensors use.
+    """
+    return int(_ops.join(blocking=True).result())
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+    """Return the list of every rank's picklable ``obj``, in rank order."""
+    return list(_ops.allgather_object(obj, name, True, process_set).result())
+
+
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None
+) -> Any:
+    """Return ``root_rank``'s picklable ``obj`` on every rank."""
+    return _ops.broadcast_object(obj, root_rank, name, True, process_set).result()
