@@ -173,6 +173,7 @@ __all__ = [
     "RemoteError",
     "RendezvousTimeoutError",
     "RpcError",
+    "RunInUseError",
     "SparkEstimatorsError",
     "StoreError",
     "TrainingFailedError",

@@ -19,6 +19,7 @@ from typing import Any
 
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import SparkEstimatorsError
+from spark_estimators.task.scratch import create_scratch, remove_scratch
 from spark_estimators.task.spark_task import (
     OutputForwarder,
     TaskConfig,
@@ -36,6 +37,16 @@ class ElasticWorkerFailed(SparkEstimatorsError):
 
 
 def _supervise(
+    config: TaskConfig, client: RpcClient, wid: str, index: int, env: dict[str, str]
+) -> tuple[int, bool, list[str]]:
+    scratch = create_scratch(env)  # the rank's temp dirs, removed when it exits (even killed)
+    try:
+        return _run_child(config, client, wid, index, env)
+    finally:
+        remove_scratch(scratch)
+
+
+def _run_child(
     config: TaskConfig, client: RpcClient, wid: str, index: int, env: dict[str, str]
 ) -> tuple[int, bool, list[str]]:
     proc = subprocess.Popen(
