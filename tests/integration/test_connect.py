@@ -3,7 +3,7 @@
 A real local Spark Connect server (``SparkSession.builder.remote("local[2]")``) runs in a child
 process (a classic session already lives in this one) and drives ``scripts/connect_steps.py``:
 run, run_elastic, the README quickstart (TorchEstimator fit + transform), fit_on_parquet,
-Pipeline save/load and bad input. The same steps then run here on the classic ``spark`` fixture,
+Pipeline save/load, bad input, and a LightningEstimator and a KerasEstimator fit + transform. The same steps then run here on the classic ``spark`` fixture,
 and both must give the same answers.
 """
 
@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("grpc", reason="Spark Connect needs the [connect] extra")
 
-pytestmark = [pytest.mark.spark, pytest.mark.multiprocess, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.spark, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -33,7 +33,7 @@ def connect_result() -> dict:
         [sys.executable, str(SCRIPTS / "connect_client.py")],
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=840,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -67,6 +67,15 @@ def test_quickstart_fit_transform_pipeline(kind, connect_result, classic_result)
     assert out["n_rows"] == 600 and out["transform_mse"] < 1e-3
     assert out["fit_on_parquet_loss"] > 0
     assert out["pipeline_max_diff"] < 1e-6
+
+
+@pytest.mark.parametrize("framework", ["lightning", "keras"])
+@pytest.mark.parametrize("kind", ["connect", "classic"])
+def test_lightning_and_keras_estimators(kind, framework, connect_result, classic_result):
+    out = (connect_result if kind == "connect" else classic_result)[framework]
+    losses = out["history"]
+    assert len(losses) == 4 and losses[-1] < 0.05 * losses[0]
+    assert out["n_rows"] == 600 and out["transform_mse"] < 0.5
 
 
 def test_connect_and_classic_give_the_same_model(connect_result, classic_result):

@@ -71,6 +71,81 @@ def quickstart_estimator(store_dir: str, **kw: Any):
     return TorchEstimator(**opts)
 
 
+def lightning_step(df, store_dir: str) -> dict:
+    """The Lightning estimator's smoke test: fit, history, transform."""
+    import pytorch_lightning as pl
+    import torch
+    import torch.nn.functional as F
+
+    from spark_estimators.lightning import LightningEstimator
+    from spark_estimators.store import LocalStore
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.fc(x)
+
+        def training_step(self, batch, batch_idx):
+            loss = F.mse_loss(self(batch["features"]).squeeze(1), batch["y"])
+            self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    est = LightningEstimator(
+        num_proc=2,
+        store=LocalStore(store_dir),
+        model=Linear(),
+        feature_cols=["features"],
+        label_cols=["y"],
+        batch_size=32,
+        epochs=4,
+        random_seed=1,
+        verbose=0,
+    )
+    return _fitted_summary(est.fit(df), df, "train_loss")
+
+
+def keras_step(df, store_dir: str) -> dict:
+    """The Keras estimator's smoke test: fit, history, transform."""
+    import keras
+
+    from spark_estimators.keras import KerasEstimator
+    from spark_estimators.store import LocalStore
+
+    keras.utils.set_random_seed(0)
+    est = KerasEstimator(
+        num_proc=2,
+        store=LocalStore(store_dir),
+        model=keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+        optimizer=keras.optimizers.SGD(0.05),
+        loss="mse",
+        feature_cols=["features"],
+        label_cols=["y"],
+        batch_size=32,
+        epochs=4,
+        random_seed=1,
+        verbose=0,
+    )
+    return _fitted_summary(est.fit(df), df, "loss")
+
+
+def _fitted_summary(fitted, df, loss_key: str) -> dict:
+    rows = fitted.transform(df).select("y", "y__output").collect()
+    pred = np.array([np.ravel(r["y__output"])[0] for r in rows], dtype=float)
+    target = np.array([r["y"] for r in rows], dtype=float)
+    return {
+        "history": [float(h[loss_key]) for h in fitted.getHistory()],
+        "transform_mse": float(np.mean((pred - target) ** 2)),
+        "n_rows": len(rows),
+    }
+
+
 def _error(fn) -> str:
     try:
         fn()
@@ -120,4 +195,6 @@ def all_steps(spark, tmp: str) -> dict:
     b = [r["y__output"] for r in loaded.transform(df).select("y__output").collect()]
     out["pipeline_max_diff"] = float(np.max(np.abs(np.array(a) - np.array(b))))
     out["bad_input"] = bad_input(spark, tmp)
+    out["lightning"] = lightning_step(df, os.path.join(tmp, "lightning"))
+    out["keras"] = keras_step(df, os.path.join(tmp, "keras"))
     return out
