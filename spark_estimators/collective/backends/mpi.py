@@ -52,6 +52,12 @@ import numpy as np
 
 from spark_estimators import envvars as ev
 from spark_estimators.collective.backends.base import Backend, Buffer, ReduceOp, Topology
+from spark_estimators.collective.backends.mpi_buffers import (
+    bf16_reduction,
+    is_bf16,
+    new_like,
+    numpy_view,
+)
 from spark_estimators.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -68,70 +74,6 @@ def _import_mpi() -> Any:
             "pip install 'spark-estimators[mpi]' (mpi4py and the mpich wheel)"
         ) from exc
     return MPI
-
-
-# -- buffers ---------------------------------------------------------------------------------
-def _is_bf16(buf: Buffer) -> bool:
-    return not isinstance(buf, np.ndarray) and str(buf.dtype) == "torch.bfloat16"
-
-
-def _view(buf: Buffer) -> np.ndarray:
-    """A numpy array sharing ``buf``'s memory (bfloat16 tensors as uint16)."""
-    if isinstance(buf, np.ndarray):
-        return buf
-    if buf.device.type != "cpu":
-        raise ConfigurationError(
-            f"backend='mpi' works on CPU buffers, got a tensor on {buf.device}; move it to the "
-            "CPU first or use backend='nccl' for GPU tensors"
-        )
-    tensor = buf.detach()
-    if _is_bf16(tensor):
-        import torch
-
-        tensor = tensor.view(torch.int16)
-    return np.asarray(tensor.numpy())
-
-
-def _new_like(buf: Buffer, shape: tuple[int, ...]) -> tuple[Buffer, np.ndarray]:
-    """A new buffer of ``buf``'s kind and dtype, and its numpy view."""
-    if isinstance(buf, np.ndarray):
-        out = np.empty(shape, dtype=buf.dtype)
-        return out, out
-    tensor = buf.new_empty(shape)
-    return tensor, _view(tensor)
-
-
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
-def _f32_to_bf16(values: np.ndarray) -> np.ndarray:
-    """Round to nearest even, as torch does; NaN stays NaN."""
-    bits = values.astype(np.float32).view(np.uint32)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
-    nan = np.isnan(values)
-    if nan.any():
-        rounded[nan] = (bits[nan] >> 16) | np.uint32(0x40)
-    return rounded.astype(np.uint16)
-
-
-_NUMPY_REDUCERS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    ReduceOp.SUM: np.add,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.PRODUCT: np.multiply,
-}
-
-
-def _bf16_reduction(op: ReduceOp) -> Callable[[Any, Any, Any], None]:
-    reduce = _NUMPY_REDUCERS[op]
-
-    def function(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        incoming = np.frombuffer(inbuf, dtype=np.uint16)
-        inout = np.frombuffer(inoutbuf, dtype=np.uint16)
-        inout[...] = _f32_to_bf16(reduce(_bf16_to_f32(incoming), _bf16_to_f32(inout)))
-
-    return function
 
 
 # -- topology --------------------------------------------------------------------------------
@@ -416,11 +358,11 @@ class MPIBackend(Backend):
         """The typed buffer specification and the MPI op for reducing ``buf``."""
         from mpi4py import MPI
 
-        arr = _view(buf)
-        if _is_bf16(buf):
+        arr = numpy_view(buf)
+        if is_bf16(buf):
             mpi_op = self._ops.get(op)
             if mpi_op is None:
-                mpi_op = self._ops[op] = MPI.Op.Create(_bf16_reduction(op), commute=True)
+                mpi_op = self._ops[op] = MPI.Op.Create(bf16_reduction(op), commute=True)
             return [arr, MPI.UINT16_T], mpi_op
         if arr.dtype == np.bool_:
             logical = MPI.LOR if op in (ReduceOp.SUM, ReduceOp.MAX) else MPI.LAND
@@ -441,7 +383,7 @@ class MPIBackend(Backend):
 
     def broadcast(self, buf: Buffer, root: int) -> None:
         """Overwrite ``buf`` with rank ``root``'s (``MPI_Bcast``)."""
-        arr = _view(buf)
+        arr = numpy_view(buf)
         self._run("broadcast", lambda: self.comm.Bcast(arr, root=root))
 
     def barrier(self) -> None:
@@ -452,9 +394,9 @@ class MPIBackend(Backend):
     # dtype _view returns has one), counted in elements.
     def allgather(self, buf: Buffer, first_dims: Sequence[int]) -> Buffer:
         """Concatenate every rank's ``buf`` on the first dimension (``MPI_Allgatherv``)."""
-        src = _view(buf)
+        src = numpy_view(buf)
         rest = src.shape[1:]
-        out, recv = _new_like(buf, (sum(first_dims), *rest))
+        out, recv = new_like(buf, (sum(first_dims), *rest))
         if first_dims.count(first_dims[0]) == len(first_dims):
             self._run("allgather", lambda: self.comm.Allgather(src, recv))
             return out
@@ -466,9 +408,9 @@ class MPIBackend(Backend):
 
     def alltoall(self, buf: Buffer, send_rows: Sequence[int], recv_rows: Sequence[int]) -> Buffer:
         """Exchange row blocks with every rank (``MPI_Alltoallv``)."""
-        src = _view(buf)
+        src = numpy_view(buf)
         rest = src.shape[1:]
-        out, recv = _new_like(buf, (sum(recv_rows), *rest))
+        out, recv = new_like(buf, (sum(recv_rows), *rest))
         row = math.prod(rest)
         scounts = [n * row for n in send_rows]
         rcounts = [n * row for n in recv_rows]
@@ -482,9 +424,9 @@ class MPIBackend(Backend):
 
     def reducescatter(self, buf: Buffer, op: ReduceOp, rows: Sequence[int]) -> Buffer:
         """Reduce ``buf`` and return this rank's block of ``rows`` rows."""
-        src = _view(buf)
+        src = numpy_view(buf)
         rest = tuple(src.shape[1:])
-        out, _ = _new_like(buf, (rows[self.rank], *rest))
+        out, _ = new_like(buf, (rows[self.rank], *rest))
         per_row = math.prod(rest)
         counts = [n * per_row for n in rows]
         send, mpi_op = self._reduction(buf, op)

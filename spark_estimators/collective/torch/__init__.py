@@ -40,6 +40,8 @@ from spark_estimators.collective.torch.exchange import (
     broadcast_async,
     broadcast_async_,
     broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
     join,
     reducescatter,
     reducescatter_async,
@@ -56,11 +58,7 @@ from spark_estimators.collective.torch.ops import (
     poll,
     synchronize,
 )
-from spark_estimators.collective.torch.optimizer import (
-    DistributedOptimizer,
-    broadcast_optimizer_state,
-    broadcast_parameters,
-)
+from spark_estimators.collective.torch.optimizer import DistributedOptimizer
 from spark_estimators.collective.torch.sync_bn import SyncBatchNorm
 
 __all__ = [

@@ -82,7 +82,7 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         """Broadcast rank 0's model, optimizer state and attributes to every rank."""
-        from spark_estimators.collective.torch.optimizer import broadcast_parameters
+        from spark_estimators.collective.torch.exchange import broadcast_parameters
 
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=0)

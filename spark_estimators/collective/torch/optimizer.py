@@ -41,17 +41,12 @@ import torch
 
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import engine as _engine
-from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime import settings as _settings
 from spark_estimators.collective.runtime.engine import Handle
 from spark_estimators.collective.torch.arrays import (
-    _TORCH,
-    dtype_device_groups,
-    waited,
     waited_ops,
 )
 from spark_estimators.collective.torch.compression import Compression, Compressor
-from spark_estimators.collective.torch.exchange import broadcast_object
 from spark_estimators.collective.torch.ops import grouped_allreduce_async_
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
@@ -431,79 +426,3 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         process_set,
     )
     return wrapped
-
-
-# -- model and optimizer state ---------------------------------------------------------------
-@waited
-def broadcast_parameters(
-    params: dict[str, Any] | Iterable[Any],
-    root_rank: int,
-    prefix: str | None = None,
-    process_set: Any = None,
-) -> None:
-    """Overwrite parameters/buffers in place with ``root_rank``'s.
-
-    Parameters
-    ----------
-    params
-        ``model.state_dict()``, ``model.named_parameters()`` or a list of tensors.
-    root_rank
-        The rank whose values everyone gets.
-    prefix
-        Accepted for Horovod compatibility (names only label errors here).
-    process_set
-        Broadcast among this ``ProcessSet``'s members only (``root_rank`` is a global rank).
-
-    Notes
-    -----
-    Tensors are fused into one broadcast per dtype and device.
-    """
-    if isinstance(params, dict):
-        items = sorted(params.items())
-    else:
-        items = [p if isinstance(p, tuple) else (None, p) for p in params]
-    tensors = [p.detach() for _, p in items if isinstance(p, torch.Tensor)]
-    if not tensors:
-        return
-    futures = []
-    groups = dtype_device_groups(tensors)
-    for g, idx in enumerate(groups):
-        futures.append(
-            _ops.grouped_broadcast(
-                _TORCH,
-                [tensors[i] for i in idx],
-                root_rank,
-                f"broadcast_parameters.{g}",
-                blocking=len(groups) == 1,
-                process_set=process_set,
-            )
-        )
-    for future in futures:
-        future.result()
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to_cpu(v) for v in value)
-    return value
-
-
-def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None, process_set: Any = None
-) -> None:
-    """Give every rank ``root_rank``'s optimizer state and hyperparameters (``lr``, ...).
-
-    The state dict travels as one pickled object (tensors moved to CPU first);
-    ``load_state_dict`` puts the tensors back on each parameter's device.
-    """
-    me = _engine.require("broadcast_optimizer_state").backend.rank
-    payload = _to_cpu(optimizer.state_dict()) if me == root_rank else None
-    state = broadcast_object(
-        payload, root_rank, name="broadcast_optimizer_state", process_set=process_set
-    )
-    if me != root_rank:
-        optimizer.load_state_dict(state)
