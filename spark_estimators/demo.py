@@ -19,6 +19,7 @@ def _r2(y: np.ndarray, pred: np.ndarray) -> float:
 
 
 def main() -> None:
+    """Run the demo on an embedded local session."""
     from spark_estimators.core.session import create_local_session
     from spark_estimators.store import LocalStore
 

@@ -90,6 +90,7 @@ class RemoteError:
     exit_code: int | None = None
 
     def describe(self) -> str:
+        """One readable paragraph: rank, host, message, exit code and the indented traceback."""
         head = f"rank {self.rank} on host {self.host!r}: {self.message}"
         if self.exit_code is not None:
             head += f" (exit code {self.exit_code})"
@@ -112,6 +113,7 @@ class TrainingFailedError(SparkEstimatorsError, RuntimeError):
 
     @property
     def failed_ranks(self) -> list[int]:
+        """The ranks that failed, sorted."""
         return sorted(self.worker_failures)
 
     def __reduce__(self) -> tuple[Any, ...]:

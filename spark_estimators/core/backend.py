@@ -83,6 +83,7 @@ class SparkBackend(Backend):
         return clone
 
     def num_processes(self) -> int:
+        """``num_proc``, or the cluster's default (its task slots) when it was not given."""
         if self._num_proc is None:
             from spark_estimators.core.session import default_num_proc, get_spark
 
@@ -107,6 +108,7 @@ class SparkBackend(Backend):
         env: dict[str, str] | None = None,
         event_callback: Callable[[int, str, Any], None] | None = None,
     ) -> list[Any]:
+        """Run ``fn`` on the ranks with :func:`spark_estimators.run`; one result per rank."""
         from spark_estimators.runner import run
 
         merged = dict(self.env)

@@ -181,6 +181,7 @@ class EpochProgress:
         return f"[{self.run_id}] " if self._labelled and self.run_id else ""
 
     def __call__(self, rank: int, kind: str, data: Any) -> None:
+        """Take one event from a rank: record and show each ``epoch`` event, ignore others."""
         if kind != "epoch":
             return
         with self._lock:
@@ -205,6 +206,7 @@ class EpochProgress:
                 print(line, flush=True)
 
     def close(self) -> None:
+        """Close the progress bar and give Spark its console progress back."""
         with self._lock:
             if self._bar is not None:
                 self._bar.close()

@@ -81,6 +81,7 @@ class MlflowTracker:
 
     @classmethod
     def for_fit(cls, est: Any, run_id: str) -> MlflowTracker | None:
+        """The tracker of a fit, or None when it is not to log to MLflow."""
         flag = est.getOrDefault("logToMlflow")
         if flag is False or (flag is None and "mlflow" not in sys.modules):
             return None  # without mlflow imported no run can be active
@@ -96,6 +97,7 @@ class MlflowTracker:
         return tracker
 
     def log_params(self, est: Any, run_id: str) -> None:
+        """Log the estimator's params (not the store or backend) and the run id as a tag."""
         from mlflow.entities import Param, RunTag
 
         params = []
@@ -173,6 +175,7 @@ class MlflowTracker:
                 )
 
     def end(self, failed: bool = False) -> None:
+        """End the MLflow run this tracker started (FAILED or FINISHED); leave a user's run open."""
         if self.owns_run:
             import mlflow
 

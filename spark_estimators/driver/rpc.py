@@ -81,6 +81,7 @@ def new_secret() -> bytes:
 
 
 def max_frame_bytes() -> int:
+    """The largest frame accepted: ``SPARK_ESTIMATORS_MAX_FRAME_BYTES``, else 1 GiB."""
     return env_int(MAX_FRAME_BYTES, DEFAULT_MAX_FRAME_BYTES)
 
 
@@ -208,6 +209,7 @@ class FrameCodec:
         self._max = max_frame_bytes()
 
     def encode(self, kind: str, data: Any) -> bytes:
+        """One signed frame of the message ``(kind, data)``; raise over the frame limit."""
         payload = cloudpickle.dumps((kind, data))
         prefix = self._send_dir + self._session + _SEQ.pack(self._send_seq)
         length = len(prefix) + len(payload)
@@ -471,6 +473,7 @@ class RpcServer:
             sock.sendall(frame)
 
     def close(self) -> None:
+        """Stop accepting and close every connection."""
         self._closed.set()
         try:
             self._sock.close()
@@ -571,6 +574,7 @@ class RpcClient:
         return reply
 
     def close(self) -> None:
+        """Close the connection."""
         try:
             self._sock.close()
         except OSError:

@@ -102,6 +102,8 @@ def assign_ranks(regs: list[Registration]) -> dict[int, RankSettings]:
 
 @dataclass
 class JobState:
+    """What the driver knows of one ``run`` job: registrations, rank settings, results, failures."""
+
     num_proc: int
     payload: bytes
     env: dict[str, str]
@@ -158,6 +160,7 @@ class DriverService:
 
     @property
     def address(self) -> tuple[str, int]:
+        """The ``(host, port)`` the service listens on."""
         return self.server.address
 
     def set_rank_env(
@@ -328,26 +331,31 @@ class DriverService:
         self.record_failure(failure, provisional=True)
 
     def abort(self, reason: str) -> None:
+        """Abort the job with ``reason`` (the first reason wins) and wake every waiter."""
         with self._cond:
             if self.state.abort_reason is None:
                 self.state.abort_reason = reason
             self._cond.notify_all()
 
     def wait(self, predicate: Callable[[JobState], bool], timeout: float | None) -> bool:
+        """Wait until ``predicate(state)`` holds; False when ``timeout`` passed first."""
         with self._cond:
             return self._cond.wait_for(lambda: predicate(self.state), timeout=timeout)
 
     def notify(self) -> None:
+        """Wake the waiters of :meth:`wait` to check their predicate again."""
         with self._cond:
             self._cond.notify_all()
 
     def registered_summary(self) -> str:
+        """The registered tasks, for error messages (``task 0 on host (pid …), …``)."""
         regs = sorted(self.state.registrations.values(), key=lambda r: r.index)
         if not regs:
             return "no task registered"
         return ", ".join(f"task {r.index} on {r.host} (pid {r.pid})" for r in regs)
 
     def close(self) -> None:
+        """Abort the job if it is still running and stop the server."""
         if self._pending_abort is not None:
             self._pending_abort.cancel()
         self.abort("driver service closed")

@@ -63,6 +63,8 @@ class ElasticPolicy:
 
 @dataclass
 class ElasticState:
+    """What the elastic driver knows: workers, the round and its members, results, resets."""
+
     workers: dict[str, Worker] = field(default_factory=dict)
     round: int = 0
     members: list[str] = field(default_factory=list)  # worker ids of the round, by rank
@@ -101,6 +103,7 @@ class ElasticDriverService:
 
     @property
     def address(self) -> tuple[str, int]:
+        """The ``(host, port)`` the service listens on."""
         return self.server.address
 
     def _handle(self, kind: str, data: Any, conn: Connection) -> Any:
@@ -325,17 +328,21 @@ class ElasticDriverService:
                 )
 
     def abort(self, reason: str) -> None:
+        """Abort the job with ``reason`` and wake every waiter."""
         with self._cond:
             self._abort(reason, "driver")
 
     def wait(self, predicate: Callable[[ElasticState], bool], timeout: float | None) -> bool:
+        """Wait until ``predicate(state)`` holds; False when ``timeout`` passed first."""
         with self._cond:
             return self._cond.wait_for(lambda: predicate(self.state), timeout=timeout)
 
     def notify(self) -> None:
+        """Wake the waiters of :meth:`wait` to check their predicate again."""
         with self._cond:
             self._cond.notify_all()
 
     def close(self) -> None:
+        """Abort the job if it is still running and stop the server."""
         self.abort("driver service closed")
         self.server.close()

@@ -49,6 +49,7 @@ class _Rendezvous:
 
 
 def main() -> None:
+    """Run one elastic worker: meet the driver, run the function, report, exit."""
     config = read_config()
     start_lifeline()
     lazy_dynamo.install()  # as in task.child: eager training never imports torch._dynamo

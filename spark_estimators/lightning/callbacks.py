@@ -54,6 +54,7 @@ class TerminateOnNaN(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        """Raise naming the epoch, batch and rank when the step's loss is not finite."""
         loss = _step_loss(outputs)
         where = f"epoch {trainer.current_epoch}, batch {batch_idx}, rank {trainer.global_rank}"
         if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
@@ -111,20 +112,24 @@ class StoreCheckpoint(ModelCheckpoint):
 
     @property
     def state_key(self) -> str:
+        """A key distinct from any ``ModelCheckpoint`` the user adds."""
         # Distinct from any ModelCheckpoint the user adds (Lightning refuses duplicate keys).
         return "spark_estimators.StoreCheckpoint"
 
     def state_dict(self) -> dict[str, Any]:
+        """The checkpoint callback's state plus the metric history."""
         state = super().state_dict()
         state["history"] = list(self.history)
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the checkpoint callback's state and the metric history."""
         super().load_state_dict(state_dict)
         self.history = list(state_dict.get("history", self.history))
 
     # -- metrics ---------------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Reset the epoch's running loss."""
         self._loss_sum, self._loss_steps = 0.0, 0
 
     def on_train_batch_end(
@@ -135,6 +140,7 @@ class StoreCheckpoint(ModelCheckpoint):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        """Add the step's loss to the epoch's running sum."""
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         loss = _step_loss(outputs)
         if loss is not None:
@@ -167,6 +173,7 @@ class StoreCheckpoint(ModelCheckpoint):
 
     # -- epoch end: after validation, EarlyStopping and the user's checkpoints ------------------
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Record the epoch's metrics, checkpoint; rank 0 publishes them to store and driver."""
         logs = self._epoch_logs(trainer, pl_module)
         self.history.append(logs)
         super().on_train_epoch_end(trainer, pl_module)

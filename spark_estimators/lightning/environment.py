@@ -40,15 +40,18 @@ class SparkClusterEnvironment(ClusterEnvironment):
 
     @property
     def creates_processes_externally(self) -> bool:
+        """True: the Spark tasks start the rank processes, Lightning must not spawn any."""
         # The Spark tasks start the rank processes; Lightning must not spawn any.
         return True
 
     @property
     def main_address(self) -> str:
+        """The rendezvous host (rank 0's)."""
         return str(self._topology.master_addr)
 
     @property
     def main_port(self) -> int:
+        """The rendezvous port."""
         return int(self._topology.master_port)
 
     @staticmethod
@@ -57,9 +60,11 @@ class SparkClusterEnvironment(ClusterEnvironment):
         return ev.SE_RANK in os.environ and ev.SE_SIZE in os.environ
 
     def world_size(self) -> int:
+        """The number of ranks spark_estimators started."""
         return int(self._topology.size)
 
     def set_world_size(self, size: int) -> None:
+        """Accept Lightning's world size only when it equals ours; raise otherwise."""
         if size != self.world_size():
             raise ConfigurationError(
                 f"Lightning computed a world size of {size} but spark_estimators started "
@@ -67,9 +72,11 @@ class SparkClusterEnvironment(ClusterEnvironment):
             )
 
     def global_rank(self) -> int:
+        """The rank of this process."""
         return int(self._topology.rank)
 
     def set_global_rank(self, rank: int) -> None:
+        """Accept Lightning's global rank only when it equals ours; raise otherwise."""
         if rank != self.global_rank():
             raise ConfigurationError(
                 f"Lightning computed global rank {rank} but this process is rank "
@@ -78,12 +85,15 @@ class SparkClusterEnvironment(ClusterEnvironment):
         rank_zero_only.rank = rank  # type: ignore[attr-defined]
 
     def local_rank(self) -> int:
+        """Always 0: each rank process sees only its own device (``cuda:0``)."""
         return 0
 
     def node_rank(self) -> int:
+        """The global rank: each rank process counts as one node of one device."""
         return self.global_rank()
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """Raise unless the Trainer asks for one device per node and one node per rank."""
         if num_devices != 1 or num_nodes != self.world_size():
             raise ConfigurationError(
                 f"Trainer(devices={num_devices}, num_nodes={num_nodes}) does not match the "

@@ -205,6 +205,7 @@ class StoreBase:
     # ------------------------------------------------------------------------------ layout
     @property
     def prefix_path(self) -> str:
+        """The store's root path or URL, as given."""
         return self._layout.prefix_path
 
     @property
@@ -229,12 +230,15 @@ class StoreBase:
         return self.get_train_data_path(idx) + METADATA_SUFFIX
 
     def saving_runs(self) -> bool:
+        """True when runs (checkpoints, logs) are kept in the store."""
         return self._layout.save_runs
 
     def get_runs_path(self) -> str:
+        """The directory that holds every run."""
         return self._layout.runs_path
 
     def get_run_path(self, run_id: str | None = None) -> str:
+        """The directory of ``run_id`` (default: the bound run)."""
         return join_path(self._layout.runs_path, self._run_id(run_id))
 
     def get_checkpoint_path(self, run_id: str | None = None) -> str:
@@ -274,11 +278,13 @@ class StoreBase:
 
     # ----------------------------------------------------------------------------- queries
     def exists(self, path: str) -> bool:
+        """True when ``path`` exists (file or directory)."""
         import pyarrow.fs as pafs
 
         return self._info(path).type != pafs.FileType.NotFound
 
     def isdir(self, path: str) -> bool:
+        """True when ``path`` is a directory."""
         import pyarrow.fs as pafs
 
         return self._info(path).type == pafs.FileType.Directory
@@ -312,6 +318,7 @@ class StoreBase:
 
     # ----------------------------------------------------------------------------- reading
     def read_bytes(self, path: str) -> bytes:
+        """The whole content of the file at ``path``."""
         with (
             self._io_errors("read", path),
             self.filesystem.open_input_stream(self.fs_path(path)) as src,
@@ -319,6 +326,7 @@ class StoreBase:
             return bytes(src.read())
 
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """The content of the file at ``path``, decoded."""
         return self.read_bytes(path).decode(encoding)
 
     @contextlib.contextmanager
@@ -371,6 +379,7 @@ class StoreBase:
                     shutil.copyfileobj(buf, out, _COPY_CHUNK)
 
     def write_bytes(self, path: str, data: bytes, *, atomic: bool = False) -> None:
+        """Write ``data`` to ``path``; ``atomic=True``: readers see the old or the new file only."""
         with self.open_write(path, atomic=atomic) as out:
             out.write(data)
 
@@ -381,6 +390,7 @@ class StoreBase:
     def write_text(
         self, path: str, text: str, *, atomic: bool = False, encoding: str = "utf-8"
     ) -> None:
+        """Write ``text`` to ``path``, encoded; ``atomic`` as in :meth:`write_bytes`."""
         self.write_bytes(path, text.encode(encoding), atomic=atomic)
 
     def upload_file(self, local_path: str, path: str, *, atomic: bool = False) -> None:
@@ -586,14 +596,17 @@ class RemoteStore(StoreBase):
 
     @property
     def run_id(self) -> str | None:
+        """The run this view is bound to (the default of every run-path method), or None."""
         return self._bound_run_id
 
     @property
     def train_data_path(self) -> str:
+        """The training data of the bound dataset."""
         return self.get_train_data_path(self.dataset_idx)
 
     @property
     def val_data_path(self) -> str:
+        """The validation data of the bound dataset."""
         return self.get_val_data_path(self.dataset_idx)
 
 

@@ -164,6 +164,7 @@ class HDFSStore(Store):
         return path
 
     def full_path(self, path: str) -> str:
+        """``path`` as an ``hdfs://`` URL (absolute paths get the store's namenode)."""
         if path.startswith("/"):
             return self._url_prefix + path
         return super().full_path(path)

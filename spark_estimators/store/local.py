@@ -137,6 +137,7 @@ class DbfsFilesystemSpec(LocalFilesystemSpec):
     fuse_root: str = "/dbfs"
 
     def to_fs_path(self, path: str) -> str:
+        """``dbfs:/`` paths as their FUSE mount path; other paths as for a local store."""
         if is_dbfs_path(path):
             return dbfs_local_path(path, self.fuse_root)
         return super().to_fs_path(path)

@@ -79,6 +79,7 @@ class LockInfo:
     heartbeat: float
 
     def to_bytes(self) -> bytes:
+        """The lock as canonical JSON bytes."""
         return json.dumps(asdict(self), sort_keys=True).encode("utf-8")
 
     @staticmethod

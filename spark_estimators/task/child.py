@@ -35,6 +35,7 @@ def _wait_for_other_ranks(client: Any) -> None:
 
 
 def main() -> None:
+    """Run one rank: fetch the function from the driver, run it, report its result or failure."""
     config = read_config()
     start_lifeline()
     lazy_dynamo.install()  # eager training never pays for importing torch._dynamo

@@ -67,6 +67,7 @@ def host_hash(executor_address: str = "") -> str:
 
 
 def free_port() -> int:
+    """A TCP port that was free a moment ago on this host."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
@@ -103,6 +104,7 @@ def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict
 
 
 def task_gpus(ctx: Any, use_gpu: bool | None) -> tuple[str, ...]:
+    """The GPU addresses Spark assigned to this task (none when ``use_gpu`` is False)."""
     if use_gpu is False:
         return ()
     try:
@@ -114,6 +116,7 @@ def task_gpus(ctx: Any, use_gpu: bool | None) -> tuple[str, ...]:
 
 
 def write_child_config(stream: IO[bytes], config: dict[str, Any]) -> None:
+    """Send the rank's settings to its child: a length-prefixed pickle on its stdin."""
     blob = pickle.dumps(config)
     stream.write(struct.pack("!I", len(blob)) + blob)
     stream.flush()
@@ -132,6 +135,7 @@ class OutputForwarder:
         self._readers: list[threading.Thread] = []
 
     def attach(self, pipe: IO[bytes], stream: str) -> None:
+        """Forward the lines of ``pipe`` (the child's ``stream``) from a reader thread."""
         t = threading.Thread(target=self._read_loop, args=(pipe, stream), daemon=True)
         t.start()
         self._readers.append(t)
@@ -168,6 +172,7 @@ class OutputForwarder:
                     return
 
     def close(self, timeout: float = 5.0) -> None:
+        """Wait for the readers to reach EOF, then send what is left and stop the sender."""
         for t in self._readers:
             t.join(timeout)
         self._queue.put(None)
@@ -178,6 +183,7 @@ ABORT_REAP_S = 0.5
 
 
 def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child's whole process group (its own children too)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -224,6 +230,7 @@ def watch_abort(
 
 
 def describe_exit(code: int) -> str:
+    """An exit code in words (``exited with code 1``, ``was killed by signal SIGKILL``)."""
     if code < 0:
         try:
             name = signal.Signals(-code).name

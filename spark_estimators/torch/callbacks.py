@@ -28,6 +28,7 @@ class EarlyStopping:
         self.stopped_epoch: int | None = None
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+        """Track the monitored metric; stop after more than ``patience`` epochs without gain."""
         if self.monitor not in logs:
             raise KeyError(
                 f"EarlyStopping monitors {self.monitor!r}, which is not among the logged "
