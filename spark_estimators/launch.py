@@ -38,7 +38,9 @@ from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any
 
 from spark_estimators import envvars as ev
+from spark_estimators import run_options
 from spark_estimators._base.child import exit_now, start_lifeline
+from spark_estimators._base.processes import exit_words, kill_group
 from spark_estimators.errors import ConfigurationError, RemoteError, TrainingFailedError
 
 if TYPE_CHECKING:
@@ -126,13 +128,6 @@ def _parent_death_signal() -> Callable[[], None] | None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
     return preexec
-
-
-def _kill_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class _Supervisor:
@@ -236,16 +231,7 @@ class _Supervisor:
 
     def _kill_all(self, sig: int) -> None:
         for proc in self.procs:
-            _kill_group(proc, sig)
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
+            kill_group(proc, sig)
 
 
 # -- run_local: a Python function in N processes --------------------------------------------
@@ -374,7 +360,7 @@ def _collect(
             failures[rank] = RemoteError(
                 rank,
                 host,
-                f"the rank process {_describe(code)} without reporting a result",
+                f"the rank process {exit_words(code)} without reporting a result",
                 exit_code=code,
             )
     return results, failures, stopped
@@ -409,32 +395,6 @@ def _worker_main(payload_path: str) -> None:
 
 
 # -- command line ----------------------------------------------------------------------------
-#: horovodrun flags with no equivalent here -> the run_options.UNSUPPORTED entry explaining why.
-_UNSUPPORTED_FLAGS = {
-    ("-H", "--hosts"): "hosts",
-    ("-hostfile", "--hostfile"): "hostfile",
-    ("--mpi-args",): "extra_mpi_args",
-    ("--min-np",): "min_np",
-    ("--max-np",): "max_np",
-    ("--host-discovery-script",): "host_discovery_script",
-    ("--cycle-time-ms",): "cycle_time_ms",
-    ("--cache-capacity",): "cache_capacity",
-}
-_UNSUPPORTED_SWITCHES = {
-    ("--autotune",): "autotune",
-    ("--hierarchical-allreduce",): "hierarchical_allreduce",
-}
-
-
-class _Unsupported(argparse.Action):
-    """Fails the command line naming the horovodrun flag and what to use instead."""
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
-        from spark_estimators.run_options import UNSUPPORTED
-
-        parser.error(f"{option} is not supported: {UNSUPPORTED[self.dest]}")
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m spark_estimators.launch",
@@ -456,10 +416,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline-mark-cycles", action="store_true",
                    help="accepted for horovodrun compatibility (no cycles to mark)")  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="accepted (horovodrun's flag)")
-    for flags, key in _UNSUPPORTED_FLAGS.items():
-        p.add_argument(*flags, dest=key, action=_Unsupported, help=argparse.SUPPRESS)
-    for flags, key in _UNSUPPORTED_SWITCHES.items():
-        p.add_argument(*flags, dest=key, nargs=0, action=_Unsupported, help=argparse.SUPPRESS)
+    run_options.add_unsupported_launcher_flags(p)
     p.add_argument("--start-timeout", type=float, help=f"seconds, sets {ev.START_TIMEOUT}")
     p.add_argument(
         "--collective-timeout", type=float, help=f"seconds, sets {ev.COLLECTIVE_TIMEOUT}"
@@ -539,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     others = sorted(r for r in codes if r != failed)
     sys.stderr.write(
-        f"spark_estimators.launch: rank {failed} {_describe(codes[failed])}; "
+        f"spark_estimators.launch: rank {failed} {exit_words(codes[failed])}; "
         f"stopped the other ranks {others}\n"
     )
     code = codes[failed]

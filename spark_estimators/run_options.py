@@ -16,6 +16,7 @@ The others raise :class:`~spark_estimators.errors.ConfigurationError` naming wha
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import Any
 
@@ -151,4 +152,43 @@ def elastic_arguments(
     return args, kwargs
 
 
-__all__ = ["UNSUPPORTED", "check_unsupported", "elastic_arguments", "nics_env", "rank_env"]
+#: horovodrun flags with no equivalent here -> the :data:`UNSUPPORTED` entry explaining why.
+_UNSUPPORTED_FLAGS = {
+    ("-H", "--hosts"): "hosts",
+    ("-hostfile", "--hostfile"): "hostfile",
+    ("--mpi-args",): "extra_mpi_args",
+    ("--min-np",): "min_np",
+    ("--max-np",): "max_np",
+    ("--host-discovery-script",): "host_discovery_script",
+    ("--cycle-time-ms",): "cycle_time_ms",
+    ("--cache-capacity",): "cache_capacity",
+}
+_UNSUPPORTED_SWITCHES = {
+    ("--autotune",): "autotune",
+    ("--hierarchical-allreduce",): "hierarchical_allreduce",
+}
+
+
+class _Unsupported(argparse.Action):
+    """Fails the command line naming the horovodrun flag and what to use instead."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        parser.error(f"{option} is not supported: {UNSUPPORTED[self.dest]}")
+
+
+def add_unsupported_launcher_flags(parser: argparse.ArgumentParser) -> None:
+    """Add horovodrun's flags that have no equivalent; each fails naming what to use instead."""
+    for flags, key in _UNSUPPORTED_FLAGS.items():
+        parser.add_argument(*flags, dest=key, action=_Unsupported, help=argparse.SUPPRESS)
+    for flags, key in _UNSUPPORTED_SWITCHES.items():
+        parser.add_argument(*flags, dest=key, nargs=0, action=_Unsupported, help=argparse.SUPPRESS)
+
+
+__all__ = [
+    "UNSUPPORTED",
+    "add_unsupported_launcher_flags",
+    "check_unsupported",
+    "elastic_arguments",
+    "nics_env",
+    "rank_env",
+]

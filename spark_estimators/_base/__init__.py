@@ -11,5 +11,6 @@ up. ``tests/unit/test_import_graph.py`` checks it.
 - :mod:`.output`: printing the ranks' output lines with their rank;
 - :mod:`.environ`: checking a user's ``env=`` for the rank processes;
 - :mod:`.child`: what every rank process does around the user's function (read its settings,
-  die with its parent, flush and exit).
+  die with its parent, flush and exit);
+- :mod:`.processes`: the parent's side (kill a rank's process group, its exit in words).
 """

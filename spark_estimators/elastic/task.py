@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from spark_estimators._base.processes import kill_group
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import SparkEstimatorsError
 from spark_estimators.task.scratch import create_scratch, remove_scratch
@@ -25,7 +26,6 @@ from spark_estimators.task.spark_task import (
     TaskConfig,
     describe_exit,
     host_hash,
-    kill_group,
     task_gpus,
     watch_abort,
     write_child_config,

@@ -17,7 +17,6 @@ import hashlib
 import os
 import pickle
 import queue
-import signal
 import socket
 import struct
 import subprocess
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from spark_estimators import envvars as ev
+from spark_estimators._base.processes import exit_words, kill_group
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import RemoteError
 from spark_estimators.task.scratch import create_scratch, remove_scratch
@@ -182,14 +182,6 @@ class OutputForwarder:
 ABORT_REAP_S = 0.5
 
 
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the child's whole process group (its own children too)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _abort_child(proc: subprocess.Popen[bytes], aborted: threading.Event) -> None:
     """Kill the rank because the job aborts.
 
@@ -230,14 +222,9 @@ def watch_abort(
 
 
 def describe_exit(code: int) -> str:
-    """An exit code in words (``exited with code 1``, ``was killed by signal SIGKILL``)."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = str(-code)
-        return f"the rank process was killed by signal {name}"
-    return f"the rank process exited with code {code} without reporting a result"
+    """A rank process's end in words, for a rank that did not report a result."""
+    words = exit_words(code)
+    return f"the rank process {words}" + ("" if code < 0 else " without reporting a result")
 
 
 def run_rank(

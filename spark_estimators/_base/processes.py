@@ -1,0 +1,30 @@
+"""The parent's side of a rank process: killing its process group, saying how it ended.
+
+Shared by the Spark task (:mod:`spark_estimators.task.spark_task`), the elastic task and the
+local launcher (:mod:`spark_estimators.launch`). Each rank process leads its own process group,
+so a signal to the group reaches the processes the user's function started too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+
+def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` (default SIGKILL) to the process group that ``proc`` leads; gone is fine."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def exit_words(code: int) -> str:
+    """How a process ended, from its return code: ``exited with code 1``, ``was killed by ...``."""
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
