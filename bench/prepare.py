@@ -1,0 +1,116 @@
+"""prepare_data vs ``df.repartition(n).write.parquet`` of the same columns, same run.
+
+Usage:
+    .venv/bin/python bench/prepare.py --rounds 8
+
+The horovod preset's data (100k rows: 10 float features assembled into one ML vector column by
+VectorAssembler, plus a float label; cached), written by ``prepare_data(2, ...)`` (a new store
+each time, so nothing is cached) and by the DECISIONS baseline
+``df.select(cols).repartition(n).write.parquet`` with the same ``n`` (the partitions prepare_data
+chose), alternating which goes first. Also the 11 scalar columns without the assembler. Printed:
+seconds and Spark jobs per case and round, medians and the ratio of medians (target <= 1.15x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any
+
+
+def timed_jobs(spark: Any, fn: Any) -> tuple[float, int, Any]:
+    sc = spark.sparkContext
+    group = f"bench-{uuid.uuid4().hex}"
+    sc.setJobGroup(group, group)
+    try:
+        t0 = time.perf_counter()
+        out = fn()
+        seconds = time.perf_counter() - t0
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    return seconds, len(sc.statusTracker().getJobIdsForGroup(group)), out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=100_000)
+    args = parser.parse_args()
+
+    from pyspark.ml.feature import VectorAssembler
+    from pyspark.sql import functions as F
+
+    from spark_estimators.core.session import create_local_session
+    from spark_estimators.data import prepare_data
+    from spark_estimators.store import LocalStore
+
+    spark = create_local_session("local[2]")
+    spark.sparkContext.setLogLevel("ERROR")
+    nf = 10
+    names = [f"f{i}" for i in range(nf)]
+    df = spark.range(args.rows, numPartitions=2).select(
+        *[F.rand(seed=i).alias(n) for i, n in enumerate(names)]
+    )
+    df = df.withColumn("y", sum(F.col(n) * (i + 1) for i, n in enumerate(names)) / nf).cache()
+    df.count()
+    assembler = VectorAssembler(inputCols=names, outputCol="features")
+    vdf = assembler.transform(df).select("features", "y").cache()
+    vdf.count()
+    datasets = {"vector": (vdf, ["features"]), "scalars": (df, names)}
+    print(f"{args.rows} rows, prepare_data(2, ...) vs repartition(n).write.parquet, local[2]")
+    print("load average at start:", os.getloadavg())
+    times: dict[str, list[float]] = {}
+    parts: dict[str, int] = {}
+
+    def ours(frame: Any, features: list[str], tmp: str) -> Any:
+        store = LocalStore(os.path.join(tmp, "store"))
+        return prepare_data(2, store, frame, features, ["y"], verbose=0)
+
+    def base(frame: Any, features: list[str], tmp: str, n: int) -> Any:
+        return frame.select(*features, "y").repartition(n).write.parquet(os.path.join(tmp, "b"))
+
+    for rnd in range(args.rounds + 1):  # round 0 warms up Spark's Python workers
+        for label, (frame, features) in datasets.items():
+            if rnd == 0:
+                tmp = tempfile.mkdtemp(prefix="bench-prepare-")
+                parts[label] = ours(frame, features, tmp).params["partitions"]
+                shutil.rmtree(tmp, ignore_errors=True)
+                continue
+            order = ["ours", "base"] if rnd % 2 else ["base", "ours"]
+            got = {}
+            for name in order:
+                tmp = tempfile.mkdtemp(prefix="bench-prepare-")
+                if name == "ours":
+                    got[name] = timed_jobs(spark, lambda: ours(frame, features, tmp))  # noqa: B023
+                else:
+                    got[name] = timed_jobs(
+                        spark,
+                        lambda: base(frame, features, tmp, parts[label]),  # noqa: B023
+                    )
+                shutil.rmtree(tmp, ignore_errors=True)
+                times.setdefault(f"{label} {name}", []).append(got[name][0])
+            print(
+                f"round {rnd} {label:7s}: prepare_data {got['ours'][0]:.2f} s "
+                f"({got['ours'][1]} jobs, {parts[label]} partitions), "
+                f"baseline {got['base'][0]:.2f} s ({got['base'][1]} jobs), "
+                f"ratio {got['ours'][0] / got['base'][0]:.2f}",
+                flush=True,
+            )
+    for label in datasets:
+        ours_med = statistics.median(times[f"{label} ours"])
+        base_med = statistics.median(times[f"{label} base"])
+        print(
+            f"median {label}: prepare_data {ours_med:.2f} s, baseline {base_med:.2f} s, "
+            f"ratio {ours_med / base_med:.2f}"
+        )
+    print("load average at end:", os.getloadavg())
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
