@@ -1,7 +1,7 @@
 """Defer ``import torch._dynamo`` in a rank process until something really needs TorchDynamo.
 
 Why: importing ``torch._dynamo`` costs about 1.3 s of CPU here (sympy, torch.fx, inductor
-modules), as much as ``import torch`` itself, and eager training pulls it in only for two
+modules), as much as ``import torch`` itself, and eager training pulls it in only for
 no-ops. torch's optimizers decorate ``add_param_group``, ``zero_grad``, ``state_dict`` and
 ``load_state_dict`` with ``torch._disable_dynamo`` (whose wrapper runs
 ``torch._dynamo.disable(fn, recursive, wrapping=False)`` on first call) and wrap ``step`` in
@@ -10,9 +10,11 @@ no-ops. torch's optimizers decorate ``add_param_group``, ``zero_grad``, ``state_
 nothing can be compiling before ``torch._dynamo`` is loaded: ``torch.compile`` needs it.
 
 How: :func:`install` puts an import hook in ``sys.meta_path`` that answers the first
-``import torch._dynamo`` with a small stand-in module. The stand-in serves exactly those two
-names without TorchDynamo: ``graph_break()`` does nothing, and ``disable(fn, recursive,
-wrapping=False)`` (torch's internal call) returns a wrapper that calls ``fn``. Any other use --
+``import torch._dynamo`` with a small stand-in module. The stand-in serves what eager code uses
+without TorchDynamo: ``graph_break()`` does nothing, ``disable(fn, recursive, wrapping=False)``
+(torch's internal call) returns a wrapper that calls ``fn``, and
+``trace_rules.clear_lru_cache()`` (``init_process_group`` calls it when ``torch._dynamo`` is in
+``sys.modules``) has no cache to clear. Any other use --
 ``torch.compile``, ``torch._dynamo.reset``, ``torch.export``, a submodule import, ``disable``
 called by user code -- loads the real ``torch._dynamo`` first, and from then on everything is
 TorchDynamo's own: the stand-in forwards every name to it, ``torch._dynamo`` and
@@ -133,6 +135,23 @@ def _disable(
     return _load_real().disable(fn, recursive, reason=reason, wrapping=wrapping)
 
 
+class _TraceRules:
+    """``torch._dynamo.trace_rules`` as ``init_process_group`` touches it.
+
+    torch.distributed clears TorchDynamo's trace-rule caches when ``torch._dynamo`` is in
+    ``sys.modules``; before the real module is loaded nothing was traced, so nothing is cached.
+    Any other name is the real module's.
+    """
+
+    def clear_lru_cache(self) -> None:
+        real = _real
+        if real is not None:
+            real.trace_rules.clear_lru_cache()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_load_real().trace_rules, name)
+
+
 def _module_getattr(name: str) -> Any:
     return getattr(_load_real(), name)
 
@@ -147,6 +166,7 @@ def _make_stand_in(spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
             "__se_stand_in__": True,  # read by _is_stand_in
             "graph_break": _graph_break,
             "disable": _disable,
+            "trace_rules": _TraceRules(),
         }
     )
     return module

@@ -109,3 +109,19 @@ def test_user_code_using_torch_dynamo_gets_the_real_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=200)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["3", "False", "True", "True"]
+
+
+def test_init_process_group_after_the_stand_in_does_not_load_torch_dynamo(tmp_path):
+    # A rank's preload thread (or an optimizer built first) creates the stand-in before
+    # init_process_group, which then clears torch._dynamo.trace_rules' caches.
+    code = (
+        "from spark_estimators.task import lazy_dynamo; lazy_dynamo.install()\n"
+        "import sys, torch, torch._dynamo, torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/rdv', rank=0,"
+        " world_size=1)\n"
+        "t = torch.ones(2); dist.all_reduce(t); dist.destroy_process_group()\n"
+        "print(t.tolist(), 'torch._dynamo.eval_frame' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("]")[-1].split() == ["False"]
