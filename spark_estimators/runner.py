@@ -31,6 +31,7 @@ import cloudpickle
 
 from spark_estimators import envvars as ev
 from spark_estimators import run_options
+from spark_estimators._base.console_bar import SPARK_CONSOLE_BAR
 from spark_estimators._base.environ import validate_env
 from spark_estimators._base.output import OutputPrinter
 from spark_estimators._base.pickling import (  # noqa: F401  dumps_by_value: its old home
@@ -243,9 +244,13 @@ def run(
 
         pmi = serve_mpi_job(svc, driver_host)
     launcher = _Launch(spark, svc, num_proc, job_id, timeout, collective_backend, use_gpu, secret)
+    # The barrier stage's bar says nothing while ranks run ("(0 + n) / n" until they end) and
+    # Spark draws it over the ranks' forwarded lines: muted for the job, restored after it.
+    SPARK_CONSOLE_BAR.mute()
     try:
         return launcher.run(verbose)
     finally:
+        SPARK_CONSOLE_BAR.unmute()
         if pmi is not None:
             pmi.close()
         svc.close()

@@ -33,6 +33,16 @@ def as_model_array(values: np.ndarray) -> np.ndarray:
     raise TypeError(f"cannot feed a column of dtype {values.dtype} to a model")
 
 
+def for_torch(values: np.ndarray) -> np.ndarray:
+    """C-contiguous and writable, ready for ``torch.from_numpy``.
+
+    Batches read from Arrow are read-only views; ``torch.from_numpy`` of one warns (a
+    UserWarning in every rank's and every transform worker's output) because a model that
+    writes into its input would write into Arrow's buffers. Those are copied, others are not.
+    """
+    return np.require(values, requirements=("C", "W"))
+
+
 def shape_column(
     values: np.ndarray, shape: Sequence[int] | None, scalar_as_column: bool = True
 ) -> np.ndarray:

@@ -94,10 +94,10 @@ class BatchConverter:
             values = tensors.as_model_array(np.asarray(arrays[col]))
             # The rule of TorchEstimator and transform(): [-1, ...] is the full shape.
             values = tensors.shape_column(values, shape, scalar_as_column=False)
-            out[col] = torch.from_numpy(np.ascontiguousarray(values))
+            out[col] = torch.from_numpy(tensors.for_torch(values))
         if self.sample_weight_col:
             weights = np.asarray(arrays[self.sample_weight_col], dtype=np.float32)
-            out[self.sample_weight_col] = torch.from_numpy(np.ascontiguousarray(weights))
+            out[self.sample_weight_col] = torch.from_numpy(tensors.for_torch(weights))
         return out
 
 
@@ -458,7 +458,7 @@ def _output_shapes(
 
     module.eval()
     arrays = tensors.model_inputs(reader.peek(), spec.feature_cols, spec.input_shapes)
-    inputs = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+    inputs = [torch.from_numpy(tensors.for_torch(a)) for a in arrays]
     try:
         with torch.no_grad():
             out = module(*inputs)

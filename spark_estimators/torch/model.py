@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from spark_estimators.core import tensors
 from spark_estimators.core.model import Predictor, SparkModel
 from spark_estimators.torch.serialization import model_from_bytes, model_to_bytes
 
@@ -29,7 +30,7 @@ class TorchPredictor(Predictor):
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
         with torch.no_grad():
-            out = model(*[torch.from_numpy(a).to(device) for a in inputs])
+            out = model(*[torch.from_numpy(tensors.for_torch(a)).to(device) for a in inputs])
         outs = list(out) if isinstance(out, list | tuple) else [out]
         return [o.detach().cpu().double().numpy() for o in outs]
 

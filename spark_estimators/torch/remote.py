@@ -130,11 +130,11 @@ class _Batches:
         weights = None
         if spec.sample_weight_col:
             weights = torch.from_numpy(
-                np.asarray(batch[spec.sample_weight_col], dtype=np.float32)
+                tensors.for_torch(np.asarray(batch[spec.sample_weight_col], dtype=np.float32))
             ).to(self.device)
         return (
-            [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in inputs],
-            [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in labels],
+            [torch.from_numpy(tensors.for_torch(a)).to(self.device) for a in inputs],
+            [torch.from_numpy(tensors.for_torch(a)).to(self.device) for a in labels],
             weights,
         )
 

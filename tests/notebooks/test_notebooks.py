@@ -8,6 +8,7 @@ so a failing assert fails its test here. The kernel is this interpreter's ``pyth
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,44 @@ NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 900
 
 pytestmark = [pytest.mark.spark, pytest.mark.multiprocess]
+
+# A warning-looking line in a notebook's output fails its test unless it is one of these
+# third-party lines, which no setting of ours can avoid:
+THIRD_PARTY_LINES = {
+    # The JVM (Java 17+) starting Spark 4 in the kernel.
+    "jvm": re.compile(r"WARNING: Using incubator modules: jdk\.incubator\.vector"),
+    # Spark's start-up banner names its log level.
+    "spark banner": re.compile(r'Setting default log level to "WARN"'),
+    # Hadoop inside the JVM: no native libraries in the pyspark wheel.
+    "hadoop": re.compile(r"WARN NativeCodeLoader: Unable to load native-hadoop library"),
+    # TensorFlow's C++ runtime when it is imported (the kernel, Keras ranks, transform
+    # workers), printed before TF_CPP_MIN_LOG_LEVEL is read.
+    "tensorflow": re.compile(
+        r"WARNING: All log messages before absl::InitializeLog\(\) is called are written"
+    ),
+}
+WARNING_LINE = re.compile(r"[A-Za-z]*Warning\b|\bWARN(ING)?\b|IProgress")
+# Spark's stage bar with other text written right after it on the same line.
+BAR_THEN_TEXT = re.compile(r"\(\d+ \+ \d+\) / \d+\](?!\[Stage|\s|$)")
+# ipykernel forwards the JVM's and the Python workers' stderr (fd 2) into cell outputs, as in a
+# user's notebook, except under pytest (it checks PYTEST_CURRENT_TEST): hide that variable.
+KERNEL_ENV = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def output_problems(nb) -> list[str]:
+    """Warning lines not from THIRD_PARTY_LINES, and lines where text follows Spark's bar."""
+    problems = []
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        text = "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream")
+        for line in text.replace("\r", "\n").splitlines():
+            if WARNING_LINE.search(line) and not any(
+                p.search(line) for p in THIRD_PARTY_LINES.values()
+            ):
+                problems.append(f"code cell {i}: {line[:300]}")
+        for raw in text.splitlines():
+            if BAR_THEN_TEXT.search(raw):
+                problems.append(f"code cell {i}, text after Spark's bar: {raw[-300:]}")
+    return problems
 
 
 def test_the_notebooks_directory_has_notebooks():
@@ -42,9 +81,11 @@ def test_notebook_runs_top_to_bottom(path):
         resources={"metadata": {"path": str(REPO)}},
     )
     try:
-        client.execute()
+        client.execute(env=KERNEL_ENV)
     except nbclient.exceptions.CellExecutionError as exc:
         pytest.fail(f"{path.name} failed:\n{exc}")
+    problems = output_problems(nb)
+    assert not problems, f"{path.name}: warnings or interleaved output:\n" + "\n".join(problems)
 
 
 FIT_CELLS = [
@@ -110,6 +151,20 @@ shown.close()
 slow_job()
 """,
     """\
+import spark_estimators
+
+
+def hello(magic_number):
+    import spark_estimators.collective.torch as hvd
+
+    hvd.init()
+    print(f"Hello, rank = {hvd.rank()}, magic_number = {magic_number}")
+    return hvd.rank()
+
+
+assert spark_estimators.run(hello, args=(42,), num_proc=2) == [0, 1]
+""",
+    """\
 spark.stop()
 """,
 ]
@@ -126,11 +181,8 @@ def test_fit_output_in_a_kernel_is_one_display_without_warnings():
     client = nbclient.NotebookClient(
         nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", resources={"metadata": {"path": "."}}
     )
-    # ipykernel forwards the JVM's stderr (fd 2) into cell outputs, as in a user's notebook,
-    # except under pytest (it checks PYTEST_CURRENT_TEST): hide that variable from the kernel.
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
     try:
-        client.execute(env=env)
+        client.execute(env=KERNEL_ENV)
     except nbclient.exceptions.CellExecutionError as exc:
         pytest.fail(f"the notebook failed:\n{exc}")
     single, transform, concurrent = nb.cells[2], nb.cells[3], nb.cells[4]
@@ -150,3 +202,9 @@ def test_fit_output_in_a_kernel_is_one_display_without_warnings():
     muted, restored = nb.cells[5], nb.cells[6]
     assert "[Stage" not in _stream_text(muted, "stderr"), _stream_text(muted, "stderr")
     assert "[Stage" in _stream_text(restored, "stderr"), restored.outputs
+    # run(): the ranks' lines, and no stage bar drawn over them.
+    ran = nb.cells[7]
+    hello = sorted(line for line in _stream_text(ran, "stdout").splitlines() if "Hello" in line)
+    assert hello == [f"[{r}]Hello, rank = {r}, magic_number = 42" for r in (0, 1)], ran.outputs
+    assert "[Stage" not in _stream_text(ran, "stderr"), _stream_text(ran, "stderr")
+    assert not output_problems(nb), output_problems(nb)
