@@ -3,8 +3,9 @@
 A real local Spark Connect server (``SparkSession.builder.remote("local[2]")``) runs in a child
 process (a classic session already lives in this one) and drives ``scripts/connect_steps.py``:
 run, run_elastic, the README quickstart (TorchEstimator fit + transform), fit_on_parquet,
-Pipeline save/load, bad input, and a LightningEstimator and a KerasEstimator fit + transform. The same steps then run here on the classic ``spark`` fixture,
-and both must give the same answers.
+Pipeline save/load, bad input, and a LightningEstimator and a KerasEstimator fit + transform.
+The same steps then run here on the classic ``spark`` fixture, and both must give the same
+answers.
 """
 
 from __future__ import annotations
