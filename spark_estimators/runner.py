@@ -50,6 +50,7 @@ from spark_estimators._base.session import (
 )
 from spark_estimators.driver.rpc import new_secret
 from spark_estimators.driver.service import DriverService, JobState, is_consequence
+from spark_estimators.elastic import run_elastic  # noqa: F401  (spark_estimators.run_elastic)
 from spark_estimators.errors import (
     ConfigurationError,
     RendezvousTimeoutError,
@@ -360,15 +361,3 @@ class _Launch:
         if missing:
             raise TrainingFailedError(f"ranks {missing} finished without reporting a result")
         return [cloudpickle.loads(state.results[r]) for r in range(self.num_proc)]
-
-
-def run_elastic(*args: Any, **kwargs: Any) -> list[Any]:
-    """Fault-tolerant :func:`run`; see :func:`spark_estimators.elastic.launcher.run_elastic`.
-
-    Also takes Horovod's names ``min_np`` / ``max_np`` / ``np``, ``nics`` and ``timeline`` (see
-    :mod:`spark_estimators.run_options`).
-    """
-    from spark_estimators.elastic.launcher import run_elastic as _run_elastic
-
-    args, kwargs = run_options.elastic_arguments(args, kwargs)  # Horovod's names (min_np, ...)
-    return list(_run_elastic(*args, **kwargs))

@@ -140,7 +140,7 @@ def prepare_data(
     >>> with prepare_data(2, store, df, ["features"], ["label"], validation=0.1) as meta:
     ...     meta.train_rows, meta.shapes["features"]  # doctest: +SKIP
     """
-    from spark_estimators.core.session import ensure_driver_side
+    from spark_estimators._base.session import ensure_driver_side
 
     ensure_driver_side("prepare_data")
     plan = _check_args(

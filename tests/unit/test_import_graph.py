@@ -123,7 +123,7 @@ def test_the_graph_sees_the_package():
     lifecycle = "spark_estimators.collective.api.lifecycle"
     assert "spark_estimators.collective.runtime.engine" in top[lifecycle]
     # run_elastic imports the elastic launcher when called: a deferred edge.
-    assert "spark_estimators.elastic.launcher" in deferred["spark_estimators.runner"]
+    assert "spark_estimators.elastic.launcher" in deferred["spark_estimators.elastic"]
     # a circle is found when there is one
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
 
