@@ -94,24 +94,31 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         return self
 
     def setNumProc(self, value: int) -> SparkEstimator:
+        """Sets the value of ``numProc``."""
         return self._set(numProc=value)
 
     def setEpochs(self, value: int) -> SparkEstimator:
+        """Sets the value of ``epochs``."""
         return self._set(epochs=value)
 
     def setBatchSize(self, value: int) -> SparkEstimator:
+        """Sets the value of ``batchSize``."""
         return self._set(batchSize=value)
 
     def setStore(self, value: Any) -> SparkEstimator:
+        """Sets the value of ``store``."""
         return self._set(store=value)
 
     def setRunId(self, value: str) -> SparkEstimator:
+        """Sets the value of ``runId``."""
         return self._set(runId=value)
 
     def setOutputCols(self, value: list[str]) -> SparkEstimator:
+        """Sets the value of ``outputCols``."""
         return self._set(outputCols=value)
 
     def copy(self, extra: Any = None) -> SparkEstimator:
+        """A copy with ``extra`` params set; models and optimizers in params are shared."""
         # Params holding models/optimizers are shared, not deep-copied (as pyspark does).
         return super().copy(extra)
 

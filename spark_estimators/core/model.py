@@ -38,6 +38,7 @@ class Predictor:
     """
 
     def load(self, blob: bytes) -> Any:
+        """The framework model from the bytes the estimator stored."""
         raise NotImplementedError
 
     def predict(self, model: Any, inputs: list[Any]) -> list[Any]:
@@ -120,6 +121,8 @@ def predict_udf(spec: dict[str, Any], batches: Iterator[Any]) -> Iterator[Any]:
 
 
 class ModelParams(HasOutputCols):
+    """The params every model shares: columns, input shapes, output columns, batch size."""
+
     featureCols = Param(
         Params._dummy(), "featureCols", "feature columns", TypeConverters.toListString
     )
@@ -136,22 +139,28 @@ class ModelParams(HasOutputCols):
         )
 
     def getFeatureCols(self) -> list[str]:
+        """Gets the value of ``featureCols`` or its default value."""
         return self.getOrDefault(self.featureCols)
 
     def getLabelCols(self) -> list[str]:
+        """Gets the value of ``labelCols`` or its default value."""
         return self.getOrDefault(self.labelCols)
 
     def getInputShapes(self) -> Any:
+        """Gets the value of ``inputShapes`` or its default value."""
         return self.getOrDefault(self.inputShapes)
 
     def getTransformBatchSize(self) -> int:
+        """Gets the value of ``transformBatchSize`` or its default value."""
         return self.getOrDefault(self.transformBatchSize)
 
     # horovod's HorovodModel names
     def getFeatureColumns(self) -> list[str]:
+        """Horovod's spelling of :meth:`getFeatureCols`."""
         return self.getFeatureCols()
 
     def getLabelColumns(self) -> list[str]:
+        """Horovod's spelling of :meth:`getLabelCols`."""
         return self.getLabelCols()
 
 
@@ -188,12 +197,15 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
         return list(self._history)
 
     def getRunId(self) -> str | None:
+        """The run id of the fit that trained this model (its checkpoints and logs in the store)."""
         return self._run_id
 
     def setOutputCols(self, value: list[str]) -> SparkModel:
+        """Sets the value of ``outputCols``."""
         return self._set(outputCols=value)
 
     def setTransformBatchSize(self, value: int) -> SparkModel:
+        """Sets the value of ``transformBatchSize``."""
         return self._set(transformBatchSize=value)
 
     def getOutputCols(self) -> list[str]:
@@ -201,6 +213,7 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
         return self.output_cols()
 
     def output_cols(self) -> list[str]:
+        """The prediction columns: ``outputCols`` when set, else ``<label>__output`` per label."""
         cols = self.getOrDefault(self.outputCols)
         return list(cols) if cols else [f"{c}__output" for c in self.getLabelCols()]
 

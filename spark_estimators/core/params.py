@@ -14,6 +14,7 @@ from pyspark.ml.param.shared import HasOutputCols
 
 
 def make_param(name: str, doc: str, conv: Any = TypeConverters.identity) -> Param:
+    """A Spark ML ``Param`` named ``name`` with ``doc`` and a type converter."""
     return Param(Params._dummy(), name, doc, typeConverter=conv)
 
 
@@ -90,6 +91,7 @@ ALIASES: dict[str, str] = {
 
 
 def to_camel(name: str) -> str:
+    """The Param name of a constructor keyword (``num_proc`` -> ``numProc``)."""
     return ALIASES.get(name, name)
 
 
@@ -262,154 +264,204 @@ class EstimatorParams(HasOutputCols):
 
     # Typed getters (pyspark style). getOutputCols comes from HasOutputCols.
     def getNumProc(self) -> int | None:
+        """Gets the value of ``numProc`` or its default value."""
         return self.getOrDefault(self.numProc)
 
     def getBackend(self) -> Any:
+        """Gets the value of ``backend`` or its default value."""
         return self.getOrDefault(self.backend)
 
     def getCollectiveBackend(self) -> str:
+        """Gets the value of ``collectiveBackend`` or its default value."""
         return self.getOrDefault(self.collectiveBackend)
 
     def getStore(self) -> Any:
+        """Gets the value of ``store`` or its default value."""
         return self.getOrDefault(self.store)
 
     def getModel(self) -> Any:
+        """Gets the value of ``model`` or its default value."""
         return self.getOrDefault(self.model)
 
     def getOptimizer(self) -> Any:
+        """Gets the value of ``optimizer`` or its default value."""
         return self.getOrDefault(self.optimizer)
 
     def getLoss(self) -> Any:
+        """Gets the value of ``loss`` or its default value."""
         return self.getOrDefault(self.loss)
 
     def getLossWeights(self) -> list[float] | None:
+        """Gets the value of ``lossWeights`` or its default value."""
         return self.getOrDefault(self.lossWeights)
 
     def getSampleWeightCol(self) -> str | None:
+        """Gets the value of ``sampleWeightCol`` or its default value."""
         return self.getOrDefault(self.sampleWeightCol)
 
     def getMetrics(self) -> Any:
+        """Gets the value of ``metrics`` or its default value."""
         return self.getOrDefault(self.metrics)
 
     def getFeatureCols(self) -> list[str]:
+        """Gets the value of ``featureCols`` or its default value."""
         return self.getOrDefault(self.featureCols)
 
     def getLabelCols(self) -> list[str]:
+        """Gets the value of ``labelCols`` or its default value."""
         return self.getOrDefault(self.labelCols)
 
     def getInputShapes(self) -> Any:
+        """Gets the value of ``inputShapes`` or its default value."""
         return self.getOrDefault(self.inputShapes)
 
     def getLabelShapes(self) -> Any:
+        """Gets the value of ``labelShapes`` or its default value."""
         return self.getOrDefault(self.labelShapes)
 
     def getValidation(self) -> Any:
+        """Gets the value of ``validation`` or its default value."""
         return self.getOrDefault(self.validation)
 
     def getCallbacks(self) -> Any:
+        """Gets the value of ``callbacks`` or its default value."""
         return self.getOrDefault(self.callbacks)
 
     def getBatchSize(self) -> int:
+        """Gets the value of ``batchSize`` or its default value."""
         return self.getOrDefault(self.batchSize)
 
     def getValBatchSize(self) -> int | None:
+        """Gets the value of ``valBatchSize`` or its default value."""
         return self.getOrDefault(self.valBatchSize)
 
     def getEpochs(self) -> int:
+        """Gets the value of ``epochs`` or its default value."""
         return self.getOrDefault(self.epochs)
 
     def getTrainStepsPerEpoch(self) -> int | None:
+        """Gets the value of ``trainStepsPerEpoch`` or its default value."""
         return self.getOrDefault(self.trainStepsPerEpoch)
 
     def getValidationStepsPerEpoch(self) -> int | None:
+        """Gets the value of ``validationStepsPerEpoch`` or its default value."""
         return self.getOrDefault(self.validationStepsPerEpoch)
 
     def getShuffle(self) -> bool:
+        """Gets the value of ``shuffle`` or its default value."""
         return self.getOrDefault(self.shuffle)
 
     def getRandomSeed(self) -> int | None:
+        """Gets the value of ``randomSeed`` or its default value."""
         return self.getOrDefault(self.randomSeed)
 
     def getRunId(self) -> str | None:
+        """Gets the value of ``runId`` or its default value."""
         return self.getOrDefault(self.runId)
 
     def getTransformationFn(self) -> Any:
+        """Gets the value of ``transformationFn`` or its default value."""
         return self.getOrDefault(self.transformationFn)
 
     def getInmemoryCacheAll(self) -> bool:
+        """Gets the value of ``inmemoryCacheAll`` or its default value."""
         return self.getOrDefault(self.inmemoryCacheAll)
 
     def getUseGpu(self) -> bool | None:
+        """Gets the value of ``useGpu`` or its default value."""
         return self.getOrDefault(self.useGpu)
 
     def getBackwardPassesPerStep(self) -> int:
+        """Gets the value of ``backwardPassesPerStep`` or its default value."""
         return self.getOrDefault(self.backwardPassesPerStep)
 
     def getGradientCompression(self) -> Any:
+        """Gets the value of ``gradientCompression`` or its default value."""
         return self.getOrDefault(self.gradientCompression)
 
     def getPartitionsPerProcess(self) -> int | None:
+        """Gets the value of ``partitionsPerProcess`` or its default value."""
         return self.getOrDefault(self.partitionsPerProcess)
 
     def getTrainReaderNumWorkers(self) -> int:
+        """Gets the value of ``trainReaderNumWorkers`` or its default value."""
         return self.getOrDefault(self.trainReaderNumWorkers)
 
     def getValReaderNumWorkers(self) -> int:
+        """Gets the value of ``valReaderNumWorkers`` or its default value."""
         return self.getOrDefault(self.valReaderNumWorkers)
 
     def getReader(self) -> str:
+        """Gets the value of ``reader`` or its default value."""
         return self.getOrDefault(self.reader)
 
     def getScaleLr(self) -> bool:
+        """Gets the value of ``scaleLr`` or its default value."""
         return self.getOrDefault(self.scaleLr)
 
     def getStartTimeout(self) -> float:
+        """Gets the value of ``startTimeout`` or its default value."""
         return self.getOrDefault(self.startTimeout)
 
     def getVerbose(self) -> int:
+        """Gets the value of ``verbose`` or its default value."""
         return self.getOrDefault(self.verbose)
 
     def getTransformBatchSize(self) -> int:
+        """Gets the value of ``transformBatchSize`` or its default value."""
         return self.getOrDefault(self.transformBatchSize)
 
     def getElastic(self) -> bool:
+        """Gets the value of ``elastic`` or its default value."""
         return self.getOrDefault(self.elastic)
 
     def getMinNumProc(self) -> int | None:
+        """Gets the value of ``minNumProc`` or its default value."""
         return self.getOrDefault(self.minNumProc)
 
     def getResetLimit(self) -> int:
+        """Gets the value of ``resetLimit`` or its default value."""
         return self.getOrDefault(self.resetLimit)
 
     def getShuffleBufferSize(self) -> int | None:
+        """Gets the value of ``shuffleBufferSize`` or its default value."""
         return self.getOrDefault(self.shuffleBufferSize)
 
     def getCompressSparseCols(self) -> bool:
+        """Gets the value of ``compressSparseCols`` or its default value."""
         return self.getOrDefault(self.compressSparseCols)
 
     # horovod's spellings of a few accessors
     def getShufflingBufferSize(self) -> int | None:
+        """Horovod's spelling of :meth:`getShuffleBufferSize`."""
         return self.getShuffleBufferSize()
 
     def setShufflingBufferSize(self, value: int | None) -> Any:
+        """Sets the value of ``shuffleBufferSize``."""
         return self._set(shuffleBufferSize=value)
 
     def getTrainReaderNumWorker(self) -> int:
+        """Horovod's spelling of :meth:`getTrainReaderNumWorkers`."""
         return self.getTrainReaderNumWorkers()
 
     def setTrainReaderNumWorker(self, value: int) -> Any:
+        """Sets the value of ``trainReaderNumWorkers``."""
         return self._set(trainReaderNumWorkers=value)
 
     def getValReaderNumWorker(self) -> int:
+        """Horovod's spelling of :meth:`getValReaderNumWorkers`."""
         return self.getValReaderNumWorkers()
 
     def setValReaderNumWorker(self, value: int) -> Any:
+        """Sets the value of ``valReaderNumWorkers``."""
         return self._set(valReaderNumWorkers=value)
 
     def getInMemoryCacheAll(self) -> bool:
+        """Horovod's spelling of :meth:`getInmemoryCacheAll`."""
         return self.getInmemoryCacheAll()
 
     def setInMemoryCacheAll(self, value: bool) -> Any:
+        """Sets the value of ``inmemoryCacheAll``."""
         return self._set(inmemoryCacheAll=value)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

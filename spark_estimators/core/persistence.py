@@ -151,6 +151,7 @@ class StageWriter(MLWriter):
         self._key = key
 
     def saveImpl(self, path: str) -> None:
+        """Write the JSON metadata and ``stage.pkl`` (other params, the model) with its digest."""
         inst = self.instance
         json_params: dict[str, Any] = {}
         blob_params: dict[str, Any] = {}
@@ -185,6 +186,7 @@ class StageReader(MLReader):
         self._key = key
 
     def load(self, path: str) -> Any:
+        """Verify ``stage.pkl`` against its digest (and HMAC with a key), then rebuild the stage."""
         metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
         blob_path = path.rstrip("/") + "/" + BLOB_NAME
         with _open(blob_path, "rb") as f:
@@ -210,15 +212,19 @@ class PersistenceMixin(MLWritable, MLReadable):
     """
 
     def write(self) -> MLWriter:
+        """A writer of this stage (``.write().overwrite().save(path)``)."""
         return StageWriter(self)
 
     def save(self, path: str, key: str | bytes | None = None) -> None:
+        """Save to ``path``; ``key`` (or ``SPARK_ESTIMATORS_MODEL_KEY``) signs it with an HMAC."""
         StageWriter(self, key=key).save(path)
 
     @classmethod
     def read(cls) -> MLReader:
+        """A reader of this class's stages."""
         return StageReader(cls)
 
     @classmethod
     def load(cls, path: str, key: str | bytes | None = None) -> Any:
+        """Load a stage saved by :meth:`save`; ``key`` checks its HMAC (see the module doc)."""
         return StageReader(cls, key=key).load(path)

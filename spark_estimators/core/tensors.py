@@ -102,6 +102,7 @@ def model_inputs(
     shapes: Sequence[Any] | None,
     scalar_as_column: bool = True,
 ) -> list[np.ndarray]:
+    """The model's input arrays for ``cols``, each shaped by its entry of ``shapes``."""
     out = []
     for i, col in enumerate(cols):
         shape = None if shapes is None else shapes[i]

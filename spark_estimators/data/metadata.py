@@ -60,22 +60,26 @@ class ColumnInfo:
 
     @property
     def is_sparse(self) -> bool:
+        """True for a sparse vector column (stored as indices and values)."""
         return self.kind in ("sparse_vector", "vector_udt")
 
     @property
     def size(self) -> int:
+        """Number of values per row (the product of ``shape``)."""
         out = 1
         for dim in self.shape:
             out *= dim
         return out
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the column."""
         d = asdict(self)
         d["shape"] = list(self.shape)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ColumnInfo:
+        """The column of a :meth:`to_dict` dict."""
         return cls(d["name"], d["kind"], d["dtype"], tuple(d["shape"]), d.get("spark_type", ""))
 
 
@@ -89,6 +93,7 @@ class ParquetFileInfo:
     row_groups: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the file."""
         return {
             "path": self.path,
             "rows": self.rows,
@@ -98,6 +103,7 @@ class ParquetFileInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ParquetFileInfo:
+        """The file of a :meth:`to_dict` dict."""
         return cls(d["path"], int(d["rows"]), int(d["bytes"]), tuple(d["row_groups"]))
 
 
@@ -126,22 +132,27 @@ class DatasetMetadata:
     # ------------------------------------------------------------------------------ facts
     @property
     def train_rows(self) -> int:
+        """Rows of the training split."""
         return sum(f.rows for f in self.train_files)
 
     @property
     def val_rows(self) -> int:
+        """Rows of the validation split (0 without one)."""
         return sum(f.rows for f in self.val_files)
 
     @property
     def train_bytes(self) -> int:
+        """Bytes of the training split's files."""
         return sum(f.bytes for f in self.train_files)
 
     @property
     def val_bytes(self) -> int:
+        """Bytes of the validation split's files."""
         return sum(f.bytes for f in self.val_files)
 
     @property
     def has_val(self) -> bool:
+        """True when there is validation data."""
         return self.val_rows > 0
 
     @property
@@ -151,14 +162,17 @@ class DatasetMetadata:
 
     @property
     def dtypes(self) -> dict[str, str]:
+        """Column name -> numpy dtype name."""
         return {name: col.dtype for name, col in self.columns.items()}
 
     def files(self, split: str = "train") -> list[ParquetFileInfo]:
+        """The Parquet files of ``split`` (``"train"`` or ``"val"``)."""
         if split not in SPLITS:
             raise ConfigurationError(f"split {split!r} is not one of {SPLITS!r}")
         return self.train_files if split == "train" else self.val_files
 
     def rows(self, split: str = "train") -> int:
+        """Rows of ``split`` (``"train"`` or ``"val"``)."""
         return sum(f.rows for f in self.files(split))
 
     def __enter__(self) -> DatasetMetadata:
@@ -169,6 +183,7 @@ class DatasetMetadata:
 
     # ---------------------------------------------------------------------- serialisation
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of the whole metadata (``format_version`` included)."""
         return {
             "format_version": self.format_version,
             "dataset_idx": self.dataset_idx,
@@ -187,6 +202,7 @@ class DatasetMetadata:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DatasetMetadata:
+        """The metadata of a :meth:`to_dict` dict; raise on an unknown ``format_version``."""
         version = int(d.get("format_version", 0))
         if version > FORMAT_VERSION:
             raise StoreError(
@@ -210,10 +226,12 @@ class DatasetMetadata:
         )
 
     def to_json(self) -> str:
+        """The metadata as JSON (sorted keys), as stored next to the data."""
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> DatasetMetadata:
+        """The metadata of a :meth:`to_json` text."""
         return cls.from_dict(json.loads(text))
 
     def save(self, store: Any) -> str:
@@ -297,6 +315,7 @@ class DatasetMetadata:
 
 
 def now_iso() -> str:
+    """The current UTC time, ISO 8601 to the second."""
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 

@@ -90,6 +90,7 @@ class PetastormBatchReader:
         return self.steps_per_epoch
 
     def set_epoch(self, epoch: int) -> None:
+        """Set the epoch (it seeds the shuffle order of the next pass)."""
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[Batch]:

@@ -93,12 +93,15 @@ class KerasEstimator(SparkEstimator):
         self.setParams(**kwargs)
 
     def getCustomObjects(self) -> dict[str, Any]:
+        """Gets the value of ``customObjects`` or its default value."""
         return dict(self.getOrDefault("customObjects") or {})
 
     def getCheckpointCallback(self) -> Any:
+        """Gets the value of ``checkpointCallback`` or its default value."""
         return self.getOrDefault("checkpointCallback")
 
     def getBackendEnv(self) -> dict[str, str]:
+        """Gets the value of ``backendEnv`` or its default value."""
         return dict(self.getOrDefault("backendEnv") or {})
 
     # -- validation ------------------------------------------------------------------------------

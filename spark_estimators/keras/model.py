@@ -56,6 +56,7 @@ class KerasPredictor(Predictor):
     """Loads the Keras model once per Python worker and predicts numpy batches."""
 
     def load(self, blob: bytes) -> Any:
+        """The Keras model from its bytes, with its custom objects."""
         if "tensorflow" not in sys.modules:
             # An executor's Python worker: quiet TensorFlow before its first import.
             os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -65,6 +66,7 @@ class KerasPredictor(Predictor):
         return load_keras_model(state["keras"], custom)
 
     def predict(self, model: Any, inputs: list[Any]) -> list[Any]:
+        """Run the model on one batch of input arrays and return one array per output."""
         import numpy as np
 
         out = model.predict_on_batch(inputs[0] if len(inputs) == 1 else inputs)

@@ -190,24 +190,31 @@ class LightningEstimator(SparkEstimator):
         self.setParams(**kwargs)
 
     def getNumGpus(self) -> int | None:
+        """Gets the value of ``numGpus`` or its default value."""
         return self.getOrDefault(self.numGpus)
 
     def getLogger(self) -> Any:
+        """Gets the value of ``logger`` or its default value."""
         return self.getOrDefault(self.logger)
 
     def getLogEveryNSteps(self) -> int:
+        """Gets the value of ``logEveryNSteps`` or its default value."""
         return self.getOrDefault(self.logEveryNSteps)
 
     def getTrainerArgs(self) -> dict[str, Any]:
+        """Gets the value of ``trainerArgs`` or its default value."""
         return dict(self.getOrDefault(self.trainerArgs) or {})
 
     def getProfiler(self) -> Any:
+        """Gets the value of ``profiler`` or its default value."""
         return self.getOrDefault(self.profiler)
 
     def getTerminateOnNan(self) -> bool:
+        """Gets the value of ``terminateOnNan`` or its default value."""
         return self.getOrDefault(self.terminateOnNan)
 
     def getLoaderNumEpochs(self) -> int | None:
+        """Gets the value of ``loaderNumEpochs`` or its default value."""
         return self.getOrDefault(self.loaderNumEpochs)
 
     # -- validation ------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ class TorchPredictor(Predictor):
     """Loads a pickled ``torch.nn.Module`` once per Python worker and predicts numpy batches."""
 
     def load(self, blob: bytes) -> Any:
+        """The torch model from its bytes (TorchScript or pickled), in eval mode on this device."""
         import torch
 
         from spark_estimators.task import get_device
@@ -25,6 +26,7 @@ class TorchPredictor(Predictor):
         return model
 
     def predict(self, model: Any, inputs: list[Any]) -> list[Any]:
+        """Run the model on one batch of input arrays and return one array per output."""
         import torch
 
         first = next(iter(model.parameters()), None)

@@ -34,6 +34,7 @@ def is_script_module(model: Any) -> bool:
 
 
 def script_to_bytes(model: Any) -> bytes:
+    """A TorchScript module as bytes (``torch.jit.save``)."""
     import torch
 
     buf = io.BytesIO()
@@ -42,6 +43,7 @@ def script_to_bytes(model: Any) -> bytes:
 
 
 def script_from_bytes(blob: bytes, map_location: Any = "cpu") -> Any:
+    """The TorchScript module of :func:`script_to_bytes`, on ``map_location``."""
     import torch
 
     return torch.jit.load(io.BytesIO(blob), map_location=map_location)
@@ -54,6 +56,7 @@ class ScriptedModel:
     blob: bytes
 
     def load(self) -> Any:
+        """The TorchScript module these bytes hold."""
         return script_from_bytes(self.blob)
 
 
@@ -67,6 +70,7 @@ class OptimizerRecipe:
 
     @classmethod
     def of(cls, optimizer: Any, model: Any) -> OptimizerRecipe:
+        """The recipe of ``optimizer``: class, param groups (by position in ``model``), state."""
         position = {id(p): i for i, p in enumerate(model.parameters())}
         groups = []
         for group in optimizer.param_groups:
@@ -76,6 +80,7 @@ class OptimizerRecipe:
         return cls(type(optimizer), groups, optimizer.state_dict())
 
     def build(self, model: Any) -> Any:
+        """A new optimizer of the recipe over ``model``'s parameters."""
         params = list(model.parameters())
         groups = [{**g, "params": [params[i] for i in g["params"]]} for g in self.groups]
         optimizer = self.cls(groups)
