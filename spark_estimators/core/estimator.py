@@ -17,6 +17,7 @@ from typing import Any
 from pyspark.ml import Estimator
 
 from spark_estimators.core.backend import Backend, SparkBackend
+from spark_estimators.core.checkpoint import CheckpointInfo, start_fields
 from spark_estimators.core.params import ALIASES, EstimatorParams, check_unsupported, to_camel
 from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.core.progress import EpochProgress
@@ -450,7 +451,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
         remote_store: Any,
         meta: Any,
         run_id: str,
-        info: dict[str, Any] | None,
+        info: CheckpointInfo | None,
     ) -> dict[str, Any]:
         """The :class:`~spark_estimators.core.spec.TrainSpec` fields every framework shares.
 
@@ -472,7 +473,6 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
             "batch_size": self.getBatchSize(),
             "val_batch_size": self.getValBatchSize() or self.getBatchSize(),
             "epochs": self.getEpochs(),
-            "start_epoch": 0 if info is None else int(info["epoch"]) + 1,
             "train_steps_per_epoch": self.getTrainStepsPerEpoch(),
             "validation_steps_per_epoch": self.getValidationStepsPerEpoch(),
             "shuffle": self.getShuffle(),
@@ -482,8 +482,8 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
             "reader": self.getReader(),
             "train_reader_num_workers": self.getTrainReaderNumWorkers(),
             "val_reader_num_workers": self.getValReaderNumWorkers(),
-            "history": [] if info is None else list(info.get("history", [])),
             "shuffle_buffer_size": self.getShuffleBufferSize(),
+            **start_fields(info),
         }
 
     @staticmethod

@@ -208,12 +208,12 @@ class KerasEstimator(SparkEstimator):
         return backend
 
     def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> Any:
+        from spark_estimators.core.checkpoint import read_info
         from spark_estimators.keras.remote import (
             KerasTrainSpec,
             KerasUserObjects,
             model_to_bytes,
             optimizer_recipe,
-            read_checkpoint_info,
         )
 
         custom = self.getCustomObjects()
@@ -240,7 +240,7 @@ class KerasEstimator(SparkEstimator):
                 "custom layers need get_config() (and custom_objects=...)"
             ) from exc
         remote_store = store.to_remote() if hasattr(store, "to_remote") else store
-        info = read_checkpoint_info(store, run_id)
+        info = read_info(store, run_id, "keras")
         return KerasTrainSpec(
             **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
             model_bytes=model_bytes,

@@ -19,8 +19,6 @@ checkpoint on hot-start, and run the real ``model.fit`` on the sharded reader as
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -40,14 +38,14 @@ if os.environ.get(envvars.SE_RANK) is not None:
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from spark_estimators.core import tensors
+from spark_estimators.core import checkpoint, tensors
 from spark_estimators.core.spec import TrainSpec  # noqa: E402
 from spark_estimators.task.scratch import make_temp_dir, scratch_root  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.keras"
-CHECKPOINT_INFO = "checkpoint.json"
+FRAMEWORK = "keras"
 
 
 @dataclass(kw_only=True)
@@ -129,24 +127,9 @@ def optimizer_from_recipe(recipe: tuple[Any, dict[str, Any]]) -> Any:
     return cls.from_config(config)
 
 
-def checkpoint_paths(store: Any, run_id: str) -> tuple[str, str]:
-    base = store.get_checkpoint_path(run_id).rstrip("/")
-    return base + "/" + CHECKPOINT_FILE, base + "/" + CHECKPOINT_INFO
-
-
-def read_checkpoint_info(store: Any, run_id: str) -> dict[str, Any] | None:
-    """The last finished epoch and history of a run, or None when it has no checkpoint."""
-    _, info = checkpoint_paths(store, run_id)
-    if not store.exists(info):
-        return None
-    return dict(json.loads(store.read_text(info)))
-
-
-def weights_fingerprint(model: Any) -> str:
-    h = hashlib.sha256()
-    for w in model.weights:
-        h.update(np.ascontiguousarray(w.numpy()).tobytes())
-    return h.hexdigest()
+def checkpoint_path(store: Any, run_id: str) -> str:
+    """The run's ``checkpoint.keras`` in ``store`` (its info file: core/checkpoint.py)."""
+    return store.get_checkpoint_path(run_id).rstrip("/") + "/" + CHECKPOINT_FILE
 
 
 # -- rank setup ----------------------------------------------------------------------------------
@@ -297,17 +280,19 @@ class StoreCheckpoint(keras.callbacks.Callback):
         entry: dict[str, Any] = {"epoch": int(epoch)}
         entry.update({k: _plain(v) for k, v in (logs or {}).items()})
         self.history.append(entry)
-        ckpt, info = checkpoint_paths(spec.store, spec.run_id)
+        ckpt = checkpoint_path(spec.store, spec.run_id)
         with tempfile.TemporaryDirectory(prefix="se-keras-ckpt-", dir=scratch_root()) as tmp:
             local = os.path.join(tmp, CHECKPOINT_FILE)
             self.model.save(local)
             spec.store.upload_file(local, ckpt, atomic=True)
-        spec.store.write_bytes_atomic(
-            info,
-            json.dumps({"epoch": int(epoch), "size": self.size, "history": self.history}).encode(
-                "utf-8"
-            ),
+        info = checkpoint.CheckpointInfo(
+            framework=FRAMEWORK,
+            epoch=int(epoch),
+            num_proc=self.size,
+            history=tuple(self.history),
+            fingerprint=checkpoint.keras_fingerprint(self.model),
         )
+        checkpoint.write_info(spec.store, spec.run_id, info)
         from spark_estimators.store.base import CHECKPOINTS_SUBDIR, LOGS_SUBDIR
 
         for subdir, local_dir in self.local_dirs.items():
@@ -372,7 +357,7 @@ def _redirect(cb: Any, local_dirs: dict[str, str]) -> None:
     """Point a ModelCheckpoint at a local dir synced to the run's ``checkpoints/``."""
     local = local_dirs.setdefault("checkpoints", make_temp_dir("se-ckpt-"))
     name = os.path.basename(str(cb.filepath)) or "model.keras"
-    if name in (CHECKPOINT_FILE, CHECKPOINT_INFO):
+    if name in (CHECKPOINT_FILE, checkpoint.INFO_FILE):
         name = "user_" + name  # the store checkpoint of the run has that name
     cb.filepath = os.path.join(local, name)
 
@@ -401,9 +386,9 @@ def _restore(model: Any, spec: KerasTrainSpec, size: int) -> None:
     hot start with another ``num_proc``) it is re-scaled to ``size``, keeping whatever a
     callback such as ReduceLROnPlateau did to it.
     """
-    ckpt, info_path = checkpoint_paths(spec.store, spec.run_id)
-    info = json.loads(spec.store.read_text(info_path)) if spec.store.exists(info_path) else {}
-    saved_size = int(info.get("size", size))
+    ckpt = checkpoint_path(spec.store, spec.run_id)
+    info = checkpoint.read_info(spec.store, spec.run_id)
+    saved_size = size if info is None or info.num_proc is None else info.num_proc
     tmp = make_temp_dir("se-keras-restore-")
     try:
         local = os.path.join(tmp, CHECKPOINT_FILE)
@@ -467,7 +452,7 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
             shuffle=False,  # the reader shuffles (seeded per epoch and rank)
             verbose=2 if spec.verbose >= 2 and rank == 0 else 0,
         )
-        result: dict[str, Any] = {"rank": rank, "fingerprint": weights_fingerprint(model)}
+        result: dict[str, Any] = {"rank": rank, "fingerprint": checkpoint.keras_fingerprint(model)}
         if rank == 0:
             _load_checkpoint_callback_weights(model, user)
     finally:

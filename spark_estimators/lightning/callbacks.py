@@ -9,7 +9,6 @@ and log directories into the store and reports the epoch to the driver.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -19,13 +18,13 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
+from spark_estimators.core import checkpoint
+
 logger = logging.getLogger(__name__)
 
 #: Name (without ``.ckpt``) of the checkpoint a hot-start resumes from.
 LAST_CHECKPOINT = "last_epoch"
 CHECKPOINT_SUFFIX = ".ckpt"
-#: JSON next to the checkpoints: last finished epoch, history, checkpoint file (driver reads it).
-CHECKPOINT_INFO = "checkpoint.json"
 FRAMEWORK = "lightning"
 
 
@@ -178,12 +177,18 @@ class StoreCheckpoint(ModelCheckpoint):
         self.history.append(logs)
         super().on_train_epoch_end(trainer, pl_module)
         if trainer.is_global_zero:
-            self.publish(trainer.current_epoch)
+            self.publish(
+                trainer.current_epoch,
+                num_proc=trainer.world_size,
+                fingerprint=checkpoint.torch_fingerprint(pl_module),
+            )
             from spark_estimators.task import send_event
 
             send_event("epoch", logs)
 
-    def publish(self, epoch: int | None) -> None:
+    def publish(
+        self, epoch: int | None, num_proc: int | None = None, fingerprint: str | None = None
+    ) -> None:
         """Copy checkpoints and logs into the store (rank 0); ``epoch`` also updates the info."""
         store, run_id = self.store, self.run_id
         local = str(self.dirpath)
@@ -194,15 +199,16 @@ class StoreCheckpoint(ModelCheckpoint):
             store.sync_dir(self.logs_dir, run_id, subdir="logs")
         if epoch is None:
             return
-        info = {
-            "epoch": epoch,
-            "history": self.history,
-            "checkpoint": LAST_CHECKPOINT + CHECKPOINT_SUFFIX,
-            "framework": FRAMEWORK,
-        }
+        info = checkpoint.CheckpointInfo(
+            framework=FRAMEWORK,
+            epoch=epoch,
+            num_proc=num_proc,
+            history=tuple(self.history),
+            fingerprint=fingerprint,
+            extra={"checkpoint": LAST_CHECKPOINT + CHECKPOINT_SUFFIX},
+        )
         # Written last: an info file always names a complete checkpoint.
-        path = store.get_checkpoint_path(run_id).rstrip("/") + "/" + CHECKPOINT_INFO
-        store.write_bytes_atomic(path, json.dumps(info).encode("utf-8"))
+        checkpoint.write_info(store, run_id, info)
 
     def _mirror_deletions(self, local_dir: str) -> None:
         """Delete store checkpoints that ModelCheckpoint removed locally (its top-k pruning)."""

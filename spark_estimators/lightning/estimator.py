@@ -332,7 +332,7 @@ class LightningEstimator(SparkEstimator):
     def _training_spec(
         self, meta: Any, store: Any, run_id: str, num_proc: int
     ) -> LightningTrainSpec:
-        from spark_estimators.torch.remote import read_checkpoint_info
+        from spark_estimators.core.checkpoint import read_info
 
         user = LightningUserObjects(
             model=self.getModel(),
@@ -342,12 +342,7 @@ class LightningEstimator(SparkEstimator):
             transformation_fn=self.getTransformationFn(),
         )
         roots = [user.model, *user.callbacks, *_listify(user.logger), user.transformation_fn]
-        info = read_checkpoint_info(store, run_id)
-        if info is not None and info.get("framework") != FRAMEWORK:
-            raise ConfigurationError(
-                f"run_id={run_id!r} holds checkpoints of another estimator; use a new run_id "
-                "or delete the run with store.delete_run(run_id)"
-            )
+        info = read_info(store, run_id, FRAMEWORK)
         remote_store = store.to_remote(run_id) if hasattr(store, "to_remote") else store
         return LightningTrainSpec(
             **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
@@ -358,7 +353,7 @@ class LightningEstimator(SparkEstimator):
             trainer_args=self.getTrainerArgs(),
             terminate_on_nan=self.getTerminateOnNan(),
             verbose=self.getVerbose(),
-            checkpoint_file=None if info is None else str(info["checkpoint"]),
+            checkpoint_file=None if info is None else str(info.extra["checkpoint"]),
         )
 
     def _remote_trainer(self) -> Any:

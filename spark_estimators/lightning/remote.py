@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from spark_estimators import envvars as ev
-from spark_estimators.core import tensors
+from spark_estimators.core import checkpoint, tensors
 from spark_estimators.core.spec import TrainSpec
 from spark_estimators.task.scratch import make_temp_dir, remove_at_rank_exit
 
@@ -311,7 +311,6 @@ def _fit(
     from pytorch_lightning.callbacks import ModelCheckpoint
 
     from spark_estimators.lightning.callbacks import StoreCheckpoint, TerminateOnNaN
-    from spark_estimators.torch.remote import _epoch_steps, _fingerprint
     from spark_estimators.torch.serialization import load_checkpoint
 
     logs_dir = os.path.join(run_dir, "logs")
@@ -347,7 +346,7 @@ def _fit(
     train_reader = _open_reader(spec, "train", user.transformation_fn)
     train_loader = ReaderLoader(
         train_reader,
-        _epoch_steps(train_reader, spec.train_steps_per_epoch),
+        checkpoint.epoch_steps(train_reader, spec.train_steps_per_epoch),
         convert,
         epoch_fn=lambda: trainer.current_epoch,
     )
@@ -355,7 +354,7 @@ def _fit(
     if spec.meta.has_val:
         val_reader = _open_reader(spec, "val", user.transformation_fn)
         val_loader = ReaderLoader(
-            val_reader, _epoch_steps(val_reader, spec.validation_steps_per_epoch), convert
+            val_reader, checkpoint.epoch_steps(val_reader, spec.validation_steps_per_epoch), convert
         )
     trainer.fit(
         module,
@@ -365,7 +364,7 @@ def _fit(
         **_weights_only_resume(trainer, ckpt_path, spec.checkpoint_file),
     )
 
-    result: dict[str, Any] = {"rank": rank, "fingerprint": _fingerprint(module)}
+    result: dict[str, Any] = {"rank": rank, "fingerprint": checkpoint.torch_fingerprint(module)}
     if rank == 0:
         store_ckpt.publish(None)  # files written after the last epoch (profiler, logger close)
         module = module.cpu()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from spark_estimators.core.checkpoint import read_info
 from spark_estimators.core.estimator import HOROVOD_DATA_MODULE_KEYWORDS, SparkEstimator
 from spark_estimators.core.params import make_param
 from spark_estimators.errors import ConfigurationError
@@ -29,7 +30,6 @@ from spark_estimators.torch.model import TorchModel
 from spark_estimators.torch.remote import (
     TorchTrainSpec,
     UserObjects,
-    read_checkpoint_info,
     train,
 )
 
@@ -175,7 +175,7 @@ class TorchEstimator(SparkEstimator):
             user.train_minibatch_fn,
         ]
         remote_store = store.to_remote() if hasattr(store, "to_remote") else store
-        info = read_checkpoint_info(store, run_id)
+        info = read_info(store, run_id, "torch")
         return TorchTrainSpec(
             **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
             loss_weights=self.getLossWeights(),

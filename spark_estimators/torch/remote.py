@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import importlib
 import inspect
 import io
-import json
 import logging
 import shutil
 import sys
@@ -29,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_estimators.core import tensors
+from spark_estimators.core import checkpoint, tensors
 from spark_estimators.core.spec import TrainSpec
 from spark_estimators.task.scratch import make_temp_dir
 from spark_estimators.torch import serialization
@@ -37,7 +35,7 @@ from spark_estimators.torch import serialization
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
-CHECKPOINT_INFO = "checkpoint.json"
+FRAMEWORK = "torch"
 
 
 @dataclass(kw_only=True)
@@ -64,16 +62,9 @@ class UserObjects:
 
 
 def checkpoint_paths(store: Any, run_id: str) -> tuple[str, str]:
+    """The run's ``checkpoint.pt`` and ``checkpoint.json`` paths in ``store``."""
     base = store.get_checkpoint_path(run_id)
-    return base.rstrip("/") + "/" + CHECKPOINT_FILE, base.rstrip("/") + "/" + CHECKPOINT_INFO
-
-
-def read_checkpoint_info(store: Any, run_id: str) -> dict[str, Any] | None:
-    """The last finished epoch and history of a run, or None when it has no checkpoint."""
-    _, info = checkpoint_paths(store, run_id)
-    if not store.exists(info):
-        return None
-    return dict(json.loads(store.read_text(info)))
+    return base.rstrip("/") + "/" + CHECKPOINT_FILE, checkpoint.info_path(store, run_id)
 
 
 def metric_name(metric: Any) -> str:
@@ -95,14 +86,6 @@ def metric_plan(metrics: list[Any], label_cols: list[str]) -> list[tuple[str, An
         for i, (fn, col) in enumerate(zip(fns, label_cols, strict=True)):
             plan.append((f"{metric_name(fn)}_{col}" if several else metric_name(fn), fn, i))
     return plan
-
-
-def _fingerprint(model: Any) -> str:
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _call(callbacks: list[Any], hook: str, *args: Any) -> None:
@@ -232,15 +215,6 @@ def _as_list(outputs: Any) -> list[Any]:
     return list(outputs) if isinstance(outputs, list | tuple) else [outputs]
 
 
-def _epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int:
-    steps = int(reader.steps_per_epoch)
-    if limit is not None:
-        steps = min(steps, int(limit)) if steps else int(limit)
-    if multiple > 1:
-        steps = max(multiple, steps - steps % multiple)
-    return steps
-
-
 def send_event(kind: str, data: Any) -> None:
     from spark_estimators.task import send_event as _send
 
@@ -328,7 +302,7 @@ def _save_checkpoint(
 ) -> None:
     import torch
 
-    ckpt, info = checkpoint_paths(spec.store, spec.run_id)
+    ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
     buf = io.BytesIO()
     torch.save(
         {
@@ -342,9 +316,14 @@ def _save_checkpoint(
     )
     spec.store.write_bytes_atomic(ckpt, buf.getvalue())
     # Written second: an info file always names a complete checkpoint.
-    spec.store.write_bytes_atomic(
-        info, json.dumps({"epoch": epoch, "history": history}).encode("utf-8")
+    info = checkpoint.CheckpointInfo(
+        framework=FRAMEWORK,
+        epoch=epoch,
+        num_proc=hvd_size(),
+        history=tuple(history),
+        fingerprint=checkpoint.torch_fingerprint(model),
     )
+    checkpoint.write_info(spec.store, spec.run_id, info)
 
 
 class _TensorBoard:
@@ -463,10 +442,12 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     val_reader = (
         spec.open_reader("val", rank, size, user.transformation_fn) if spec.meta.has_val else None
     )
-    train_steps = _epoch_steps(
+    train_steps = checkpoint.epoch_steps(
         train_reader, spec.train_steps_per_epoch, spec.backward_passes_per_step
     )
-    val_steps = _epoch_steps(val_reader, spec.validation_steps_per_epoch) if val_reader else 0
+    val_steps = (
+        checkpoint.epoch_steps(val_reader, spec.validation_steps_per_epoch) if val_reader else 0
+    )
     board = _TensorBoard(spec) if rank == 0 else None
     names = [name for name, _, _ in metric_plan(user.metrics, spec.label_cols)]
     _call(user.callbacks, "on_train_begin", {})
@@ -521,7 +502,7 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
         if board is not None:
             board.close()
     output_shapes = _output_shapes(model, train_reader, batches)
-    result: dict[str, Any] = {"rank": rank, "fingerprint": _fingerprint(model)}
+    result: dict[str, Any] = {"rank": rank, "fingerprint": checkpoint.torch_fingerprint(model)}
     if rank == 0:
         model.cpu()
         result.update(

@@ -30,7 +30,8 @@ from spark_estimators.errors import (  # noqa: E402
 )
 from spark_estimators.store import LocalStore  # noqa: E402
 from spark_estimators.torch import TorchEstimator  # noqa: E402
-from spark_estimators.torch.remote import checkpoint_paths, read_checkpoint_info  # noqa: E402
+from spark_estimators.core.checkpoint import read_info  # noqa: E402
+from spark_estimators.torch.remote import checkpoint_paths  # noqa: E402
 
 STOP_BOUND_S = 10.0
 RELAUNCH_BOUND_S = 60.0  # kill -> failure noticed, job relaunched, remaining epochs trained
@@ -190,7 +191,10 @@ def _estimator(store, run_id, model, epochs, callbacks=(), **extra):
 def _saved_epoch(store, run_id):
     ckpt, _ = checkpoint_paths(store, run_id)
     state = torch.load(io.BytesIO(store.read_bytes(ckpt)), weights_only=False)
-    return int(state["epoch"]), read_checkpoint_info(store, run_id)
+    info = read_info(store, run_id, "torch")
+    return int(state["epoch"]), (
+        None if info is None else {"epoch": info.epoch, "history": list(info.history)}
+    )
 
 
 def _resume_and_check(store, run_id, df, saved_history, epochs):

@@ -24,7 +24,8 @@ from pyspark.ml.linalg import Vectors  # noqa: E402
 from spark_estimators.core.session import create_local_session  # noqa: E402
 from spark_estimators.store import LocalStore  # noqa: E402
 from spark_estimators.torch import TorchEstimator  # noqa: E402
-from spark_estimators.torch.remote import checkpoint_paths, read_checkpoint_info  # noqa: E402
+from spark_estimators.core.checkpoint import read_info  # noqa: E402
+from spark_estimators.torch.remote import checkpoint_paths  # noqa: E402
 
 WEIGHTS = {"fit_a": [1.0, 2.0, -3.0], "fit_b": [-2.0, 0.5, 4.0]}
 
@@ -110,7 +111,7 @@ def main() -> None:
             "weights": model.getModel().weight.detach().numpy().ravel().tolist(),
             "checkpoint_weights": saved["model"]["weight"].numpy().ravel().tolist(),
             "checkpoint_epoch": int(saved["epoch"]),
-            "info_epochs": [h["epoch"] for h in read_checkpoint_info(store, run_id)["history"]],
+            "info_epochs": [h["epoch"] for h in read_info(store, run_id).history],
             "history_epochs": [h["epoch"] for h in model.getHistory()],
             "master_ports": sorted({p["master_port"] for p in ports}),
             "driver_ports": sorted({p["driver_port"] for p in ports}),
