@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 from pyspark.ml.linalg import Vectors  # noqa: E402
 
+from spark_estimators.core.checkpoint import read_info  # noqa: E402
 from spark_estimators.errors import (  # noqa: E402
     ElasticResetLimitError,
     StoreError,
@@ -30,7 +31,6 @@ from spark_estimators.errors import (  # noqa: E402
 )
 from spark_estimators.store import LocalStore  # noqa: E402
 from spark_estimators.torch import TorchEstimator  # noqa: E402
-from spark_estimators.core.checkpoint import read_info  # noqa: E402
 from spark_estimators.torch.remote import checkpoint_paths  # noqa: E402
 
 STOP_BOUND_S = 10.0

@@ -21,10 +21,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from pyspark.ml.linalg import Vectors  # noqa: E402
 
+from spark_estimators.core.checkpoint import read_info  # noqa: E402
 from spark_estimators.core.session import create_local_session  # noqa: E402
 from spark_estimators.store import LocalStore  # noqa: E402
 from spark_estimators.torch import TorchEstimator  # noqa: E402
-from spark_estimators.core.checkpoint import read_info  # noqa: E402
 from spark_estimators.torch.remote import checkpoint_paths  # noqa: E402
 
 WEIGHTS = {"fit_a": [1.0, 2.0, -3.0], "fit_b": [-2.0, 0.5, 4.0]}
