@@ -15,11 +15,15 @@ drop_invalid_rows=False) -> DatasetMetadata``
 sample_weight_col=None)``
     What ``fit_on_parquet(dataset_idx=...)`` needs: a prepared dataset by index, else the store's
     un-indexed train/val Parquet.
-``make_batch_reader(store_or_view, metadata, *, split="train", rank=None, size=None, batch_size=32,
-columns=None, shuffle=True, seed=0, epoch=0, shuffle_buffer_size=None, inmemory_cache=False,
-transformation_fn=None, stack_columns=None, prefetch=2, num_workers=1, reader="arrow")``
-    Executor side. Equal ``steps_per_epoch`` on every rank; ``iter()`` yields ``{col: ndarray}``
-    per batch, one epoch per ``iter()``; see :mod:`spark_estimators.data.reader`.
+``ReaderOptions(batch_size=32, columns=None, shuffle=True, seed=0, epoch=0,
+shuffle_buffer_size=None, inmemory_cache=False, transformation_fn=None, stack_columns=None,
+prefetch=2, num_workers=1, reader="arrow")``
+    The reader settings as one frozen value; ``.replace(**changes)``.
+``make_batch_reader(store_or_view, metadata, options=None, *, split="train", rank=None,
+size=None, **settings)``
+    Executor side. ``settings`` are ``ReaderOptions`` fields and override ``options``. Equal
+    ``steps_per_epoch`` on every rank; ``iter()`` yields ``{col: ndarray}`` per batch, one epoch per
+    ``iter()``; see :mod:`spark_estimators.data.reader`.
 ``torch_batches(reader, shapes=None, dtypes=None)``, ``tf_dataset(reader, feature_cols,
 label_cols=(), sample_weight_col=None, shapes=None)``
     Framework adapters (import torch / tensorflow lazily).
@@ -32,6 +36,7 @@ from typing import Any
 
 from spark_estimators.data.adapters import TorchBatches, tf_dataset, torch_batches
 from spark_estimators.data.metadata import ColumnInfo, DatasetMetadata, ParquetFileInfo
+from spark_estimators.data.options import ReaderOptions
 from spark_estimators.data.prepare import prepare_data
 from spark_estimators.data.reader import BatchReader, make_batch_reader
 
@@ -70,6 +75,7 @@ __all__ = [
     "ColumnInfo",
     "DatasetMetadata",
     "ParquetFileInfo",
+    "ReaderOptions",
     "TorchBatches",
     "load_dataset_metadata",
     "make_batch_reader",

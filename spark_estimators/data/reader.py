@@ -34,17 +34,17 @@ import queue
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 
 from spark_estimators import envvars
 from spark_estimators.data._arrow import table_to_numpy
 from spark_estimators.data.metadata import ColumnInfo, DatasetMetadata, ParquetFileInfo
+from spark_estimators.data.options import ReaderKeywords, ReaderOptions, TransformFn
 from spark_estimators.errors import ConfigurationError, StoreError
 
 Batch = dict[str, np.ndarray]
-TransformFn = Callable[[Any], Any]
 
 DEFAULT_SHUFFLE_BUFFER_ROWS = 100_000
 _POLL_SECONDS = 0.1
@@ -361,22 +361,12 @@ class BatchReader:
 def make_batch_reader(
     store: Any,
     metadata: DatasetMetadata,
+    options: ReaderOptions | None = None,
     *,
     split: str = "train",
     rank: int | None = None,
     size: int | None = None,
-    batch_size: int = 32,
-    columns: Sequence[str] | None = None,
-    shuffle: bool = True,
-    seed: int | None = 0,
-    epoch: int = 0,
-    shuffle_buffer_size: int | None = None,
-    inmemory_cache: bool = False,
-    transformation_fn: TransformFn | None = None,
-    stack_columns: Mapping[str, Sequence[str]] | None = None,
-    prefetch: int = 2,
-    num_workers: int = 1,
-    reader: str = "arrow",
+    **settings: Unpack[ReaderKeywords],
 ) -> Any:
     """A reader of one split for one rank; iterate it once per epoch.
 
@@ -386,60 +376,40 @@ def make_batch_reader(
         The store, or its ``to_remote()`` view (what executors and rank processes have).
     metadata
         From :func:`~spark_estimators.data.prepare_data` or :meth:`DatasetMetadata.load`.
+    options
+        The reader settings (:class:`~spark_estimators.data.ReaderOptions`; default
+        ``ReaderOptions()``).
     split
         ``"train"`` or ``"val"``.
     rank, size
         This rank and the number of ranks; default to ``SPARK_ESTIMATORS_RANK`` / ``_SIZE``.
-    batch_size
-        Rows per batch; every batch is full.
-    columns
-        Columns to read (default: features, labels, sample weight).
-    shuffle, seed, epoch
-        Seeded shuffle (``seed=None`` means 0) of row groups and inside ``shuffle_buffer_size``
-        rows (default ``min(shard rows, max(100000, 4 * batch_size))``); ``epoch`` is the first
-        epoch's number.
-    inmemory_cache
-        Keep this rank's decoded shard in memory after the first epoch.
-    transformation_fn
-        ``fn(pandas.DataFrame) -> pandas.DataFrame`` applied to each decoded row group, before the
-        arrays are batched (cells of array columns are 1-D numpy arrays).
-    stack_columns
-        ``{"x": ["f0", "f1", ...]}`` stacks scalar columns into one ``[batch, k]`` array ``x``
-        (one tensor instead of k per batch).
-    prefetch, num_workers
-        Blocks decoded ahead by the background thread (0 = no thread) and row groups the Arrow
-        scanner reads ahead at once.
-    reader
-        ``"arrow"`` (ours) or ``"petastorm"`` (needs petastorm installed; see the docs).
+    **settings
+        Any field of :class:`~spark_estimators.data.ReaderOptions` as a keyword (``batch_size=32,
+        columns=None, shuffle=True, seed=0, epoch=0, shuffle_buffer_size=None,
+        inmemory_cache=False, transformation_fn=None, stack_columns=None, prefetch=2,
+        num_workers=1, reader="arrow"``); it overrides the same field of ``options``.
 
     Returns
     -------
     BatchReader
         ``steps_per_epoch``, ``len()``, ``set_epoch()``; ``iter()`` yields ``{column: ndarray}``.
-    """
-    kwargs = dict(
-        split=split,
-        rank=rank,
-        size=size,
-        batch_size=batch_size,
-        columns=columns,
-        shuffle=shuffle,
-        seed=seed,
-        epoch=epoch,
-        shuffle_buffer_size=shuffle_buffer_size,
-        inmemory_cache=inmemory_cache,
-        transformation_fn=transformation_fn,
-        stack_columns=stack_columns,
-        prefetch=prefetch,
-        num_workers=num_workers,
-    )
-    if reader == "arrow":
-        return BatchReader(store, metadata, **kwargs)  # type: ignore[arg-type]
-    if reader == "petastorm":
-        from spark_estimators.data.petastorm_reader import PetastormBatchReader
 
-        return PetastormBatchReader(store, metadata, **kwargs)  # type: ignore[arg-type]
-    raise ConfigurationError(f"reader={reader!r} is not one of ('arrow', 'petastorm')")
+    Examples
+    --------
+    >>> opts = ReaderOptions(batch_size=64, shuffle=False)  # doctest: +SKIP
+    >>> reader = make_batch_reader(store, meta, opts, split="val", rank=0, size=2)  # doctest: +SKIP
+    """
+    if options is not None and not isinstance(options, ReaderOptions):
+        raise ConfigurationError(
+            f"options={options!r} must be a ReaderOptions (spark_estimators.data.ReaderOptions)"
+        )
+    opts = (options or ReaderOptions()).replace(**settings)
+    kwargs = dict(split=split, rank=rank, size=size, **opts.reader_kwargs())
+    if opts.reader == "arrow":
+        return BatchReader(store, metadata, **kwargs)
+    from spark_estimators.data.petastorm_reader import PetastormBatchReader
+
+    return PetastormBatchReader(store, metadata, **kwargs)
 
 
 # ---------------------------------------------------------------------------------- helpers
