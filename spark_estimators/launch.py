@@ -33,13 +33,14 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import IO, TYPE_CHECKING, Any
 
 from spark_estimators import envvars as ev
 from spark_estimators import run_options
 from spark_estimators._base.child import exit_now, start_lifeline
+from spark_estimators._base.ports import reserve_port, reserved_port
 from spark_estimators._base.processes import exit_words, kill_group
 from spark_estimators.errors import ConfigurationError, RemoteError, TrainingFailedError
 
@@ -51,11 +52,18 @@ _WORKER_FLAG = "--run-pickled-function"
 _BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 
-def local_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+@contextlib.contextmanager
+def _rendezvous_port(master_port: int | None) -> Iterator[int]:
+    """``master_port`` when given, else a port this launcher holds until the ranks are done.
+
+    Held, not probed and released: nothing else on the host can take it before rank 0's store
+    binds it (see :mod:`spark_estimators._base.ports`).
+    """
+    if master_port:
+        yield master_port
+        return
+    with reserve_port() as held:
+        yield reserved_port(held)
 
 
 def rank_envs(
@@ -73,7 +81,9 @@ def rank_envs(
     from spark_estimators.driver.service import RankSettings
     from spark_estimators.task.spark_task import rank_environment
 
-    port = master_port or local_free_port(master_addr)
+    if not master_port:
+        raise ValueError("rank_envs needs master_port (hold one with _base.ports.reserve_port)")
+    port = master_port
     host = socket.gethostname()
     envs = []
     for rank in range(num_proc):
@@ -304,8 +314,11 @@ def run_local(
         with open(payload, "wb") as f:
             pickle.dump((list(sys.path), cloudpickle.dumps((fn, tuple(args), kwargs or {}))), f)
         base = _base_env(env, backend)
-        with _pmi_server(num_proc, backend) as pmi:
-            envs = [{**base, **rank_env} for rank_env in rank_envs(num_proc, backend, pmi=pmi)]
+        with _pmi_server(num_proc, backend) as pmi, _rendezvous_port(None) as port:
+            envs = [
+                {**base, **rank_env}
+                for rank_env in rank_envs(num_proc, backend, master_port=port, pmi=pmi)
+            ]
             command = [sys.executable, "-m", "spark_estimators.launch", _WORKER_FLAG, payload]
             supervisor = _Supervisor(
                 [command] * num_proc,
@@ -473,10 +486,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigurationError as exc:
             _parser().error(str(exc))
     base = _base_env(extra, opts.backend)
-    with _pmi_server(opts.num_proc, opts.backend) as pmi:
+    pmi_server = _pmi_server(opts.num_proc, opts.backend)
+    with pmi_server as pmi, _rendezvous_port(opts.master_port) as port:
         envs = [
-            {**base, **e}
-            for e in rank_envs(opts.num_proc, opts.backend, "127.0.0.1", opts.master_port, pmi)
+            {**base, **e} for e in rank_envs(opts.num_proc, opts.backend, "127.0.0.1", port, pmi)
         ]
         supervisor = _Supervisor(
             [[sys.executable, "-u", *target]] * opts.num_proc,

@@ -1,10 +1,13 @@
 """The driver service of one job: registration, rank assignment, rendezvous, results, failures.
 
-Each Spark task registers (partition index, host, host hash, pid, GPUs, a free port). When all
-``num_proc`` tasks have registered, ranks are assigned so that the ranks of one host hash are
-contiguous, and every task receives its settings. The rank processes then fetch the function,
-stream output and events, and report a result or a failure. The first failure sets the abort
-flag, which every task watches, so the whole job stops within a second or two.
+Each Spark task registers (partition index, host, host hash, pid, GPUs, a port it holds). When
+all ``num_proc`` tasks have registered, ranks are assigned so that the ranks of one host hash are
+contiguous, and every task receives its settings. Rank 0's port is the rendezvous point
+(``MASTER_PORT``): its task keeps holding it until rank 0's process has exited (see
+:mod:`spark_estimators._base.ports`), so no other job can take it before rank 0's store binds.
+The rank processes then fetch the function, stream output and events, and report a result or
+a failure. The first failure sets the abort flag, which every task watches, so the whole job
+stops within a second or two.
 
 Naming the cause: when a rank dies, its peers' collectives fail at once (``CollectiveError``),
 often before the dead rank's own task has reaped it and reported. Two things keep the error

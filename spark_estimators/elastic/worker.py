@@ -26,15 +26,29 @@ class _Rendezvous:
         self.client, self.worker_id, self.backend = client, worker_id, backend
         self.round = 0
         self.rank = -1
+        #: The port this worker offered for the current round, held while the round may use it.
+        self._reservation: socket.socket | None = None
 
     def __call__(self) -> bool:
-        """Join the next round; False when the job finished without this worker."""
-        from spark_estimators.task.spark_task import free_port, rank_environment
+        """Join the next round; False when the job finished without this worker.
 
-        reply = self.client.call("rendezvous", {"worker_id": self.worker_id, "port": free_port()})
+        The port offered is held (:func:`~spark_estimators._base.ports.reserve_port`) until the
+        next round: if the driver makes this worker rank 0, its store binds that port in this
+        process with nothing able to take it first. The previous round's is let go only now.
+        """
+        from spark_estimators._base.ports import reserve_port, reserved_port
+        from spark_estimators.task.spark_task import rank_environment
+
+        previous, self._reservation = self._reservation, reserve_port()
+        if previous is not None:
+            previous.close()
+        port = reserved_port(self._reservation)
+        reply = self.client.call("rendezvous", {"worker_id": self.worker_id, "port": port})
         if reply.get("done"):
             return False
         settings = reply["settings"]
+        if settings.rank != 0:
+            self._reservation.close()  # rank 0's worker holds this round's rendezvous port
         self.round, self.rank = int(reply["round"]), int(settings.rank)
         os.environ.update(rank_environment(settings, (), self.backend))
         return True

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from spark_estimators import envvars as ev
+from spark_estimators._base.ports import reserve_port, reserved_port
 from spark_estimators._base.processes import exit_words, kill_group
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import RemoteError
@@ -64,13 +65,6 @@ def host_hash(executor_address: str = "") -> str:
     if not salt:
         return name
     return name + "-" + hashlib.sha1(salt.encode()).hexdigest()[:8]
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on this host."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict[str, str]:
@@ -235,9 +229,15 @@ def run_rank(
     executor_address: str = "",
     task_started: float | None = None,
 ) -> int:
-    """Register with the driver, run the rank process to completion, report; returns the rank."""
+    """Register with the driver, run the rank process to completion, report; returns the rank.
+
+    Every task offers a port it holds (:func:`~spark_estimators._base.ports.reserve_port`); the
+    driver advertises rank 0's as ``MASTER_PORT``. Rank 0's task keeps holding it until its rank
+    process has exited, so no other process can take the port before the rank's store binds it.
+    """
     client = RpcClient(config.driver_address, config.secret, timeout=config.start_timeout + 30)
     scratch: str | None = None
+    reservation = reserve_port()
     try:
         hostname = socket.gethostname()
         reg = {
@@ -246,12 +246,14 @@ def run_rank(
             "host_hash": host_hash(executor_address),
             "pid": os.getpid(),
             "address": client.local_address(),
-            "port": free_port(),
+            "port": reserved_port(reservation),
             "gpus": gpus,
             "attempt": attempt,
         }
         reply = client.call("register", reg)
         settings = reply["settings"]
+        if settings.rank != 0:
+            reservation.close()  # rank 0's task holds the rendezvous port
         env = dict(os.environ)
         env.update(rank_environment(settings, gpus, config.backend))
         env.update(reply["env"])
@@ -314,6 +316,7 @@ def run_rank(
         return int(settings.rank)
     finally:
         remove_scratch(scratch)  # a no-op when already removed above
+        reservation.close()  # the rank process that used the port has exited
         client.close()
 
 
