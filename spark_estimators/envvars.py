@@ -7,6 +7,8 @@ code runs unchanged) and ours (read by :func:`spark_estimators.collective.init`)
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 # torchrun-compatible variables set in every rank process.
 MASTER_ADDR = "MASTER_ADDR"
@@ -105,26 +107,24 @@ DEFAULT_INLINE_GATHER_BYTES = 1024 * 1024
 DEFAULT_INLINE_LIMIT_MAX = 256 * 1024
 
 
-def env_float(name: str, default: float) -> float:
-    """Read a float from the environment, with a clear error when it is not a number."""
+def _env_number(name: str, default: Any, parse: Callable[[str], Any], what: str) -> Any:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        return parse(raw)
     except ValueError as exc:
-        raise ValueError(f"environment variable {name}={raw!r} is not a number") from exc
+        raise ValueError(f"environment variable {name}={raw!r} is not {what}") from exc
+
+
+def env_float(name: str, default: float) -> float:
+    """Read a float from the environment, with a clear error when it is not a number."""
+    return float(_env_number(name, default, float, "a number"))
 
 
 def env_int(name: str, default: int) -> int:
     """Read an int from the environment, with a clear error when it is not an integer."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError as exc:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from exc
+    return int(_env_number(name, default, int, "an integer"))
 
 
 def first_set(*names: str) -> str | None:

@@ -14,6 +14,18 @@ class SparkEstimatorsError(Exception):
     """Base class of every error raised by spark_estimators."""
 
 
+class _PickledWithFields:
+    """Pickles as ``type(message, *fields)``, so the attributes in ``_fields`` cross processes.
+
+    The subclass's ``__init__`` takes the message and then the fields, in ``_fields`` order.
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), *(getattr(self, name) for name in self._fields)))
+
+
 class ConfigurationError(SparkEstimatorsError, ValueError):
     """Bad input detected in the driver before any Spark job starts."""
 
@@ -22,7 +34,7 @@ class StoreError(SparkEstimatorsError):
     """A Store could not read, write or list a path."""
 
 
-class RunInUseError(SparkEstimatorsError, RuntimeError):
+class RunInUseError(_PickledWithFields, SparkEstimatorsError, RuntimeError):
     """Another live fit holds this ``run_id`` (its lock in the store has a fresh heartbeat).
 
     Parameters
@@ -37,6 +49,8 @@ class RunInUseError(SparkEstimatorsError, RuntimeError):
         Seconds since the holder's last heartbeat.
     """
 
+    _fields = ("run_id", "owner", "heartbeat_age_s")
+
     def __init__(
         self, message: str, run_id: str = "", owner: str = "", heartbeat_age_s: float = 0.0
     ):
@@ -44,9 +58,6 @@ class RunInUseError(SparkEstimatorsError, RuntimeError):
         self.run_id = run_id
         self.owner = owner
         self.heartbeat_age_s = heartbeat_age_s
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.run_id, self.owner, self.heartbeat_age_s))
 
 
 class CollectiveError(SparkEstimatorsError, RuntimeError):
@@ -57,7 +68,7 @@ class RpcError(SparkEstimatorsError):
     """A frame of the driver protocol was refused (bad signature, replay, oversized, truncated)."""
 
 
-class RendezvousTimeoutError(SparkEstimatorsError, TimeoutError):
+class RendezvousTimeoutError(_PickledWithFields, SparkEstimatorsError, TimeoutError):
     """Not every rank registered with the driver within ``start_timeout`` seconds.
 
     Parameters
@@ -70,13 +81,12 @@ class RendezvousTimeoutError(SparkEstimatorsError, TimeoutError):
         How many tasks were expected.
     """
 
+    _fields = ("registered", "expected")
+
     def __init__(self, message: str, registered: list[int] | None = None, expected: int = 0):
         super().__init__(message)
         self.registered = list(registered or [])
         self.expected = expected
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.registered, self.expected))
 
 
 @dataclass(frozen=True)
@@ -124,7 +134,7 @@ class ElasticResetLimitError(TrainingFailedError):
     """An elastic job was reset more often than ``reset_limit`` allows."""
 
 
-class ModelIntegrityError(SparkEstimatorsError):
+class ModelIntegrityError(_PickledWithFields, SparkEstimatorsError):
     """A saved model or checkpoint failed its integrity check and was not unpickled.
 
     Raised when the digest (or the keyed HMAC) recorded at save does not match the file read at
@@ -143,6 +153,8 @@ class ModelIntegrityError(SparkEstimatorsError):
         The digest of the file as read.
     """
 
+    _fields = ("path", "expected", "found")
+
     def __init__(
         self,
         message: str,
@@ -154,9 +166,6 @@ class ModelIntegrityError(SparkEstimatorsError):
         self.path = path
         self.expected = expected
         self.found = found
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.path, self.expected, self.found))
 
 
 class UnverifiedModelWarning(UserWarning):

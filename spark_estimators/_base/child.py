@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import socket
 import struct
 import sys
 import threading
+import traceback
 from typing import Any, NoReturn
 
 #: The collective timeline module, flushed before exit when the rank used it (never imported here).
@@ -51,6 +53,28 @@ def flush_streams() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+
+
+def report_failure(client: Any, exc: BaseException, who: dict[str, Any]) -> None:
+    """Send the failure being handled to the driver (``failure`` request); stderr if that fails.
+
+    ``who`` names the process to the driver (``{"rank": 3}``, ``{"worker_id": ...}``); the
+    request adds the host, the exception in one line and the traceback.
+    """
+    tb = traceback.format_exc()
+    flush_streams()
+    try:
+        client.call(
+            "failure",
+            {
+                **who,
+                "host": socket.gethostname(),
+                "message": f"{type(exc).__name__}: {exc}",
+                "traceback": tb,
+            },
+        )
+    except Exception:
+        sys.stderr.write(tb)
 
 
 def exit_now(code: int) -> NoReturn:

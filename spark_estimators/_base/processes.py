@@ -10,6 +10,23 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+
+
+def start_rank_process(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``python -m module`` as the leader of a new process group, all three pipes open.
+
+    Its stdin carries the rank's settings and then serves as its lifeline; stdout and stderr are
+    forwarded by the parent.
+    """
+    return subprocess.Popen(
+        [sys.executable, "-m", module],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from spark_estimators._base.processes import kill_group
+from spark_estimators._base.processes import kill_group, start_rank_process
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import SparkEstimatorsError
 from spark_estimators.task.scratch import create_scratch, remove_scratch
@@ -49,14 +47,7 @@ def _supervise(
 def _run_child(
     config: TaskConfig, client: RpcClient, wid: str, index: int, env: dict[str, str]
 ) -> tuple[int, bool, list[str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spark_estimators.elastic.worker"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-    )
+    proc = start_rank_process("spark_estimators.elastic.worker", env)
     assert proc.stdin is not None
     assert proc.stdout is not None
     assert proc.stderr is not None

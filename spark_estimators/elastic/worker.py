@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
-import traceback
 from typing import Any
 
-from spark_estimators._base.child import exit_now, flush_streams, read_config, start_lifeline
+from spark_estimators._base.child import (
+    exit_now,
+    flush_streams,
+    read_config,
+    report_failure,
+    start_lifeline,
+)
 from spark_estimators.task import lazy_dynamo
 
 
@@ -97,20 +101,7 @@ def main() -> None:
         )
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
         code = 1
-        tb = traceback.format_exc()
-        flush_streams()
-        try:
-            client.call(
-                "failure",
-                {
-                    "worker_id": wid,
-                    "host": socket.gethostname(),
-                    "message": f"{type(exc).__name__}: {exc}",
-                    "traceback": tb,
-                },
-            )
-        except Exception:
-            sys.stderr.write(tb)
+        report_failure(client, exc, {"worker_id": wid})
     exit_now(code)
 
 

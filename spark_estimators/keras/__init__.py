@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from spark_estimators import _lazy
+from spark_estimators.core.backend import Backend, SparkBackend  # light: imported at once
 
 _lazy.require("spark_estimators.keras", ("keras", "tensorflow"), "spark-estimators[keras]")
 
 if TYPE_CHECKING:
-    from spark_estimators.core.backend import Backend, SparkBackend
     from spark_estimators.keras.estimator import KerasEstimator
     from spark_estimators.keras.model import KerasModel
 
@@ -24,8 +24,6 @@ __all__ = ["Backend", "KerasEstimator", "KerasModel", "SparkBackend"]
 __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
-        "Backend": ("spark_estimators.core.backend", "Backend"),
-        "SparkBackend": ("spark_estimators.core.backend", "SparkBackend"),
         "KerasEstimator": ("spark_estimators.keras.estimator", "KerasEstimator"),
         "KerasModel": ("spark_estimators.keras.model", "KerasModel"),
     },

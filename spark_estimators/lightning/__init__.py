@@ -11,13 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from spark_estimators import _lazy
+from spark_estimators.core.backend import Backend, SparkBackend  # light: imported at once
 
 _lazy.require(
     "spark_estimators.lightning", ("torch", "pytorch_lightning"), "spark-estimators[lightning]"
 )
 
 if TYPE_CHECKING:
-    from spark_estimators.core.backend import Backend, SparkBackend
     from spark_estimators.lightning.callbacks import TerminateOnNaN
     from spark_estimators.lightning.environment import SparkClusterEnvironment
     from spark_estimators.lightning.estimator import MIN_PL_VERSION, LightningEstimator
@@ -42,8 +42,6 @@ __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
         "MIN_PL_VERSION": ("spark_estimators.lightning.estimator", "MIN_PL_VERSION"),
-        "Backend": ("spark_estimators.core.backend", "Backend"),
-        "SparkBackend": ("spark_estimators.core.backend", "SparkBackend"),
         "LightningEstimator": ("spark_estimators.lightning.estimator", "LightningEstimator"),
         "LightningModel": ("spark_estimators.lightning.model", "LightningModel"),
         "SparkClusterEnvironment": (

@@ -65,11 +65,10 @@ class SparkClusterEnvironment(ClusterEnvironment):
 
     def set_world_size(self, size: int) -> None:
         """Accept Lightning's world size only when it equals ours; raise otherwise."""
-        if size != self.world_size():
-            raise ConfigurationError(
-                f"Lightning computed a world size of {size} but spark_estimators started "
-                f"{self.world_size()} ranks: use Trainer(devices=1, num_nodes={self.world_size()})"
-            )
+        ours = self.world_size()
+        self._must_match(
+            size, ours, f"a world size of {size} but spark_estimators started {ours} ranks"
+        )
 
     def global_rank(self) -> int:
         """The rank of this process."""
@@ -77,12 +76,17 @@ class SparkClusterEnvironment(ClusterEnvironment):
 
     def set_global_rank(self, rank: int) -> None:
         """Accept Lightning's global rank only when it equals ours; raise otherwise."""
-        if rank != self.global_rank():
-            raise ConfigurationError(
-                f"Lightning computed global rank {rank} but this process is rank "
-                f"{self.global_rank()}: use Trainer(devices=1, num_nodes={self.world_size()})"
-            )
+        ours = self.global_rank()
+        self._must_match(rank, ours, f"global rank {rank} but this process is rank {ours}")
         rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+    def _must_match(self, theirs: int, ours: int, computed: str) -> None:
+        """Raise when Lightning's view (``theirs``) of the job differs from ours."""
+        if theirs != ours:
+            raise ConfigurationError(
+                f"Lightning computed {computed}: use "
+                f"Trainer(devices=1, num_nodes={self.world_size()})"
+            )
 
     def local_rank(self) -> int:
         """Always 0: each rank process sees only its own device (``cuda:0``)."""

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from spark_estimators import _lazy
+from spark_estimators.core.backend import Backend, SparkBackend  # light: imported at once
 
 _lazy.require("spark_estimators.torch", ("torch",), "spark-estimators[torch]")
 
 if TYPE_CHECKING:
-    from spark_estimators.core.backend import Backend, SparkBackend
     from spark_estimators.torch.callbacks import EarlyStopping
     from spark_estimators.torch.estimator import TorchEstimator
     from spark_estimators.torch.model import TorchModel
@@ -23,8 +23,6 @@ __all__ = ["Backend", "EarlyStopping", "SparkBackend", "TorchEstimator", "TorchM
 __getattr__, __dir__ = _lazy.exports(
     __name__,
     {
-        "Backend": ("spark_estimators.core.backend", "Backend"),
-        "SparkBackend": ("spark_estimators.core.backend", "SparkBackend"),
         "EarlyStopping": ("spark_estimators.torch.callbacks", "EarlyStopping"),
         "TorchEstimator": ("spark_estimators.torch.estimator", "TorchEstimator"),
         "TorchModel": ("spark_estimators.torch.model", "TorchModel"),

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from spark_estimators.collective.backends.base import Buffer
+from spark_estimators.collective.runtime.arrays import write_result
 from spark_estimators.collective.runtime.engine import Agreement, Engine, Kind, Request
 from spark_estimators.errors import ConfigurationError
 
@@ -119,12 +120,7 @@ def submit(
         result = reduce_segments(rows.reshape(size, total), numels)
         if postscale != 1.0:
             result *= postscale
-        reduced = ops.adopt(result, inputs[0])
-        if len(outputs) == 1:
-            ops.copy_(outputs[0], reduced)
-        else:
-            ops.unpack(reduced, outputs)
-        return outputs
+        return write_result(ops, result, inputs, outputs)
 
     # numel=0: a rank that called join() must not contribute zeros to a backend allreduce
     # (this op allgathers); the active ranks raise instead, see execute().

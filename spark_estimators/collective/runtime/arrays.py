@@ -116,3 +116,15 @@ class NumpyOps:
     def adopt(self, result: Buffer, like: np.ndarray) -> np.ndarray:
         """The backend's ``result`` as a numpy array."""
         return np.asarray(result)
+
+
+def write_result(
+    ops: ArrayOps, result: Buffer, inputs: Sequence[Buffer], outputs: Sequence[Buffer]
+) -> Sequence[Buffer]:
+    """Copy a backend's flat ``result`` for ``inputs`` into ``outputs`` and return ``outputs``."""
+    reduced = ops.adopt(result, inputs[0])
+    if len(outputs) == 1:
+        ops.copy_(outputs[0], reduced)
+    else:
+        ops.unpack(reduced, outputs)
+    return outputs

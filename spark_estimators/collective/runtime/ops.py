@@ -21,7 +21,7 @@ import numpy as np
 from spark_estimators.collective.backends.base import DTYPES, FLOATING_DTYPES, Buffer, ReduceOp
 from spark_estimators.collective.runtime import adasum as _adasum
 from spark_estimators.collective.runtime import engine as eng
-from spark_estimators.collective.runtime.arrays import ArrayOps
+from spark_estimators.collective.runtime.arrays import ArrayOps, write_result
 from spark_estimators.collective.runtime.engine import Agreement, Kind, Request
 from spark_estimators.collective.runtime.process_sets import global_root
 from spark_estimators.errors import ConfigurationError
@@ -106,12 +106,7 @@ def allreduce(
             return outputs
         if agreement.payloads is not None:
             reduced = _reduce_rows(agreement.payloads, dtype, numel, wire_op, backend.size, post)
-            result = ops.adopt(reduced, inputs[0])
-            if len(outputs) == 1:
-                ops.copy_(outputs[0], result)
-            else:
-                ops.unpack(result, outputs)
-            return outputs
+            return write_result(ops, reduced, inputs, outputs)
         single = len(inputs) == 1 and ops.is_contiguous(outputs[0])
         if single:
             if outputs[0] is not inputs[0]:

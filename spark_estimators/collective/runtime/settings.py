@@ -138,24 +138,22 @@ def resolve_backend(name: str) -> str:
     )
 
 
+def _positive_seconds(value: float, what: str, env_name: str) -> float:
+    if value <= 0:
+        raise ConfigurationError(f"{what} must be > 0 seconds, got {value!r} ({env_name})")
+    return value
+
+
 def collective_timeout(timeout: float | None = None) -> float:
     """Seconds an op may wait for its peers (argument, else env, default 120)."""
     value = ev.collective_timeout() if timeout is None else float(timeout)
-    if value <= 0:
-        raise ConfigurationError(
-            f"collective timeout must be > 0 seconds, got {value!r} ({ev.COLLECTIVE_TIMEOUT})"
-        )
-    return value
+    return _positive_seconds(value, "collective timeout", ev.COLLECTIVE_TIMEOUT)
 
 
 def start_timeout(timeout: float | None = None) -> float:
     """Seconds ``init()`` waits for every rank at the rendezvous (argument, else env, 60)."""
     value = ev.start_timeout() if timeout is None else float(timeout)
-    if value <= 0:
-        raise ConfigurationError(
-            f"start timeout must be > 0 seconds, got {value!r} ({ev.START_TIMEOUT})"
-        )
-    return value
+    return _positive_seconds(value, "start timeout", ev.START_TIMEOUT)
 
 
 def _byte_count(value: int | None, env_name: str, default: int, what: str, zero: str) -> int:

@@ -109,11 +109,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold: int,
         process_set: Any = None,
     ) -> None:
-        params: list[torch.Tensor] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and all(p is not q for q in params):
-                    params.append(p)
+        params = _trainable(self.param_groups)
         self._se_names = _parameter_names(named_parameters, params)
         self._se_compression = compression
         self._se_passes = backward_passes_per_step
@@ -251,11 +247,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         compression: type[Compressor],
         process_set: Any,
     ) -> None:
-        params: list[torch.Tensor] = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad and all(p is not q for q in params):
-                    params.append(p)
+        params = _trainable(self.param_groups)
         self._se_params = params
         self._se_names = _parameter_names(named_parameters, params)
         self._se_compression = compression
@@ -287,6 +279,16 @@ class _AdasumOptimizer(torch.optim.Optimizer):
             for p, start, (c, ctx) in zip(params, starts, sent):
                 p.copy_(start + self._se_compression.decompress(c, ctx))
         return loss
+
+
+def _trainable(param_groups: Sequence[dict[str, Any]]) -> list[torch.Tensor]:
+    """The parameters that need gradients, each once, in the optimizer's order."""
+    params: list[torch.Tensor] = []
+    for group in param_groups:
+        for p in group["params"]:
+            if p.requires_grad and all(p is not q for q in params):
+                params.append(p)
+    return params
 
 
 def _parameter_names(
