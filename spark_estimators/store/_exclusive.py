@@ -1,4 +1,4 @@
-"""``StoreBase.write_if_absent``: create a file only if it does not exist (see its docstring)."""
+"""``StoreIO.write_if_absent``: create a file only if it does not exist (see its docstring)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 from spark_estimators.errors import StoreError
 
 if TYPE_CHECKING:
-    from spark_estimators.store.base import StoreBase
+    from spark_estimators.store.io import StoreIO
 
 
-def write_if_absent(store: StoreBase, path: str, data: bytes) -> bool:
+def write_if_absent(store: StoreIO, path: str, data: bytes) -> bool:
     """True when this call created ``path`` holding ``data``; False when it existed."""
     target = store.fs_path(path)
     store._ensure_parent(target, path)

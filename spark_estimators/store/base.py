@@ -12,37 +12,26 @@ Layout under a store's ``prefix_path`` (the names follow horovod.spark so existi
 
 ``train_path`` / ``val_path`` / ``test_path`` / ``runs_path`` override single entries (horovod).
 
-Paths given to the I/O methods may be full store paths (as returned by the ``get_*_path``
-methods: an absolute local path, ``s3://bucket/key``, ``hdfs://nn:8020/path``) or paths relative
-to the prefix.
-
 Every store is light: it holds configuration and builds its filesystem client lazily in each
 process. :meth:`Store.to_remote` returns a :class:`RemoteStore`, a picklable view with the same
 read/write API for Spark executors and rank processes (rank 0 writes checkpoints through it).
 
-Atomic writes (``atomic=True``, :meth:`StoreBase.write_bytes_atomic`, :meth:`StoreBase.open_write`):
-on filesystems with an atomic rename (local, DBFS FUSE, HDFS) the data goes to a hidden temp name in
-the same directory and is renamed over the target; on object stores (S3, GCS, Azure) the data is
-buffered and sent in one PUT, which an object store applies whole or not at all. Either way a crash
-or an exception in the ``with`` body never leaves a half-written checkpoint.
+Reading and writing (paths, atomic writes, errors) are in :mod:`spark_estimators.store.io`.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 import logging
 import os
 import posixpath
 import re
-import shutil
-import tempfile
-import uuid
-from collections.abc import Callable, Iterator
-from typing import IO, Any
+from collections.abc import Callable
+from typing import Any
 
 from spark_estimators.errors import ConfigurationError, StoreError
 from spark_estimators.store._filesystems import FilesystemSpec
+from spark_estimators.store.io import StoreIO
 from spark_estimators.store.layout import (  # noqa: F401  (the layout's names, also here)
     CHECKPOINTS_SUBDIR,
     LOGS_SUBDIR,
@@ -62,8 +51,6 @@ from spark_estimators.store.layout import (  # noqa: F401  (the layout's names, 
 
 logger = logging.getLogger(__name__)
 
-_SPOOL_BYTES = 64 << 20
-_COPY_CHUNK = 8 << 20
 
 #: What :meth:`Store.create` calls: installed by :mod:`spark_estimators.store.registry`, which the
 #: package imports, so the base class need not import the stores built on it.
@@ -76,21 +63,18 @@ def set_store_factory(factory: Callable[..., Store]) -> None:
     _store_factory = factory
 
 
-class StoreBase:
+class StoreBase(StoreIO):
     """Layout and I/O shared by :class:`Store` and its remote view :class:`RemoteStore`."""
 
     _bound_run_id: str | None = None
 
     def __init__(self, spec: FilesystemSpec, layout: StoreLayout) -> None:
-        self._spec = spec
-        self._layout = layout
-        self._fs: Any = None
+        super().__init__(spec, layout)
         self._synced: dict[tuple[str, str], tuple[int, int]] = {}
 
     # ----------------------------------------------------------------- pickling and identity
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_fs"] = None  # clients are rebuilt in the receiving process
+        state = super().__getstate__()
         state["_synced"] = {}
         return state
 
@@ -111,16 +95,6 @@ class StoreBase:
         return hash((type(self), self._layout, self._bound_run_id))
 
     # ------------------------------------------------------------------------------ layout
-    @property
-    def prefix_path(self) -> str:
-        """The store's root path or URL, as given."""
-        return self._layout.prefix_path
-
-    @property
-    def filesystem_spec(self) -> FilesystemSpec:
-        """The picklable recipe of this store's filesystem."""
-        return self._spec
-
     def get_train_data_path(self, idx: int | str | None = None) -> str:
         """Directory of the prepared training data of dataset ``idx`` (horovod's naming)."""
         return self._indexed(self._layout.train_path, idx)
@@ -167,196 +141,6 @@ class StoreBase:
                 f"{self!r} needs a run_id here: pass run_id=..., or use store.to_remote(run_id)"
             )
         return check_name(run_id, "run_id")
-
-    # ------------------------------------------------------------------------------- paths
-    def full_path(self, path: str) -> str:
-        """The full store path of ``path`` (relative paths are taken under the prefix)."""
-        return path if is_absolute_path(path) else join_path(self.prefix_path, path)
-
-    def fs_path(self, path: str) -> str:
-        """The path of ``path`` on :attr:`filesystem` (what pyarrow and fsspec calls take)."""
-        return self._spec.to_fs_path(self.full_path(path))
-
-    @property
-    def filesystem(self) -> Any:
-        """The :class:`pyarrow.fs.FileSystem` of this store, built once per process."""
-        if self._fs is None:
-            self._fs = self._spec.create()
-        return self._fs
-
-    # ----------------------------------------------------------------------------- queries
-    def exists(self, path: str) -> bool:
-        """True when ``path`` exists (file or directory)."""
-        import pyarrow.fs as pafs
-
-        return self._info(path).type != pafs.FileType.NotFound
-
-    def isdir(self, path: str) -> bool:
-        """True when ``path`` is a directory."""
-        import pyarrow.fs as pafs
-
-        return self._info(path).type == pafs.FileType.Directory
-
-    def stat(self, path: str) -> FileStat:
-        """Size and modification time of a file (or a directory)."""
-        import pyarrow.fs as pafs
-
-        info = self._info(path)
-        if info.type == pafs.FileType.NotFound:
-            raise StoreError(f"{path!r} does not exist in {self!r}")
-        return FileStat(
-            path=self.full_path(path),
-            size=int(info.size or 0),
-            mtime_ns=info.mtime_ns,
-            is_dir=info.type == pafs.FileType.Directory,
-        )
-
-    def listdir(self, path: str = "") -> list[str]:
-        """Sorted names of the entries directly under ``path`` (``[]`` when it does not exist)."""
-        import pyarrow.fs as pafs
-
-        selector = pafs.FileSelector(self.fs_path(path), allow_not_found=True, recursive=False)
-        with self._io_errors("list", path):
-            infos = self.filesystem.get_file_info(selector)
-        return sorted(info.base_name for info in infos)
-
-    def _info(self, path: str) -> Any:
-        with self._io_errors("stat", path):
-            return self.filesystem.get_file_info(self.fs_path(path))
-
-    # ----------------------------------------------------------------------------- reading
-    def read_bytes(self, path: str) -> bytes:
-        """The whole content of the file at ``path``."""
-        with (
-            self._io_errors("read", path),
-            self.filesystem.open_input_stream(self.fs_path(path)) as src,
-        ):
-            return bytes(src.read())
-
-    def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        """The content of the file at ``path``, decoded."""
-        return self.read_bytes(path).decode(encoding)
-
-    @contextlib.contextmanager
-    def open_read(self, path: str) -> Iterator[IO[bytes]]:
-        """A seekable binary file for ``path`` (``torch.load(f)`` works on it)."""
-        with (
-            self._io_errors("read", path),
-            self.filesystem.open_input_file(self.fs_path(path)) as src,
-        ):
-            yield src
-
-    def download_file(self, path: str, local_path: str) -> None:
-        """Copy one store file to the local disk."""
-        with self.open_read(path) as src, open(local_path, "wb") as dst:
-            shutil.copyfileobj(src, dst, _COPY_CHUNK)
-
-    # ----------------------------------------------------------------------------- writing
-    @contextlib.contextmanager
-    def open_write(self, path: str, *, atomic: bool = False) -> Iterator[IO[bytes]]:
-        """A binary file that writes ``path``; parents are created as needed.
-
-        With ``atomic=True`` the target holds either its old content or the complete new one,
-        never a part, even when the ``with`` body raises (see the module docstring).
-        """
-        target = self.fs_path(path)
-        fs = self.filesystem
-        self._ensure_parent(target, path)
-        if not atomic:
-            with self._io_errors("write", path), fs.open_output_stream(target) as out:
-                yield out
-            return
-        if self._spec.rename_is_atomic:
-            tmp = posixpath.join(
-                posixpath.dirname(target),
-                f".{posixpath.basename(target)}.tmp-{uuid.uuid4().hex[:12]}",
-            )
-            try:
-                with self._io_errors("write", path):
-                    with fs.open_output_stream(tmp) as out:
-                        yield out
-                    _replace(fs, tmp, target)
-            except BaseException:
-                _delete_quietly(fs, tmp)
-                raise
-        else:
-            with tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES) as buf:
-                yield buf  # type: ignore[misc]
-                buf.seek(0)
-                with self._io_errors("write", path), fs.open_output_stream(target) as out:
-                    shutil.copyfileobj(buf, out, _COPY_CHUNK)
-
-    def write_bytes(self, path: str, data: bytes, *, atomic: bool = False) -> None:
-        """Write ``data`` to ``path``; ``atomic=True``: readers see the old or the new file only."""
-        with self.open_write(path, atomic=atomic) as out:
-            out.write(data)
-
-    def write_bytes_atomic(self, path: str, data: bytes) -> None:
-        """Write ``data`` so that ``path`` never holds a partial file (see :meth:`open_write`)."""
-        self.write_bytes(path, data, atomic=True)
-
-    def write_text(
-        self, path: str, text: str, *, atomic: bool = False, encoding: str = "utf-8"
-    ) -> None:
-        """Write ``text`` to ``path``, encoded; ``atomic`` as in :meth:`write_bytes`."""
-        self.write_bytes(path, text.encode(encoding), atomic=atomic)
-
-    def upload_file(self, local_path: str, path: str, *, atomic: bool = False) -> None:
-        """Copy one local file into the store."""
-        with open(local_path, "rb") as src, self.open_write(path, atomic=atomic) as out:
-            shutil.copyfileobj(src, out, _COPY_CHUNK)
-
-    def check_writable(self) -> None:
-        """Write and delete a small probe file at the store's root, or raise StoreError.
-
-        Estimators call it in the driver before any data is written, so an unwritable store is
-        reported in milliseconds, naming the path, instead of as a failed executor task.
-        """
-        probe = f".se-write-probe-{uuid.uuid4().hex[:12]}"
-        try:
-            self.write_bytes(probe, b"ok")
-            self.delete(probe)
-        except StoreError as exc:
-            raise StoreError(
-                f"the store at {self.prefix_path!r} is not writable from the driver ({exc}); "
-                "give a store path this user can create and write (executors need the same)"
-            ) from exc
-
-    def write_if_absent(self, path: str, data: bytes) -> bool:
-        """Create ``path`` holding ``data`` unless it exists; True when this call created it.
-
-        How exclusive this is depends on the filesystem:
-
-        * local and mounted filesystems (LocalStore, DBFSLocalStore, ``file://``): atomic. The
-          data goes to a hidden temp file that is hard-linked to ``path`` (``link`` fails when
-          ``path`` exists), so nobody ever sees a partial file; where hard links are refused
-          (some FUSE mounts) ``O_CREAT | O_EXCL`` is used, and a reader may briefly see it empty.
-        * fsspec stores: ``open(path, "xb")`` where the backend implements exclusive creation
-          (s3fs sends ``If-None-Match: *``, which AWS S3 honours).
-        * elsewhere (HDFS, backends without ``"xb"``): best effort, a check that ``path`` is absent
-          followed by a write; two writers racing in that gap both get True and the last write
-          wins. Callers that must know read the content back and compare.
-        """
-        from spark_estimators.store._exclusive import write_if_absent
-
-        return write_if_absent(self, path, data)
-
-    def makedirs(self, path: str) -> None:
-        """Create a directory and its parents (a no-op on object stores)."""
-        if self._spec.needs_directories:
-            with self._io_errors("create directory", path):
-                self.filesystem.create_dir(self.fs_path(path), recursive=True)
-
-    def delete(self, path: str) -> None:
-        """Delete a file, or a directory with everything under it; missing paths are ignored."""
-        import pyarrow.fs as pafs
-
-        info = self._info(path)
-        with self._io_errors("delete", path):
-            if info.type == pafs.FileType.Directory:
-                self.filesystem.delete_dir(info.path)
-            elif info.type != pafs.FileType.NotFound:
-                self.filesystem.delete_file(info.path)
 
     def sync_dir(self, local_dir: str, run_id: str | None = None, *, subdir: str = "") -> list[str]:
         """Copy new and changed files of ``local_dir`` into ``runs/{run_id}/{subdir}``.
@@ -420,30 +204,6 @@ class StoreBase:
             self.get_test_data_path(idx),
         ):
             self.delete(path)
-
-    # ------------------------------------------------------------------------------ helpers
-    def _is_local(self) -> bool:
-        from spark_estimators.store._filesystems import LocalFilesystemSpec
-
-        return isinstance(self._spec, LocalFilesystemSpec)
-
-    def _ensure_parent(self, fs_target: str, path: str) -> None:
-        if self._spec.needs_directories:
-            parent = posixpath.dirname(fs_target)
-            if parent:
-                with self._io_errors("create directory", path):
-                    self.filesystem.create_dir(parent, recursive=True)
-
-    @contextlib.contextmanager
-    def _io_errors(self, op: str, path: str) -> Iterator[None]:
-        try:
-            yield
-        except StoreError:
-            raise
-        except FileNotFoundError as exc:
-            raise StoreError(f"cannot {op} {path!r} in {self!r}: it does not exist") from exc
-        except OSError as exc:
-            raise StoreError(f"cannot {op} {path!r} in {self!r}: {exc}") from exc
 
 
 class Store(StoreBase, abc.ABC):
@@ -516,21 +276,3 @@ class RemoteStore(StoreBase):
     def val_data_path(self) -> str:
         """The validation data of the bound dataset."""
         return self.get_val_data_path(self.dataset_idx)
-
-
-def _replace(fs: Any, src: str, dst: str) -> None:
-    """Rename ``src`` over ``dst`` (HDFS refuses to rename onto an existing file: delete first)."""
-    try:
-        fs.move(src, dst)
-    except OSError:
-        import pyarrow.fs as pafs
-
-        if fs.get_file_info(dst).type != pafs.FileType.File:
-            raise
-        fs.delete_file(dst)
-        fs.move(src, dst)
-
-
-def _delete_quietly(fs: Any, path: str) -> None:
-    with contextlib.suppress(OSError):
-        fs.delete_file(path)
