@@ -8,17 +8,22 @@ picklable spec argument) and ``_create_model``.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import logging
 import math
 import uuid
 from typing import Any
 
+from pyspark import keyword_only
 from pyspark.ml import Estimator
 
 from spark_estimators.core.backend import Backend, SparkBackend
 from spark_estimators.core.checkpoint import CheckpointInfo, start_fields
-from spark_estimators.core.params import ALIASES, EstimatorParams, check_unsupported, to_camel
+from spark_estimators.core.params import (
+    HOROVOD_DATA_MODULE_KEYWORDS,
+    EstimatorParams,
+    KeywordParams,
+    check_unsupported,
+)
 from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.core.progress import EpochProgress
 from spark_estimators.core.tracking import MlflowTracker, check_available
@@ -30,27 +35,10 @@ from spark_estimators.errors import (
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["HOROVOD_DATA_MODULE_KEYWORDS", "SparkEstimator"]
+
 READERS = ("arrow", "petastorm")
 COLLECTIVE_BACKENDS = ("auto", "gloo", "nccl", "mpi")
-
-
-# horovod's data-module keywords (TorchEstimator, KerasEstimator): the reader here is built in.
-HOROVOD_DATA_MODULE_KEYWORDS: dict[str, tuple[tuple[Any, ...], str]] = {
-    "data_module": (
-        (None,),
-        "batches come from the built-in reader over the prepared data; shape them with "
-        "transformation_fn, input_shapes and label_shapes, or remove data_module",
-    ),
-    "continuous_cols": (
-        (None, []),
-        "list the columns in feature_cols (each column is one model input), or remove it",
-    ),
-    "categorical_cols": (
-        (None, []),
-        "list the columns in feature_cols as integer indices (StringIndexer) for embeddings "
-        "(each column is one model input), or remove it",
-    ),
-}
 
 
 def _bad(param: str, value: Any, expected: str, fix: str = "") -> ConfigurationError:
@@ -58,65 +46,30 @@ def _bad(param: str, value: Any, expected: str, fix: str = "") -> ConfigurationE
     return ConfigurationError(msg + (f". {fix}" if fix else ""))
 
 
-class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
-    """Base of every spark_estimators estimator (see the framework subclasses)."""
+class SparkEstimator(PersistenceMixin, Estimator, KeywordParams, EstimatorParams):
+    """Base of every spark_estimators estimator (see the framework subclasses).
+
+    A subclass composes the Params mixins its framework uses (see
+    :mod:`spark_estimators.core.params`), defines a keyword-only ``__init__`` decorated with
+    ``@keyword_only`` that passes ``self._input_kwargs`` on, and calls
+    :func:`~spark_estimators.core.params.document_constructor` for its ``Parameters`` docs.
+    """
 
     _framework = "base"
-    # horovod keywords of this estimator with no param here: name -> (values accepted because
-    # they mean "not used", the alternative named in the error for any other value).
-    _horovod_only: dict[str, tuple[tuple[Any, ...], str]] = {}
+    _input_kwargs: dict[str, Any]  # set by @keyword_only: the keywords the caller passed
 
+    @keyword_only
     def __init__(self, **kwargs: Any) -> None:
         super().__init__()
         self.setParams(**kwargs)
 
-    # -- params ----------------------------------------------------------------------------------
-    def setParams(self, **kwargs: Any) -> SparkEstimator:
-        """Set params by Spark ML (camelCase) or horovod (snake_case) names."""
-        for key, value in kwargs.items():
-            name = to_camel(key)
-            if key in self._horovod_only and not self.hasParam(name):
-                unused, alternative = self._horovod_only[key]
-                if any(value is u or (u is not None and value == u) for u in unused):
-                    continue
-                raise ConfigurationError(
-                    f"{type(self).__name__}: horovod's {key}={value!r} has no equivalent here; "
-                    f"{alternative}"
-                )
-            if not self.hasParam(name):
-                mine = {k for k, v in ALIASES.items() if self.hasParam(v)}
-                known = sorted({p.name for p in self.params} | mine)
-                close = difflib.get_close_matches(key, known, n=3)
-                hint = f" Did you mean {', '.join(close)}?" if close else ""
-                raise ConfigurationError(
-                    f"{type(self).__name__} got an unknown keyword {key!r}.{hint}"
-                )
-            self._set(**{name: value})
-        return self
+    def _dropped_param(self, name: str, value: Any) -> None:
+        """A Param of a stage saved by an older version that this estimator no longer has.
 
-    def setNumProc(self, value: int) -> SparkEstimator:
-        """Sets the value of ``numProc``."""
-        return self._set(numProc=value)
-
-    def setEpochs(self, value: int) -> SparkEstimator:
-        """Sets the value of ``epochs``."""
-        return self._set(epochs=value)
-
-    def setBatchSize(self, value: int) -> SparkEstimator:
-        """Sets the value of ``batchSize``."""
-        return self._set(batchSize=value)
-
-    def setStore(self, value: Any) -> SparkEstimator:
-        """Sets the value of ``store``."""
-        return self._set(store=value)
-
-    def setRunId(self, value: str) -> SparkEstimator:
-        """Sets the value of ``runId``."""
-        return self._set(runId=value)
-
-    def setOutputCols(self, value: list[str]) -> SparkEstimator:
-        """Sets the value of ``outputCols``."""
-        return self._set(outputCols=value)
+        Its "not used" value (the only one such a stage could train with) is dropped; any other
+        value is refused like the keyword itself (see ``_not_taken``), naming the alternative.
+        """
+        self._refuse_keyword(name, value)
 
     def copy(self, extra: Any = None) -> SparkEstimator:
         """A copy with ``extra`` params set; models and optimizers in params are shared."""
@@ -191,7 +144,7 @@ class SparkEstimator(PersistenceMixin, Estimator, EstimatorParams):
                 raise _bad("validation", validation, "a float in [0, 1) or a column name")
             if not 0 <= float(validation) < 1:
                 raise _bad("validation", validation, "a float in [0, 1) or a column name")
-        weights = self.getLossWeights()
+        weights = self.getOrDefault("lossWeights") if self.hasParam("lossWeights") else None
         if weights is not None and len(weights) != len(labels):
             raise ConfigurationError(
                 f"loss_weights has {len(weights)} entries but there are {len(labels)} label "

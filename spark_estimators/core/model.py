@@ -16,13 +16,18 @@ import threading
 import warnings
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from pyspark.ml import Model
-from pyspark.ml.param import Param, Params, TypeConverters
 from pyspark.ml.param.shared import HasOutputCols
 
 from spark_estimators.core import tensors
+from spark_estimators.core.params.shared import (
+    HasFeatureCols,
+    HasInputShapes,
+    HasLabelCols,
+    HasTransformBatchSize,
+)
 from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.errors import ConfigurationError
 
@@ -120,39 +125,16 @@ def predict_udf(spec: dict[str, Any], batches: Iterator[Any]) -> Iterator[Any]:
         yield _predict_arrays(spec, arrays, predictor, model)
 
 
-class ModelParams(HasOutputCols):
-    """The params every model shares: columns, input shapes, output columns, batch size."""
+class ModelParams(
+    HasFeatureCols, HasLabelCols, HasInputShapes, HasTransformBatchSize, HasOutputCols
+):
+    """The params every model shares: columns, input shapes, output columns, batch size.
 
-    featureCols = Param(
-        Params._dummy(), "featureCols", "feature columns", TypeConverters.toListString
-    )
-    labelCols = Param(Params._dummy(), "labelCols", "label columns", TypeConverters.toListString)
-    inputShapes: Param = Param(Params._dummy(), "inputShapes", "per-row input shapes")
-    transformBatchSize = Param(
-        Params._dummy(), "transformBatchSize", "rows per inference batch", TypeConverters.toInt
-    )
+    The same mixins as the estimators' (:mod:`spark_estimators.core.params.shared`), so a model
+    copies its estimator's values under the same names.
+    """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._setDefault(
-            featureCols=[], labelCols=[], inputShapes=None, transformBatchSize=1024, outputCols=[]
-        )
-
-    def getFeatureCols(self) -> list[str]:
-        """Gets the value of ``featureCols`` or its default value."""
-        return self.getOrDefault(self.featureCols)
-
-    def getLabelCols(self) -> list[str]:
-        """Gets the value of ``labelCols`` or its default value."""
-        return self.getOrDefault(self.labelCols)
-
-    def getInputShapes(self) -> Any:
-        """Gets the value of ``inputShapes`` or its default value."""
-        return self.getOrDefault(self.inputShapes)
-
-    def getTransformBatchSize(self) -> int:
-        """Gets the value of ``transformBatchSize`` or its default value."""
-        return self.getOrDefault(self.transformBatchSize)
+    _defaults: ClassVar[dict[str, Any]] = {"outputCols": []}
 
     # horovod's HorovodModel names
     def getFeatureColumns(self) -> list[str]:
@@ -173,12 +155,29 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
 
     def __init__(
         self,
+        *,
         model: Any = None,
         history: list[dict[str, Any]] | None = None,
         run_id: str | None = None,
         output_shapes: list[tuple[int, ...]] | None = None,
         **params: Any,
     ) -> None:
+        """Wrap a trained framework model (estimators build models; users load them).
+
+        Parameters
+        ----------
+        model : object, default None
+            The trained framework model, on the CPU.
+        history : list of dict, default None
+            Per-epoch metrics averaged over the ranks.
+        run_id : str, default None
+            The run of the fit, whose checkpoints and logs are in the store.
+        output_shapes : list of tuple, default None
+            The per-row shape of each output.
+        **params
+            Model Params by name: ``featureCols``, ``labelCols``, ``inputShapes``,
+            ``transformBatchSize``, ``outputCols``.
+        """
         super().__init__()
         self._model = model
         self._history = list(history or [])

@@ -194,13 +194,30 @@ class StageReader(MLReader):
         verify_blob(blob_path, data, metadata.get(DIGEST_KEY), model_key(self._key))
         instance = self.cls()
         instance._resetUid(metadata["uid"])
-        DefaultParamsReader.getAndSetParams(instance, metadata)
         blob = cloudpickle.loads(data)
+        _drop_params_gone(instance, metadata, blob["params"])
+        DefaultParamsReader.getAndSetParams(instance, metadata)
         for name, value in blob["params"].items():
             instance._set(**{name: value})
         if hasattr(instance, "_restore_extra_state"):
             instance._restore_extra_state(blob["extra"])
         return instance
+
+
+def _drop_params_gone(instance: Any, metadata: dict[str, Any], blob_params: dict[str, Any]) -> None:
+    """Remove Params the class no longer has from a saved stage's maps, before they are set.
+
+    A stage saved by an older version may hold Params its class has since lost (the Lightning
+    estimator's ``loss``, ``optimizer``, ... in issue 19). The class decides in
+    ``_dropped_param(name, value)``: drop a value that meant "not used", refuse any other. A
+    class without that hook keeps pyspark's behaviour (an error naming the missing Param).
+    """
+    hook = getattr(instance, "_dropped_param", None)
+    if hook is None:
+        return
+    for params in (metadata.get("paramMap", {}), metadata.get("defaultParamMap", {}), blob_params):
+        for name in [n for n in params if not instance.hasParam(n)]:
+            hook(name, params.pop(name))
 
 
 class PersistenceMixin(MLWritable, MLReadable):

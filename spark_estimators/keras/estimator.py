@@ -35,10 +35,17 @@ and used wherever the model is loaded.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from spark_estimators.core.estimator import HOROVOD_DATA_MODULE_KEYWORDS, SparkEstimator
-from spark_estimators.core.params import make_param
+from pyspark import keyword_only
+
+from spark_estimators.core.estimator import SparkEstimator
+from spark_estimators.core.params import (
+    HOROVOD_DATA_MODULE_KEYWORDS,
+    SupervisedParams,
+    document_constructor,
+    make_param,
+)
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.keras.model import KerasModel, dumps_custom_objects
 
@@ -49,24 +56,16 @@ def _listify(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-class KerasEstimator(SparkEstimator):
+class KerasEstimator(SparkEstimator, SupervisedParams):
     """Spark ML Estimator that trains a Keras 3 model (TensorFlow backend) with allreduce.
 
-    Parameters are horovod.spark.keras's (snake_case keywords or camelCase Params):
-    ``num_proc, backend, store, model, optimizer, loss, loss_weights, sample_weight_col,
-    metrics, feature_cols, label_cols, input_shapes, label_shapes, validation, callbacks,
-    batch_size, val_batch_size, epochs, train_steps_per_epoch, validation_steps_per_epoch,
-    shuffle, random_seed, run_id, transformation_fn, inmemory_cache_all, use_gpu,
-    gradient_compression, partitions_per_process, train_reader_num_workers,
-    val_reader_num_workers, reader, custom_objects, checkpoint_callback, backend_env, verbose``;
-    plus ``collective_backend``, ``scale_lr``, ``start_timeout``, ``transform_batch_size``.
-
-    ``model`` is a Keras model (compiled or not; it is compiled on the ranks), ``optimizer`` a
-    ``keras.optimizers.Optimizer`` (its config is used; state starts fresh), ``loss`` a Keras
-    loss (name, function or object; a list or dict for several outputs), ``metrics`` as for
-    ``model.compile``. ``backend_env`` adds environment variables to the ranks of the default
-    backend. ``backward_passes_per_step`` must be 1 (use the optimizer's
-    ``gradient_accumulation_steps``).
+    Its keywords are horovod.spark.keras's (snake_case keywords or camelCase Params), listed in
+    the constructor's Parameters. ``model`` is a Keras model (compiled or not; it is compiled on
+    the ranks), ``optimizer`` a ``keras.optimizers.Optimizer`` (its config is used; state starts
+    fresh), ``loss`` a Keras loss (name, function or object; a list or dict for several
+    outputs), ``metrics`` as for ``model.compile``. ``backend_env`` adds environment variables
+    to the ranks of the default backend. ``backward_passes_per_step`` must be 1 (use the
+    optimizer's ``gradient_accumulation_steps``).
     """
 
     _framework = "keras"
@@ -78,6 +77,18 @@ class KerasEstimator(SparkEstimator):
             "val_reader_num_workers, or remove it",
         ),
     }
+    _not_taken = {
+        "loss_constructors": (
+            (None, []),
+            "pass loss= (a Keras loss name, function or object; a list or dict for several "
+            "outputs)",
+        ),
+        "train_minibatch_fn": (
+            (None,),
+            "Keras's model.fit runs the training step; override train_step() in the model for "
+            "a custom one",
+        ),
+    }
 
     customObjects = make_param(
         "customObjects", "dict name -> custom class/function for loading the model"
@@ -87,10 +98,17 @@ class KerasEstimator(SparkEstimator):
     )
     backendEnv = make_param("backendEnv", "dict of environment variables for the ranks")
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._setDefault(customObjects=None, checkpointCallback=None, backendEnv=None)
-        self.setParams(**kwargs)
+    _defaults: ClassVar[dict[str, Any]] = {
+        "customObjects": None,
+        "checkpointCallback": None,
+        "backendEnv": None,
+    }
+
+    @keyword_only
+    def __init__(
+        self, *, model: Any = None, optimizer: Any = None, loss: Any = None, **params: Any
+    ) -> None:
+        super().__init__(**self._input_kwargs)
 
     def getCustomObjects(self) -> dict[str, Any]:
         """Gets the value of ``customObjects`` or its default value."""
@@ -190,15 +208,6 @@ class KerasEstimator(SparkEstimator):
             )
         return optimizer
 
-    def _compression_name(self) -> str:
-        compression = self.getGradientCompression()
-        if compression is None:
-            return "none"
-        if isinstance(compression, str):
-            return compression
-        name = getattr(compression, "__name__", type(compression).__name__).lower()
-        return "fp16" if "fp16" in name else "none" if "none" in name else name
-
     # -- training --------------------------------------------------------------------------------
     def _launch_backend(self) -> Any:
         backend = super()._launch_backend()
@@ -275,3 +284,14 @@ class KerasEstimator(SparkEstimator):
         if self.getOutputCols():
             keras_model.setOutputCols(self.getOutputCols())
         return keras_model
+
+
+document_constructor(
+    KerasEstimator,
+    """Build a KerasEstimator; every keyword is optional here and checked when fitting.
+
+    ``model`` (a ``keras.Model``), ``optimizer`` and ``loss`` are needed to fit;
+    ``feature_cols`` and ``label_cols`` name the columns. Positional arguments raise
+    ``TypeError``.
+    """,
+)

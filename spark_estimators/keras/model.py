@@ -88,6 +88,7 @@ class KerasModel(SparkModel):
 
     def __init__(
         self,
+        *,
         model: Any = None,
         history: list[dict[str, Any]] | None = None,
         run_id: str | None = None,
@@ -95,7 +96,9 @@ class KerasModel(SparkModel):
         custom_objects: dict[str, Any] | None = None,
         **params: Any,
     ) -> None:
-        super().__init__(model, history, run_id, output_shapes, **params)
+        super().__init__(
+            model=model, history=history, run_id=run_id, output_shapes=output_shapes, **params
+        )
         self._custom_objects = dict(custom_objects or {})
         self._rank_fingerprints: list[str] = []
 

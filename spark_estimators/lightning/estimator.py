@@ -22,12 +22,14 @@ from __future__ import annotations
 import copy
 import difflib
 import inspect
-from typing import Any
+from typing import Any, ClassVar
 
+from pyspark import keyword_only
 from pyspark.ml.param import TypeConverters
 
 from spark_estimators.core.estimator import SparkEstimator
-from spark_estimators.core.params import make_param
+from spark_estimators.core.params import document_constructor, make_param
+from spark_estimators.core.params.base import to_int_or_none
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.lightning.callbacks import FRAMEWORK
 from spark_estimators.lightning.model import LightningModel
@@ -53,20 +55,21 @@ _RESERVED_TRAINER_ARGS = {
     "plugins": "nothing: the estimator sets the cluster environment",
     "default_root_dir": "store (checkpoints and logs go into the run's directory)",
 }
-_NOT_FOR_LIGHTNING = {
-    "optimizer": ("optimizer", "configure_optimizers() of the module builds the optimizer"),
-    "loss": ("loss", "training_step() of the module computes the loss"),
-    "lossConstructors": ("loss_constructors", "training_step() of the module computes the loss"),
-    "lossWeights": ("loss_weights", "training_step() of the module computes the loss"),
-    "metrics": ("metrics", "log metrics with self.log(...) (torchmetrics work) in the module"),
-    "gradientCompression": (
-        "gradient_compression",
-        "LightningEstimator runs DDP without gradient compression",
-    ),
-    "trainMinibatchFn": (
-        "train_minibatch_fn",
+#: Keywords of the Torch estimator a LightningModule makes pointless: why, and what to do.
+_NOT_FOR_LIGHTNING: dict[str, tuple[tuple[Any, ...], str]] = {
+    "optimizer": ((None,), "configure_optimizers() of the module builds the optimizer"),
+    "loss": ((None,), "training_step() of the module computes the loss"),
+    "loss_constructors": ((None, []), "training_step() of the module computes the loss"),
+    "loss_weights": ((None, []), "training_step() of the module computes the loss"),
+    "metrics": ((None, []), "log metrics with self.log(...) (torchmetrics work) in the module"),
+    "gradient_compression": ((None,), "LightningEstimator runs DDP without gradient compression"),
+    "train_minibatch_fn": (
+        (None,),
         "training_step() of the module is the step (use manual optimization for a custom one)",
     ),
+}
+_NOT_FOR_LIGHTNING = {
+    key: (unused, f"{why}; remove {key}=") for key, (unused, why) in _NOT_FOR_LIGHTNING.items()
 }
 _PROFILERS = ("simple", "advanced", "pytorch")
 
@@ -77,22 +80,15 @@ def _listify(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else TypeConverters.toInt(value)
-
-
 class LightningEstimator(SparkEstimator):
     """Spark ML Estimator that trains a ``pytorch_lightning.LightningModule`` with DDP.
 
-    Parameters are horovod.spark.lightning's (snake_case keywords or camelCase Params):
-    ``num_proc, backend, store, model, feature_cols, label_cols, sample_weight_col,
-    input_shapes, label_shapes, validation, callbacks, batch_size, val_batch_size, epochs,
-    train_steps_per_epoch, validation_steps_per_epoch, shuffle, random_seed, run_id,
-    transformation_fn, inmemory_cache_all, use_gpu, num_gpus, logger, log_every_n_steps,
-    trainer_args, profiler, terminate_on_nan, loader_num_epochs, partitions_per_process,
-    train_reader_num_workers, val_reader_num_workers, reader, verbose``; plus
-    ``collective_backend`` ("auto", "gloo" or "nccl"), ``backward_passes_per_step`` (Lightning's
-    ``accumulate_grad_batches``), ``start_timeout`` and ``transform_batch_size``.
+    Its keywords are horovod.spark.lightning's (snake_case keywords or camelCase Params), listed
+    in the constructor's Parameters; ``collective_backend`` is "auto", "gloo" or "nccl",
+    ``backward_passes_per_step`` is Lightning's ``accumulate_grad_batches``. It has no
+    ``optimizer``, ``loss``, ``loss_constructors``, ``loss_weights``, ``metrics``,
+    ``gradient_compression`` or ``train_minibatch_fn``: the module defines those, and passing
+    one raises a ``ConfigurationError`` naming the alternative.
 
     ``num_gpus``: None uses the task's GPU when Spark assigned one, 0 trains on the CPU, 1
     requires a GPU per rank. ``logger``: None writes TensorBoard logs into the run's ``logs/``
@@ -109,7 +105,7 @@ class LightningEstimator(SparkEstimator):
 
     _framework = "lightning"
 
-    numGpus = make_param("numGpus", "GPUs per rank: None (auto), 0 or 1", _int_or_none)
+    numGpus = make_param("numGpus", "GPUs per rank: None (auto), 0 or 1", to_int_or_none)
     logger = make_param("logger", "Lightning logger (default TensorBoard into the store)")
     logEveryNSteps = make_param(
         "logEveryNSteps", "Trainer(log_every_n_steps=...)", TypeConverters.toInt
@@ -120,10 +116,7 @@ class LightningEstimator(SparkEstimator):
         "terminateOnNan", "stop with an error on a NaN/inf loss or weight", TypeConverters.toBoolean
     )
     loaderNumEpochs = make_param(
-        "loaderNumEpochs", "horovod compatibility: only None (one pass per epoch)", _int_or_none
-    )
-    trainMinibatchFn = make_param(
-        "trainMinibatchFn", "horovod compatibility: not used (training_step() is the step)"
+        "loaderNumEpochs", "horovod compatibility: only None (one pass per epoch)", to_int_or_none
     )
     dataModule = make_param(
         "dataModule", "horovod compatibility: only None (the reader is built in)"
@@ -132,10 +125,10 @@ class LightningEstimator(SparkEstimator):
         "debugDataLoader", "horovod compatibility: only False", TypeConverters.toBoolean
     )
     trainAsyncDataLoaderQueueSize = make_param(
-        "trainAsyncDataLoaderQueueSize", "horovod compatibility: only None", _int_or_none
+        "trainAsyncDataLoaderQueueSize", "horovod compatibility: only None", to_int_or_none
     )
     valAsyncDataLoaderQueueSize = make_param(
-        "valAsyncDataLoaderQueueSize", "horovod compatibility: only None", _int_or_none
+        "valAsyncDataLoaderQueueSize", "horovod compatibility: only None", to_int_or_none
     )
 
     # horovod Lightning params with no equivalent: refused with the alternative (see
@@ -170,24 +163,25 @@ class LightningEstimator(SparkEstimator):
         ),
     }
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._setDefault(
-            numGpus=None,
-            logger=None,
-            logEveryNSteps=50,
-            trainerArgs=None,
-            profiler=None,
-            terminateOnNan=False,
-            loaderNumEpochs=None,
-            trainMinibatchFn=None,
-            dataModule=None,
-            debugDataLoader=False,
-            trainAsyncDataLoaderQueueSize=None,
-            valAsyncDataLoaderQueueSize=None,
-            scaleLr=False,
-        )
-        self.setParams(**kwargs)
+    _not_taken = _NOT_FOR_LIGHTNING
+    _defaults: ClassVar[dict[str, Any]] = {
+        "numGpus": None,
+        "logger": None,
+        "logEveryNSteps": 50,
+        "trainerArgs": None,
+        "profiler": None,
+        "terminateOnNan": False,
+        "loaderNumEpochs": None,
+        "dataModule": None,
+        "debugDataLoader": False,
+        "trainAsyncDataLoaderQueueSize": None,
+        "valAsyncDataLoaderQueueSize": None,
+        "scaleLr": False,
+    }
+
+    @keyword_only
+    def __init__(self, *, model: Any = None, **params: Any) -> None:
+        super().__init__(**self._input_kwargs)
 
     def getNumGpus(self) -> int | None:
         """Gets the value of ``numGpus`` or its default value."""
@@ -237,13 +231,6 @@ class LightningEstimator(SparkEstimator):
                 f"model must be a pytorch_lightning.LightningModule, got {type(model).__name__}."
                 + hint
             )
-        for name, (keyword, why) in _NOT_FOR_LIGHTNING.items():
-            value = self.getOrDefault(name)
-            if value is not None and value != []:
-                raise ConfigurationError(
-                    f"{keyword}= (a {type(value).__name__}) is not used with a LightningModule: "
-                    f"{why}. Remove {keyword}=."
-                )
         if self.getScaleLr():
             raise ConfigurationError(
                 "scale_lr=True is not supported by LightningEstimator: configure_optimizers() "
@@ -385,3 +372,13 @@ def _is_torch_module(value: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(value, torch.nn.Module)
+
+
+document_constructor(
+    LightningEstimator,
+    """Build a LightningEstimator; every keyword is optional here and checked when fitting.
+
+    ``model`` (a ``pytorch_lightning.LightningModule``) is needed to fit; ``feature_cols`` and
+    ``label_cols`` name the columns. Positional arguments raise ``TypeError``.
+    """,
+)

@@ -28,6 +28,7 @@ class LightningModel(TorchModel):
 
     def __init__(
         self,
+        *,
         model: Any = None,
         history: list[dict[str, Any]] | None = None,
         run_id: str | None = None,

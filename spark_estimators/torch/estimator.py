@@ -21,9 +21,17 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from pyspark import keyword_only
+
 from spark_estimators.core.checkpoint import read_info
-from spark_estimators.core.estimator import HOROVOD_DATA_MODULE_KEYWORDS, SparkEstimator
-from spark_estimators.core.params import make_param
+from spark_estimators.core.estimator import SparkEstimator
+from spark_estimators.core.params import (
+    HOROVOD_DATA_MODULE_KEYWORDS,
+    HasLossConstructors,
+    HasTrainMinibatchFn,
+    SupervisedParams,
+    document_constructor,
+)
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.torch import serialization
 from spark_estimators.torch.model import TorchModel
@@ -40,33 +48,22 @@ def _listify(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-class TorchEstimator(SparkEstimator):
+class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasTrainMinibatchFn):
     """Spark ML Estimator that trains a PyTorch model with data-parallel allreduce.
 
-    Parameters are horovod.spark.torch's (snake_case keywords or camelCase Params):
-    ``num_proc, backend, store, model, optimizer, loss (or loss_constructors), loss_weights,
-    sample_weight_col, metrics, feature_cols, label_cols, input_shapes, label_shapes,
-    validation, callbacks, batch_size, val_batch_size, epochs, train_steps_per_epoch,
-    validation_steps_per_epoch, shuffle, random_seed, run_id, transformation_fn,
-    inmemory_cache_all, use_gpu, backward_passes_per_step, gradient_compression,
-    partitions_per_process, train_reader_num_workers, val_reader_num_workers, reader,
-    train_minibatch_fn, verbose``; plus ``collective_backend``, ``scale_lr``, ``start_timeout``,
-    ``transform_batch_size``.
+    Its keywords are horovod.spark.torch's (snake_case keywords or camelCase Params), listed in
+    the constructor's Parameters; horovod's ``data_module``, ``continuous_cols`` and
+    ``categorical_cols`` are accepted at None and refused otherwise, naming the alternative.
     """
 
     _framework = "torch"
     _horovod_only = HOROVOD_DATA_MODULE_KEYWORDS
 
-    trainMinibatchFn = make_param(
-        "trainMinibatchFn",
-        "custom fn(model, optimizer, transform_outputs, "
-        "loss_fn, inputs, labels, sample_weights) -> (outputs, loss)",
-    )
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._setDefault(trainMinibatchFn=None)
-        self.setParams(**kwargs)
+    @keyword_only
+    def __init__(
+        self, *, model: Any = None, optimizer: Any = None, loss: Any = None, **params: Any
+    ) -> None:
+        super().__init__(**self._input_kwargs)
 
     # -- validation ------------------------------------------------------------------------------
     def _validate_framework(self) -> None:
@@ -92,7 +89,7 @@ class TorchEstimator(SparkEstimator):
                 "optimizer holds parameters that are not the model's: build it with "
                 "optimizer=torch.optim.X(model.parameters(), ...) on the same model object"
             )
-        if self.getLoss() is not None and _listify(self.getOrDefault("lossConstructors")):
+        if self.getLoss() is not None and _listify(self.getLossConstructors()):
             raise ConfigurationError(
                 "loss and loss_constructors were both given: pass only one of them (as Horovod "
                 "requires)"
@@ -117,7 +114,7 @@ class TorchEstimator(SparkEstimator):
                     f"a list of one function (for every output) or of {n_labels} (one per "
                     "label column), as Horovod's metric groups"
                 )
-        minibatch_fn = self.getOrDefault("trainMinibatchFn")
+        minibatch_fn = self.getTrainMinibatchFn()
         if minibatch_fn is not None and not callable(minibatch_fn):
             raise ConfigurationError(
                 f"train_minibatch_fn={minibatch_fn!r} is not callable: pass fn(model, optimizer, "
@@ -136,19 +133,10 @@ class TorchEstimator(SparkEstimator):
             )
 
     def _losses(self) -> list[Any]:
-        constructors = _listify(self.getOrDefault("lossConstructors"))
+        constructors = _listify(self.getLossConstructors())
         if constructors:
             return [c() for c in constructors]
         return _listify(self.getLoss())
-
-    def _compression_name(self) -> str:
-        compression = self.getGradientCompression()
-        if compression is None:
-            return "none"
-        if isinstance(compression, str):
-            return compression
-        name = getattr(compression, "__name__", type(compression).__name__).lower()
-        return "fp16" if "fp16" in name else "none" if "none" in name.lower() else name
 
     # -- training --------------------------------------------------------------------------------
     def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> TorchTrainSpec:
@@ -164,7 +152,7 @@ class TorchEstimator(SparkEstimator):
             metrics=_listify(self.getMetrics()),
             callbacks=_listify(self.getCallbacks()),
             transformation_fn=self.getTransformationFn(),
-            train_minibatch_fn=self.getOrDefault("trainMinibatchFn"),
+            train_minibatch_fn=self.getTrainMinibatchFn(),
         )
         roots = [
             user.model,
@@ -203,3 +191,14 @@ class TorchEstimator(SparkEstimator):
         if self.getOutputCols():
             torch_model.setOutputCols(self.getOutputCols())
         return torch_model
+
+
+document_constructor(
+    TorchEstimator,
+    """Build a TorchEstimator; every keyword is optional here and checked when fitting.
+
+    ``model`` (a ``torch.nn.Module``), ``optimizer`` (built on ``model.parameters()``) and
+    ``loss`` (or ``loss_constructors``) are needed to fit; ``feature_cols`` and ``label_cols``
+    name the columns. Positional arguments raise ``TypeError``.
+    """,
+)

@@ -43,3 +43,54 @@ def test_migration_page_names_every_horovod_keyword(api):
     words = {w for item in named for w in re.findall(r"[A-Za-z_]+", item)}
     missing = [k for k in HOROVOD_KEYWORDS[api].split() if k not in words]
     assert not missing, f"docs/migration.md does not name horovod's {api} keywords {missing}"
+
+
+def _estimator_table() -> list[list[str]]:
+    """The rows of the "Estimator parameters" table, as lists of cells."""
+    section = PAGE.read_text().split("## Estimator parameters", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
+
+
+def _documented(column: int) -> tuple[set[str], set[str]]:
+    """(keywords the table says the estimator takes, keywords it says it does not)."""
+    taken: set[str] = set()
+    refused: set[str] = set()
+    for cells in _estimator_table():
+        cell = cells[column]
+        if cells[0]:
+            names = set(re.findall(r"`(\w+)`", cells[0]))
+            (refused if cell.startswith("no") else taken).update(names)
+        else:  # our additions: the names are in the cells ("same": as the Torch column)
+            taken.update(re.findall(r"`(\w+)`", cells[1] if cell == "same" else cell))
+    return taken, refused
+
+
+@pytest.mark.parametrize(("column", "framework"), [(1, "torch"), (2, "keras"), (3, "lightning")])
+def test_each_estimators_params_are_the_documented_set(column, framework):
+    pytest.importorskip("torch")
+    pytest.importorskip(
+        {"torch": "torch", "keras": "keras", "lightning": "pytorch_lightning"}[framework]
+    )
+    import importlib
+
+    from spark_estimators.core.params import to_camel, to_snake
+    from spark_estimators.errors import ConfigurationError
+
+    module = importlib.import_module(f"spark_estimators.{framework}")
+    cls = getattr(
+        module,
+        {"torch": "TorchEstimator", "keras": "KerasEstimator"}.get(framework, "LightningEstimator"),
+    )
+    est = cls()
+    params = {to_snake(p.name) for p in est.params}
+    taken, refused = _documented(column)
+    assert not taken & refused
+    # Every param is in the table, and every keyword the table gives it is a param or one of
+    # horovod's keywords accepted at their "not used" value.
+    assert params - taken == set()
+    assert taken - params <= set(cls._horovod_only)
+    for name in refused:
+        assert not est.hasParam(to_camel(name)), name
+        with pytest.raises(ConfigurationError, match=name):
+            cls(**{name: object()})

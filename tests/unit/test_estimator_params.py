@@ -33,7 +33,7 @@ def _net():
 def test_every_param_has_a_chainable_setter_and_a_getter(cls):
     est = cls()
     names = [p.name for p in est.params]
-    assert {"shuffleBufferSize", "readerPoolType", "mpStartMethod", "lossWeights"} <= set(names)
+    assert {"shuffleBufferSize", "readerPoolType", "mpStartMethod"} <= set(names)
     for name in names:
         suffix = name[0].upper() + name[1:]
         assert callable(getattr(est, "get" + suffix)), name
@@ -110,7 +110,6 @@ def test_horovod_defaults_of_those_params_are_accepted():
         ({"debug_data_loader": True}, r"debug_data_loader=True is not supported"),
         ({"train_async_data_loader_queue_size": 8}, r"train_async_data_loader_queue_size=8"),
         ({"val_async_data_loader_queue_size": 8}, r"val_async_data_loader_queue_size=8"),
-        ({"train_minibatch_fn": len}, r"train_minibatch_fn= .* is not used with a LightningModule"),
     ],
 )
 def test_lightning_only_horovod_params_are_refused(kwargs, pattern):

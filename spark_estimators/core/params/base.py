@@ -1,0 +1,237 @@
+"""The machinery under every Params mixin: declaring a Param, its defaults, names and docs.
+
+- :func:`make_param` declares a class-level ``Param`` the pyspark way.
+- :class:`DeclaredParams` takes each mixin's defaults from a class-level ``_defaults`` dict
+  (merged along the MRO, subclasses win), so the defaults are known without an instance: the
+  estimators' ``Parameters`` docs and keyword-only signatures are built from them.
+- :data:`ALIASES` maps horovod's snake_case keywords to the camelCase Param names (one table,
+  as xgboost.spark's ``_inverse_alias`` does); :func:`to_camel` / :func:`to_snake` use it.
+- :func:`add_accessors` gives every Param a ``getX()`` and a chainable ``setX(value)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import textwrap
+from typing import Any, ClassVar
+
+from pyspark.ml.param import Param, Params, TypeConverters
+
+
+def make_param(name: str, doc: str, conv: Any = TypeConverters.identity) -> Param:
+    """A Spark ML ``Param`` named ``name`` with ``doc`` and a type converter."""
+    return Param(Params._dummy(), name, doc, typeConverter=conv)
+
+
+def to_int_or_none(value: Any) -> int | None:
+    """``TypeConverters.toInt`` that lets None through."""
+    return None if value is None else TypeConverters.toInt(value)
+
+
+def to_list_or_none(value: Any) -> list[Any] | None:
+    """``TypeConverters.toList`` that lets None through."""
+    return None if value is None else TypeConverters.toList(value)
+
+
+def to_str_list(value: Any) -> list[str]:
+    """A list of strings; a single string becomes a one-element list."""
+    if isinstance(value, str):
+        return [value]
+    return TypeConverters.toListString(value)
+
+
+def to_str_or_none(value: Any) -> str | None:
+    """``TypeConverters.toString`` that lets None through."""
+    return None if value is None else TypeConverters.toString(value)
+
+
+#: The type each converter accepts, as the estimators' ``Parameters`` docs write it.
+_TYPE_TEXT: dict[Any, str] = {
+    TypeConverters.toInt: "int",
+    TypeConverters.toFloat: "float",
+    TypeConverters.toBoolean: "bool",
+    TypeConverters.toString: "str",
+    to_int_or_none: "int or None",
+    to_list_or_none: "list or None",
+    to_str_list: "list of str",
+    to_str_or_none: "str or None",
+    TypeConverters.toListString: "list of str",
+}
+
+# snake_case (horovod) -> camelCase (Spark ML). Names that are one word (model, epochs, ...) are
+# the same in both.
+ALIASES: dict[str, str] = {
+    "num_proc": "numProc",
+    "collective_backend": "collectiveBackend",
+    "loss_constructors": "lossConstructors",
+    "loss_weights": "lossWeights",
+    "sample_weight_col": "sampleWeightCol",
+    "feature_cols": "featureCols",
+    "label_cols": "labelCols",
+    "input_shapes": "inputShapes",
+    "label_shapes": "labelShapes",
+    "batch_size": "batchSize",
+    "val_batch_size": "valBatchSize",
+    "train_steps_per_epoch": "trainStepsPerEpoch",
+    "validation_steps_per_epoch": "validationStepsPerEpoch",
+    "random_seed": "randomSeed",
+    "run_id": "runId",
+    "transformation_fn": "transformationFn",
+    "inmemory_cache_all": "inmemoryCacheAll",
+    "use_gpu": "useGpu",
+    "backward_passes_per_step": "backwardPassesPerStep",
+    "gradient_compression": "gradientCompression",
+    "partitions_per_process": "partitionsPerProcess",
+    "train_reader_num_workers": "trainReaderNumWorkers",
+    "val_reader_num_workers": "valReaderNumWorkers",
+    "train_minibatch_fn": "trainMinibatchFn",
+    "scale_lr": "scaleLr",
+    "output_cols": "outputCols",
+    "start_timeout": "startTimeout",
+    "custom_objects": "customObjects",
+    "checkpoint_callback": "checkpointCallback",
+    "backend_env": "backendEnv",
+    "num_gpus": "numGpus",
+    "log_every_n_steps": "logEveryNSteps",
+    "trainer_args": "trainerArgs",
+    "terminate_on_nan": "terminateOnNan",
+    "loader_num_epochs": "loaderNumEpochs",
+    "transform_batch_size": "transformBatchSize",
+    "min_num_proc": "minNumProc",
+    "reset_limit": "resetLimit",
+    "shuffle_buffer_size": "shuffleBufferSize",
+    "reader_pool_type": "readerPoolType",
+    "mp_start_method": "mpStartMethod",
+    "compress_sparse_cols": "compressSparseCols",
+    "transformation_edit_fields": "transformationEditFields",
+    "transformation_removed_fields": "transformationRemovedFields",
+    "data_module": "dataModule",
+    "debug_data_loader": "debugDataLoader",
+    "train_async_data_loader_queue_size": "trainAsyncDataLoaderQueueSize",
+    "val_async_data_loader_queue_size": "valAsyncDataLoaderQueueSize",
+    "log_to_mlflow": "logToMlflow",
+}
+_SNAKE = {camel: snake for snake, camel in ALIASES.items()}
+
+
+def to_camel(name: str) -> str:
+    """The Param name of a constructor keyword (``num_proc`` -> ``numProc``)."""
+    return ALIASES.get(name, name)
+
+
+def to_snake(name: str) -> str:
+    """The horovod keyword of a Param name (``numProc`` -> ``num_proc``)."""
+    return _SNAKE.get(name, name)
+
+
+def declared_defaults(cls: type) -> dict[str, Any]:
+    """The Param defaults ``cls`` declares in ``_defaults`` along its MRO (subclasses win)."""
+    merged: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        merged.update(klass.__dict__.get("_defaults", {}))
+    return merged
+
+
+class DeclaredParams(Params):
+    """Params whose defaults are declared in class-level ``_defaults`` dicts.
+
+    Every subclass gets generated ``getX()`` / ``setX(value)`` accessors for Params that have no
+    explicit one (see :func:`add_accessors`).
+    """
+
+    _defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        # A fresh copy per instance: a default list must not be shared between stages.
+        defaults = {k: copy.copy(v) for k, v in declared_defaults(type(self)).items()}
+        self._setDefault(**defaults)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        add_accessors(cls)
+
+
+def class_params(cls: type) -> list[Param]:
+    """The Params ``cls`` declares (class attributes), sorted by name."""
+    found = {p.name: p for p in (getattr(cls, n, None) for n in dir(cls)) if isinstance(p, Param)}
+    return [found[name] for name in sorted(found)]
+
+
+def add_accessors(cls: type) -> type:
+    """Give ``cls`` a ``getX()`` and a ``setX(value)`` (returning self) for every Param ``x``.
+
+    The pyspark.ml way (``est.setEpochs(5).setBatchSize(64)``); explicit methods win.
+    """
+    for name in dir(cls):
+        param = getattr(cls, name, None)
+        if not isinstance(param, Param) or name != param.name:
+            continue
+        suffix = name[0].upper() + name[1:]
+        if not hasattr(cls, "set" + suffix):
+            setattr(cls, "set" + suffix, _setter(name))
+        if not hasattr(cls, "get" + suffix):
+            setattr(cls, "get" + suffix, _getter(name))
+    return cls
+
+
+def _setter(name: str) -> Any:
+    def setter(self: Params, value: Any) -> Params:
+        return self._set(**{name: value})
+
+    setter.__name__ = "set" + name[0].upper() + name[1:]
+    setter.__doc__ = f"Set the ``{name}`` param; returns self."
+    return setter
+
+
+def _getter(name: str) -> Any:
+    def getter(self: Params) -> Any:
+        return self.getOrDefault(name)
+
+    getter.__name__ = "get" + name[0].upper() + name[1:]
+    getter.__doc__ = f"The ``{name}`` param's value (or its default)."
+    return getter
+
+
+def parameters_section(cls: type) -> str:
+    """A numpydoc ``Parameters`` section naming every Param of ``cls`` by its keyword.
+
+    Each entry is built from the Param itself (doc, type converter, declared default), so the
+    docs cannot drift from the params the class really has.
+    """
+    defaults = declared_defaults(cls)
+    lines = ["Parameters", "----------"]
+    for param in class_params(cls):
+        kind = _TYPE_TEXT.get(param.typeConverter, "object")
+        default = defaults.get(param.name)
+        lines.append(f"{to_snake(param.name)} : {kind}, default {default!r}")
+        doc = param.doc[0].upper() + param.doc[1:].rstrip(".")
+        text = f"{doc}. Spark ML Param ``{param.name}``."
+        lines.extend(textwrap.wrap(text, 92, initial_indent="    ", subsequent_indent="    "))
+    return "\n".join(lines)
+
+
+def document_constructor(cls: type, summary: str) -> type:
+    """Set ``cls.__init__``'s docstring (``summary`` + Parameters) and keyword-only signature.
+
+    ``cls`` must define its own ``__init__``. ``inspect.signature(cls)`` then lists every
+    keyword the constructor takes, with its default, as ``help()`` and notebooks show it.
+    """
+    init = cls.__dict__["__init__"]
+    target = getattr(init, "__wrapped__", init)
+    text = summary.strip() + "\n\n" + parameters_section(cls) + "\n"
+    defaults = declared_defaults(cls)
+    keywords = [
+        inspect.Parameter(
+            to_snake(p.name), inspect.Parameter.KEYWORD_ONLY, default=defaults.get(p.name)
+        )
+        for p in class_params(cls)
+    ]
+    signature = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), *keywords]
+    )
+    for fn in {id(init): init, id(target): target}.values():
+        fn.__doc__ = text
+        fn.__signature__ = signature
+    return cls
