@@ -80,7 +80,9 @@ class KeywordParams(Params):
             unused, why = self._not_taken[snake]
             if _unused(value, unused):
                 return
-            raise ConfigurationError(f"{cls} takes no {snake}= (got {value!r}): {why}")
+            raise ConfigurationError(
+                f"{snake}= (a {type(value).__name__}) is not used by {cls}: {why}"
+            )
         mine = {k for k, v in ALIASES.items() if self.hasParam(v)}
         known = sorted({p.name for p in self.params} | mine)
         close = difflib.get_close_matches(key, known, n=3)
