@@ -17,7 +17,7 @@ sample_weight_col=None)``
     un-indexed train/val Parquet.
 ``ReaderOptions(batch_size=32, columns=None, shuffle=True, seed=0, epoch=0,
 shuffle_buffer_size=None, inmemory_cache=False, transformation_fn=None, stack_columns=None,
-prefetch=2, num_workers=1, reader="arrow")``
+prefetch=2, num_workers=2, reader="arrow")``
     The reader settings as one frozen value; ``.replace(**changes)``.
 ``make_batch_reader(store_or_view, metadata, options=None, *, split="train", rank=None,
 size=None, **settings)``

@@ -35,8 +35,29 @@ def list_lengths(arr: Any) -> np.ndarray:
 
 
 def _writable(values: np.ndarray) -> np.ndarray:
-    # Arrow buffers are immutable: hand out arrays users may modify in place (x -= mean).
+    # Hand out arrays users may modify in place (x -= mean); see values_to_numpy.
     return values if values.flags.writeable else values.copy()
+
+
+def values_to_numpy(arr: Any) -> np.ndarray:
+    """A numeric Arrow array as numpy, writable and without a copy when Arrow allows it.
+
+    pyarrow marks every numpy view read-only, but a mutable buffer (what Parquet decoding and
+    ``combine_chunks`` allocate) belongs to the array alone, so a view of it may be changed in
+    place; this saves the reader a copy of every decoded value. Other arrays (nulls, booleans,
+    immutable buffers such as memory-mapped files) go through ``to_numpy``.
+    """
+    import pyarrow as pa
+
+    kind = arr.type
+    if not arr.null_count and (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        buf = arr.buffers()[1]
+        if buf is not None and buf.is_mutable:
+            dtype = np.dtype(kind.to_pandas_dtype())
+            return np.frombuffer(
+                buf, dtype=dtype, count=len(arr), offset=arr.offset * dtype.itemsize
+            )
+    return np.asarray(arr.to_numpy(zero_copy_only=False))
 
 
 @dataclass
@@ -118,7 +139,7 @@ def compact_parts(column: Any) -> SparseParts:
 def fixed_list_to_numpy(column: Any, width: int, name: str = "") -> np.ndarray:
     """A list column whose rows all have ``width`` values, as a ``[rows, width]`` array."""
     arr = combined(column)
-    flat = arr.flatten().to_numpy(zero_copy_only=False)
+    flat = values_to_numpy(arr.flatten())
     if arr.null_count or len(flat) != len(arr) * width:
         lengths = list_lengths(arr)
         bad = np.flatnonzero(lengths != width)
@@ -136,7 +157,7 @@ def column_to_numpy(column: Any, info: ColumnInfo, writable: bool = True) -> np.
     ``writable=False`` allows read-only views of Arrow memory (no copy).
     """
     if info.kind == "scalar":
-        out = combined(column).to_numpy(zero_copy_only=False)
+        out = values_to_numpy(combined(column))
     elif info.kind in ("array", "vector"):
         out = fixed_list_to_numpy(column, info.size, info.name).reshape((-1, *info.shape))
     elif info.kind == "sparse_vector":

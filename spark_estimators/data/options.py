@@ -44,8 +44,8 @@ class ReaderOptions:
     stack_columns
         ``{"x": ["f0", "f1", ...]}`` stacks scalar columns into one ``[batch, k]`` array.
     prefetch, num_workers
-        Blocks decoded ahead by the background thread (0 = no thread) and row groups the Arrow
-        scanner reads ahead at once.
+        Groups of batches cut ahead by the background thread (0 = no thread), and row-group
+        slices decoded at once on their own threads (Arrow decodes without the GIL).
     reader
         ``"arrow"`` (ours) or ``"petastorm"``.
 
@@ -66,7 +66,7 @@ class ReaderOptions:
     transformation_fn: TransformFn | None = None
     stack_columns: Mapping[str, Sequence[str]] | None = None
     prefetch: int = 2
-    num_workers: int = 1
+    num_workers: int = 2
     reader: str = "arrow"
 
     def __post_init__(self) -> None:

@@ -18,21 +18,29 @@ Shuffling (``shuffle=True``) is seeded by ``(seed, epoch, rank, pass)``: the ord
 row-group slices is permuted, then rows are permuted inside a buffer of ``shuffle_buffer_size``
 rows.
 
-Pipeline: a background thread (``prefetch`` blocks queued ahead) runs one ``pyarrow.dataset`` scan
-of the shard's row groups per pass (Arrow decodes ``num_workers`` row groups ahead on its own
-threads, without the GIL; this was measured ~2x faster than ``ParquetFile.read_row_group``), decodes
-with vectorised Arrow->numpy conversions (lists become ``[n, k]`` arrays, sparse vectors are
-scattered into dense arrays), applies ``transformation_fn`` and shuffles (``np.take`` over a
-buffer); the consuming thread only slices batches. Arrays are writable and never shared with the
-cache, so in-place changes to a batch are safe.
+Pipeline (issue 20: at the speed of a raw pyarrow scan, memory flat in the data size):
+
+- ``num_workers`` threads each stream one row-group slice with ``ParquetFile.iter_batches`` in
+  blocks of about ``BLOCK_BYTES`` (1 MB) through a 1 MB read buffer, one block queued ahead
+  (Arrow decodes without the GIL); the slices come out strictly in order
+  (:mod:`spark_estimators.data._scan`). The ``pyarrow.dataset`` scanner used before decoded whole
+  row groups with their compressed bytes alongside: memory followed the row-group size.
+- A background thread decodes blocks to numpy with vectorised conversions (lists become ``[n, k]``
+  arrays, sparse vectors are scattered into dense arrays; Arrow's freshly decoded buffers are
+  handed out as writable arrays without a copy), applies ``transformation_fn``, shuffles (rows
+  copied into one reused buffer of ``shuffle_buffer_size`` rows, permuted out in blocks with
+  ``np.take``) and cuts the blocks into batches (``Tensor.split`` for torch); ``prefetch`` groups
+  of batches wait in a queue, and the training thread only takes them out.
+- Rows held at once are bounded whatever the data size: the shuffle buffer plus
+  ``(prefetch + 2) * (block_rows + batch_size)`` rows (``BatchReader.held_rows_peak`` reports the
+  high-water mark; the scan threads hold about ``2 * num_workers`` blocks more).
+
+Batches are writable and never shared with the cache, so in-place changes to a batch are safe.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Unpack
 
@@ -40,14 +48,38 @@ import numpy as np
 
 from spark_estimators import envvars
 from spark_estimators.data._arrow import table_to_numpy
+from spark_estimators.data._pipeline import (
+    NUMPY_BLOCKS,
+    Batch,
+    BlockFormat,
+    HeldRows,
+    Prefetcher,
+    ShuffleBuffer,
+    concat,
+    rows_of,
+    split_batches,
+    take,
+)
+from spark_estimators.data._scan import OrderedScan, ScanPiece
 from spark_estimators.data.metadata import ColumnInfo, DatasetMetadata, ParquetFileInfo
 from spark_estimators.data.options import ReaderKeywords, ReaderOptions, TransformFn
 from spark_estimators.errors import ConfigurationError, StoreError
 
-Batch = dict[str, np.ndarray]
-
 DEFAULT_SHUFFLE_BUFFER_ROWS = 100_000
-_POLL_SECONDS = 0.1
+# Rows per decoded block: about this many bytes (at least one batch), so memory does not follow
+# the row-group size (prepare_data writes ~8 MB row groups, other writers up to whole files).
+BLOCK_BYTES = 1 << 20
+
+__all__ = [
+    "NUMPY_BLOCKS",
+    "BatchReader",
+    "BlockFormat",
+    "RowSlice",
+    "make_batch_reader",
+    "plan_shard",
+    "shard_bounds",
+    "steps_per_epoch",
+]
 
 
 @dataclass(frozen=True)
@@ -131,7 +163,7 @@ class BatchReader:
         transformation_fn: TransformFn | None = None,
         stack_columns: Mapping[str, Sequence[str]] | None = None,
         prefetch: int = 2,
-        num_workers: int = 1,
+        num_workers: int = 2,
     ) -> None:
         self.rank, self.size = _rank_and_size(rank, size)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -173,8 +205,11 @@ class BatchReader:
         self.shuffle_buffer_size = shuffle_buffer_size or min(
             max(DEFAULT_SHUFFLE_BUFFER_ROWS, 4 * batch_size), self.shard_rows
         )
-        self._cache: dict[int, Batch] = {}
-        self._schema: Any = None
+        self._cache: dict[int, list[Batch]] = {}
+        self._cached: set[int] = set()  # slices whose every block is in the cache
+        self._held = HeldRows()
+        self.block_rows = _block_rows(self.columns, batch_size)
+        self._file_metadata: dict[str, Any] = {}  # Parquet footers, read once per file
         self._group_rows = {f.path: f.row_groups for f in files}
 
     def __len__(self) -> int:
@@ -199,44 +234,61 @@ class BatchReader:
 
     # ----------------------------------------------------------------------- consumer side
     def _batches(self, epoch: int, fmt: BlockFormat) -> Iterator[dict[str, Any]]:
-        """Cut blocks into batches of exactly ``batch_size`` rows, ``steps_per_epoch`` of them."""
+        """The batches of one epoch: the background thread cuts them, this thread hands them out."""
+        held = self._held = HeldRows()
+        with Prefetcher(self._batch_groups(epoch, fmt, held), self.prefetch) as groups:
+            for group in groups:
+                yield from group
+                held.consumed += len(group) * self.batch_size
+
+    @property
+    def held_rows_peak(self) -> int:
+        """Most decoded rows held at once by the last epoch (shuffle buffer + queued batches).
+
+        At most ``shuffle_buffer_size + (prefetch + 2) * (block_rows + batch_size)`` whatever the
+        data size (a testing hook for that bound; ``inmemory_cache`` holds the shard on top).
+        """
+        return self._held.peak
+
+    # ----------------------------------------------------------------------- producer side
+    def _batch_groups(
+        self, epoch: int, fmt: BlockFormat, held: HeldRows
+    ) -> Generator[list[dict[str, Any]], None, None]:
+        """Lists of full batches, ``steps_per_epoch`` batches in all, one list per block."""
         bs, steps = self.batch_size, self.steps_per_epoch
         emitted = 0
         rest: dict[str, Any] | None = None
-        with _Prefetcher(self._converted(epoch, fmt), self.prefetch) as blocks:
-            for block in blocks:
-                n = _rows(block)
-                start = 0
+        blocks = self._blocks(epoch, held)
+        try:
+            for decoded in blocks:
+                block = fmt.convert(decoded)
+                n, start, group = rows_of(block), 0, []
                 if rest is not None:
-                    need = bs - _rows(rest)
+                    need = bs - rows_of(rest)
                     if n < need:
-                        rest = _concat([rest, block], fmt.concat)
+                        rest = concat([rest, block], fmt.concat)
                         continue
-                    yield _concat([rest, _take(block, 0, need)], fmt.concat)
-                    emitted, start, rest = emitted + 1, need, None
-                    if emitted == steps:
-                        return
-                while start + bs <= n:
-                    yield _take(block, start, start + bs)
-                    emitted, start = emitted + 1, start + bs
-                    if emitted == steps:
-                        return
-                if start < n:
-                    rest = _take(block, start, n)
+                    group.append(concat([rest, take(block, 0, need)], fmt.concat))
+                    start, rest = need, None
+                count = min((n - start) // bs, steps - emitted - len(group))
+                group += split_batches(block, start, count, bs)
+                start += count * bs
+                emitted += len(group)
+                if emitted < steps and start < n:
+                    rest = take(block, start, n)
+                if group:
+                    held.produced += len(group) * bs
+                    held.note()
+                    yield group
+                if emitted == steps:
+                    return
+        finally:
+            blocks.close()
         raise StoreError(  # unreachable unless transformation_fn drops every row
             f"rank {self.rank}: the {self.split} data ran out after {emitted} of {steps} batches"
         )
 
-    # ----------------------------------------------------------------------- producer side
-    def _converted(self, epoch: int, fmt: BlockFormat) -> Iterator[dict[str, Any]]:
-        blocks = self._blocks(epoch)
-        try:
-            for block in blocks:
-                yield fmt.convert(block)
-        finally:
-            blocks.close()
-
-    def _blocks(self, epoch: int) -> Generator[Batch, None, None]:
+    def _blocks(self, epoch: int, held: HeldRows) -> Generator[Batch, None, None]:
         """Decoded (and shuffled) blocks, passing over the shard until an epoch's rows are out."""
         needed = self.steps_per_epoch * self.batch_size
         produced = 0
@@ -247,30 +299,22 @@ class BatchReader:
             if self.shuffle:
                 rng.shuffle(order)
             pass_rows = 0
-            buffer: list[Batch] = []
-            buffered = 0
             chunks = self._chunks(order)
+            blocks: Generator[Batch, None, None] = chunks
+            if self.shuffle:
+                buffer = ShuffleBuffer(self.shuffle_buffer_size, self.block_rows, rng, held)
+                blocks = buffer.shuffle(chunks)
             try:
-                for chunk in chunks:
-                    n = _rows(chunk)
+                for block in blocks:
+                    n = rows_of(block)
                     pass_rows += n
-                    if not self.shuffle:
-                        produced += n
-                        yield chunk
-                    else:
-                        buffer.append(chunk)
-                        buffered += n
-                        if buffered >= self.shuffle_buffer_size:
-                            produced += buffered
-                            yield _permuted(buffer, rng)
-                            buffer, buffered = [], 0
+                    produced += n
+                    yield block
                     if produced >= needed:
                         return
             finally:
+                blocks.close()
                 chunks.close()
-            if buffer:
-                produced += buffered
-                yield _permuted(buffer, rng)
             if pass_rows == 0:
                 raise StoreError(
                     f"rank {self.rank}: a pass over its {self.split} shard gave no rows "
@@ -279,67 +323,61 @@ class BatchReader:
             pass_no += 1
 
     def _chunks(self, order: np.ndarray) -> Generator[Batch, None, None]:
-        """One decoded block per slice, in ``order``: from the cache, or one dataset scan."""
-        if self.inmemory_cache and len(self._cache) == len(self.slices):
+        """Decoded blocks of the slices, in ``order``: from the cache, or one dataset scan."""
+        if self.inmemory_cache and len(self._cached) == len(self.slices):
             for i in order:
-                chunk = self._cache[int(i)]
-                # Batches are views of the block: never hand out the cached arrays themselves.
-                yield chunk if self.shuffle else {k: v.copy() for k, v in chunk.items()}
+                for chunk in self._cache[int(i)]:
+                    # Batches are views of the block: never hand out the cached arrays themselves
+                    # (the shuffle buffer copies them).
+                    yield chunk if self.shuffle else {k: v.copy() for k, v in chunk.items()}
             return
-        for i, table in zip(order, self._scan([self.slices[int(i)] for i in order]), strict=True):
-            chunk = self._decode(table)
+        for pos, batch, last in self._scan([self.slices[int(i)] for i in order]):
+            chunk = self._decode(batch)
             if self.inmemory_cache:
-                self._cache[int(i)] = chunk
+                i = int(order[pos])
+                if i in self._cached:  # a slice read again after an interrupted pass
+                    self._cached.discard(i)
+                    self._cache[i] = []
+                self._cache.setdefault(i, []).append(chunk)
+                if last:
+                    self._cached.add(i)
                 if not self.shuffle:
                     chunk = {k: v.copy() for k, v in chunk.items()}
             yield chunk
 
-    def _scan(self, pieces: list[RowSlice]) -> Generator[Any, None, None]:
-        """Arrow tables of the given slices, in order, from one ``pyarrow.dataset`` scan.
+    def _scan(self, pieces: list[RowSlice]) -> Generator[tuple[int, Any, bool], None, None]:
+        """``(piece index, record batch, last of the piece)`` of the slices, in order.
 
-        Each slice's row group is a fragment; the scanner decodes ahead on Arrow's own threads
-        (``num_workers`` row groups at a time, without the GIL).
+        ``num_workers`` slices are decoded ahead at once on their own threads, in record batches
+        of at most ``block_rows`` rows, so memory does not follow the row-group size (see
+        :mod:`spark_estimators.data._scan`).
         """
-        import pyarrow as pa
-        import pyarrow.dataset as pads
-
-        fs = self.store.filesystem
-        fmt = pads.ParquetFileFormat()
-        fragments = [
-            fmt.make_fragment(self.store.fs_path(p.path), filesystem=fs, row_groups=[p.row_group])
-            for p in pieces
-        ]
-        if self._schema is None:
-            self._schema = fmt.inspect(self.store.fs_path(pieces[0].path), filesystem=fs)
-        dataset = pads.FileSystemDataset(fragments, self._schema, fmt, fs)
-        batches = dataset.to_batches(
-            columns=list(self.columns),
-            batch_size=1 << 21,  # above the row-group maximum: one batch per row group
-            batch_readahead=max(self.prefetch, 1),
-            fragment_readahead=self.num_workers,
-            use_threads=True,
+        scan = OrderedScan(
+            self.store.filesystem,
+            [
+                ScanPiece(
+                    self.store.fs_path(p.path),
+                    p.row_group,
+                    p.start,
+                    p.stop,
+                    self._group_rows[p.path][p.row_group],
+                )
+                for p in pieces
+            ],
+            list(self.columns),
+            self.block_rows,
+            workers=self.num_workers,
+            metadata_cache=self._file_metadata,
         )
-        parts: list[Any] = []
-        got = 0
-        it = iter(pieces)
-        piece = next(it, None)
-        for batch in batches:
-            parts.append(batch)
-            got += batch.num_rows
-            if piece is not None and got >= self._group_rows[piece.path][piece.row_group]:
-                group_rows = self._group_rows[piece.path][piece.row_group]
-                table = pa.Table.from_batches(parts, batch.schema) if len(parts) > 1 else parts[0]
-                if got > group_rows:
-                    raise StoreError(
-                        f"{piece.path!r} row group {piece.row_group} has another row count than "
-                        "the dataset metadata says; the data changed after it was prepared"
-                    )
-                parts, got = [], 0
-                yield table.slice(piece.start, piece.rows)
-                piece = next(it, None)
+        batches = scan.batches()
+        try:
+            yield from batches
+        finally:
+            batches.close()
 
     def _decode(self, table: Any) -> Batch:
-        # Shuffling copies every row anyway (into writable arrays): skip the copy here then.
+        # Arrow's decoded buffers are handed out without a copy when they are ours to change; when
+        # shuffling, the buffer copies every row anyway, so a read-only view is fine there.
         arrays = table_to_numpy(table, self.columns, writable=not self.shuffle)
         if self.transformation_fn is not None:
             arrays = _apply_transformation(self.transformation_fn, arrays)
@@ -351,11 +389,16 @@ class BatchReader:
     def peek(self) -> Batch:
         """The first ``batch_size`` rows of this rank's shard, decoded (no shuffle, no wrap)."""
         scan = self._scan(self.slices[:1])
+        parts: list[Batch] = []
         try:
-            chunk = self._decode(next(scan))
+            for _, batch, _ in scan:
+                parts.append(self._decode(batch))
+                if sum(rows_of(p) for p in parts) >= self.batch_size:
+                    break
         finally:
             scan.close()
-        return _take(chunk, 0, min(self.batch_size, _rows(chunk)))
+        chunk = parts[0] if len(parts) == 1 else concat(parts)
+        return take(chunk, 0, min(self.batch_size, rows_of(chunk)))
 
 
 def make_batch_reader(
@@ -387,7 +430,7 @@ def make_batch_reader(
         Any field of :class:`~spark_estimators.data.ReaderOptions` as a keyword (``batch_size=32,
         columns=None, shuffle=True, seed=0, epoch=0, shuffle_buffer_size=None,
         inmemory_cache=False, transformation_fn=None, stack_columns=None, prefetch=2,
-        num_workers=1, reader="arrow"``); it overrides the same field of ``options``.
+        num_workers=2, reader="arrow"``); it overrides the same field of ``options``.
 
     Returns
     -------
@@ -420,23 +463,9 @@ def _default_columns(metadata: DatasetMetadata) -> list[str]:
     return cols or list(metadata.columns)
 
 
-def _rows(block: Batch) -> int:
-    return len(next(iter(block.values()))) if block else 0
-
-
-def _take(block: Batch, start: int, stop: int) -> Batch:
-    return {k: v[start:stop] for k, v in block.items()}
-
-
-def _concat(blocks: list[Any], concat: Callable[[list[Any]], Any] = np.concatenate) -> Any:
-    return {k: concat([b[k] for b in blocks]) for k in blocks[0]}
-
-
-def _permuted(blocks: list[Batch], rng: np.random.Generator) -> Batch:
-    """Concatenate and permute rows (``np.take`` along rows: the fastest gather numpy has)."""
-    merged = blocks[0] if len(blocks) == 1 else _concat(blocks)
-    order = rng.permutation(_rows(merged))
-    return {k: np.take(v, order, axis=0) for k, v in merged.items()}
+def _block_rows(columns: Mapping[str, ColumnInfo], batch_size: int) -> int:
+    row_bytes = sum(np.dtype(info.dtype).itemsize * max(info.size, 1) for info in columns.values())
+    return max(BLOCK_BYTES // max(row_bytes, 1), batch_size)
 
 
 def _apply_transformation(fn: TransformFn, arrays: Batch) -> Batch:
@@ -456,84 +485,3 @@ def _apply_transformation(fn: TransformFn, arrays: Batch) -> Batch:
         else:
             out[str(name)] = np.ascontiguousarray(col.to_numpy())
     return out
-
-
-@dataclass(frozen=True)
-class BlockFormat:
-    """How batches are made from decoded numpy blocks: ``convert`` a whole block, then slice.
-
-    ``convert`` runs in the reader's background thread; ``concat`` joins the pieces of a batch that
-    spans two blocks. The torch adapter uses ``torch.from_numpy`` and ``torch.cat``.
-    """
-
-    convert: Callable[[Batch], dict[str, Any]]
-    concat: Callable[[list[Any]], Any]
-
-
-def _same(block: Batch) -> Batch:
-    return block
-
-
-NUMPY_BLOCKS = BlockFormat(convert=_same, concat=np.concatenate)
-
-_END = object()
-
-
-class _Prefetcher:
-    """Runs a block generator in a daemon thread, ``depth`` blocks ahead; inline when depth 0."""
-
-    def __init__(self, source: Iterator[Batch], depth: int) -> None:
-        self._source = source
-        self._depth = depth
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(depth, 1))
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> Iterator[Batch]:
-        if self._depth == 0:
-            return self._source
-        self._thread = threading.Thread(
-            target=self._run, name=f"spark_estimators-reader-{os.getpid()}", daemon=True
-        )
-        self._thread.start()
-        return self._drain()
-
-    def _run(self) -> None:
-        try:
-            for block in self._source:
-                if not self._put(block):
-                    return
-            self._put(_END)
-        except BaseException as exc:  # handed to the consumer, raised there
-            self._put(exc)
-        finally:
-            close = getattr(self._source, "close", None)
-            if close is not None:
-                close()
-
-    def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=_POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _drain(self) -> Iterator[Batch]:
-        while True:
-            item = self._queue.get()
-            if item is _END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        elif self._depth == 0:
-            close = getattr(self._source, "close", None)
-            if close is not None:
-                close()

@@ -297,3 +297,41 @@ def test_petastorm_reader_keeps_the_equal_steps_contract(store, rows, size, batc
             np.testing.assert_array_equal(b["arr"][:, 1], -b["id"])
             reads.update(b["id"].tolist())
     assert set(reads) == set(range(rows))
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_memory_is_bounded_by_the_buffer_not_the_data(store, monkeypatch, shuffle):
+    import spark_estimators.data.reader as reader_module
+
+    monkeypatch.setattr(reader_module, "BLOCK_BYTES", 200)  # 20-byte rows: blocks of 10 -> 16
+    meta = write_dataset(store, 6000, files=3, row_group=1000)
+    reader = make_batch_reader(
+        store,
+        meta,
+        rank=0,
+        size=1,
+        batch_size=16,
+        shuffle=shuffle,
+        shuffle_buffer_size=300,
+        prefetch=1,
+        num_workers=2,
+    )
+    assert reader.block_rows == 16
+    assert len(ids_of(reader)) == 6000
+    buffer = 300 if shuffle else 0
+    bound = buffer + (reader.prefetch + 2) * (reader.block_rows + reader.batch_size)
+    # Held at once: the shuffle buffer (when shuffling) plus a few blocks, never the 6000 rows.
+    assert buffer < reader.held_rows_peak <= bound
+
+
+def test_files_changed_after_preparation_are_reported(store):
+    from spark_estimators.errors import StoreError
+
+    meta = write_dataset(store, 40, files=2, row_group=7)
+    path = meta.train_files[0].path
+    table = pq.read_table(path)
+    pq.write_table(table, path, row_group_size=5)  # same rows, other row groups
+    reader = make_batch_reader(store, meta, rank=0, size=1, batch_size=4, shuffle=False)
+    with pytest.raises(StoreError, match="has another row count than the dataset metadata"):
+        list(reader)
+    assert reader_threads() == []
