@@ -48,6 +48,13 @@ from typing import Any
 
 from spark_estimators.data._writer import INFO_SCHEMA, PartitionWriter
 from spark_estimators.data.cache_key import compute_cache_key
+from spark_estimators.data.columns import (
+    EMPTY_MESSAGE,
+    check_args,
+    columns_from_schema,
+    infer_columns,
+    kind_of,
+)
 from spark_estimators.data.metadata import (
     ColumnInfo,
     DatasetMetadata,
@@ -64,19 +71,8 @@ MAX_FILE_BYTES = 128 << 20
 ROW_GROUP_BYTES = 8 << 20
 DEFAULT_PARTITIONS_PER_PROCESS = 4
 MAX_AUTO_PARTITIONS_PER_PROCESS = 32
-SAMPLE_ROWS = 32
 SPLIT_COL = "__spark_estimators_is_val__"
-EMPTY_MESSAGE = "the DataFrame is empty (0 rows); check the filters that produced it"
 
-_SCALAR_DTYPES = {
-    "boolean": "bool",
-    "tinyint": "int8",
-    "smallint": "int16",
-    "int": "int32",
-    "bigint": "int64",
-    "float": "float32",
-    "double": "float64",
-}
 _locks_guard = threading.Lock()
 _locks: dict[str, threading.Lock] = {}
 
@@ -143,7 +139,7 @@ def prepare_data(
     from spark_estimators._base.session import ensure_driver_side
 
     ensure_driver_side("prepare_data")
-    plan = _check_args(
+    plan = check_args(
         num_proc,
         store,
         df,
@@ -155,7 +151,7 @@ def prepare_data(
     )
     features, labels, validation_col, fraction = plan
     used = features + labels + ([sample_weight_col] if sample_weight_col else [])
-    kinds = {name: _kind_of(df, name) for name in used}
+    kinds = {name: kind_of(df, name) for name in used}
     params = {
         "feature_cols": features,
         "label_cols": labels,
@@ -182,9 +178,9 @@ def prepare_data(
             return cached
         # Shapes from the schema when it has them: no sample job before the write (the write
         # finds an empty DataFrame itself); else from the first rows.
-        columns = _columns_from_schema(df, used, kinds, compress_sparse)
+        columns = columns_from_schema(df, used, kinds, compress_sparse)
         if columns is None:
-            columns = _infer_columns(df, used, kinds, compress_sparse)
+            columns = infer_columns(df, used, kinds, compress_sparse)
         if check_columns is not None:
             check_columns({c.name: c for c in columns})
         store.check_writable()
@@ -219,123 +215,6 @@ def prepare_data(
     return published
 
 
-# --------------------------------------------------------------------------- argument checks
-def _as_list(value: Sequence[str] | str | None, what: str) -> list[str]:
-    if value is None:
-        return []
-    items = [value] if isinstance(value, str) else list(value)
-    for item in items:
-        if not isinstance(item, str) or not item:
-            raise ConfigurationError(f"{what} must be column names (strings), got {item!r}")
-    return items
-
-
-def _check_args(
-    num_proc: Any,
-    store: Any,
-    df: Any,
-    feature_cols: Any,
-    label_cols: Any,
-    validation: Any,
-    sample_weight_col: Any,
-    partitions_per_process: Any,
-) -> tuple[list[str], list[str], str | None, float]:
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
-        raise ConfigurationError(f"num_proc={num_proc!r} must be a positive integer")
-    if partitions_per_process is not None and (
-        isinstance(partitions_per_process, bool)
-        or not isinstance(partitions_per_process, int)
-        or partitions_per_process < 1
-    ):
-        raise ConfigurationError(
-            f"partitions_per_process={partitions_per_process!r} must be a positive integer or None"
-        )
-    if not isinstance(store, StoreBase):
-        raise ConfigurationError(
-            f"store={store!r} is not a Store; build one with Store.create('/path/or/url')"
-        )
-    if not hasattr(df, "schema") or not hasattr(df, "mapInArrow"):
-        raise ConfigurationError(f"df must be a pyspark.sql.DataFrame, got {type(df).__name__}")
-    features = _as_list(feature_cols, "feature_cols")
-    labels = _as_list(label_cols, "label_cols")
-    if not features:
-        raise ConfigurationError("feature_cols is empty: name at least one feature column")
-    if sample_weight_col is not None and not isinstance(sample_weight_col, str):
-        raise ConfigurationError(f"sample_weight_col={sample_weight_col!r} must be a column name")
-    used = features + labels + ([sample_weight_col] if sample_weight_col else [])
-    dupes = sorted({c for c in used if used.count(c) > 1})
-    if dupes:
-        raise ConfigurationError(
-            f"columns {dupes!r} are named more than once in the feature, "
-            "label and sample weight columns"
-        )
-    validation_col: str | None = None
-    fraction = 0.0
-    if isinstance(validation, str):
-        validation_col = validation
-        if validation in used:
-            raise ConfigurationError(
-                f"validation column {validation!r} is also a feature/label/weight column"
-            )
-    elif validation is not None:
-        if (
-            isinstance(validation, bool)
-            or not isinstance(validation, int | float)
-            or not (0.0 <= float(validation) < 1.0)
-        ):
-            raise ConfigurationError(
-                f"validation={validation!r} must be a fraction in [0, 1) (e.g. 0.1) or the name "
-                "of a bool/numeric column"
-            )
-        fraction = float(validation)
-    names = list(df.columns)
-    wanted = used + ([validation_col] if validation_col else [])
-    missing = [c for c in wanted if c not in names]
-    if missing:
-        raise ConfigurationError(
-            f"column(s) {missing!r} not found in the DataFrame; available columns: {names!r}"
-        )
-    if validation_col is not None:
-        kind = _kind_of(df, validation_col, for_validation=True)
-        assert kind == "scalar"
-    return features, labels, validation_col, fraction
-
-
-def _kind_of(df: Any, name: str, for_validation: bool = False) -> str:
-    """The stored kind of a column from its Spark type, or a ConfigurationError saying why not."""
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.mllib.linalg import VectorUDT as OldVectorUDT
-    from pyspark.sql import types as T
-
-    dt = df.schema[name].dataType
-    role = "validation column" if for_validation else "column"
-    if isinstance(dt, T.StringType | T.CharType | T.VarcharType):
-        raise ConfigurationError(
-            f"{role} {name!r} is a string column ({dt.simpleString()}); index or encode it first, "
-            f"e.g. StringIndexer(inputCol={name!r}, outputCol={name + '_idx'!r}) and then "
-            "OneHotEncoder if the model needs one-hot input"
-        )
-    if dt.simpleString() in _SCALAR_DTYPES:
-        return "scalar"
-    if not for_validation:
-        if isinstance(dt, VectorUDT | OldVectorUDT):
-            return "vector"
-        if isinstance(dt, T.ArrayType) and dt.elementType.simpleString() in _SCALAR_DTYPES:
-            return "array"
-    supported = (
-        "bool or numeric"
-        if for_validation
-        else ("numbers, booleans, arrays of numbers, ML vectors")
-    )
-    decimal = isinstance(dt, T.DecimalType) or (
-        isinstance(dt, T.ArrayType) and isinstance(dt.elementType, T.DecimalType)
-    )
-    hint = " (cast it to double)" if decimal else ""
-    raise ConfigurationError(
-        f"{role} {name!r} has unsupported type {dt.simpleString()!r}{hint}; supported: {supported}"
-    )
-
-
 def _lock_for(idx: str) -> threading.Lock:
     with _locks_guard:
         return _locks.setdefault(idx, threading.Lock())
@@ -366,78 +245,6 @@ def auto_partitions_per_process(df: Any, num_proc: int) -> int:
         return DEFAULT_PARTITIONS_PER_PROCESS
     wanted = math.ceil(size / (num_proc * TARGET_PARTITION_BYTES))
     return max(1, min(MAX_AUTO_PARTITIONS_PER_PROCESS, wanted))
-
-
-def _columns_from_schema(
-    df: Any, used: list[str], kinds: dict[str, str], compress_sparse: bool
-) -> list[ColumnInfo] | None:
-    """The columns when the schema alone describes them, else None (then a sample is read).
-
-    Scalars need no data; an ML vector column whose metadata gives its size (``ml_attr`` with
-    ``num_attrs``, as VectorAssembler and most ML transformers write) needs none either unless
-    ``compress_sparse`` asks whether its rows are mostly sparse. Array columns always need the
-    sample. The write then checks every row's length against this size, as after a sample.
-    """
-    out = []
-    for name in used:
-        field = df.schema[name]
-        dt = field.dataType
-        if kinds[name] == "scalar":
-            out.append(
-                ColumnInfo(name, "scalar", _SCALAR_DTYPES[dt.simpleString()], (), dt.simpleString())
-            )
-            continue
-        if kinds[name] != "vector" or compress_sparse:
-            return None
-        attrs = (field.metadata or {}).get("ml_attr") or {}
-        size = attrs.get("num_attrs") if isinstance(attrs, dict) else None
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            return None
-        out.append(ColumnInfo(name, "vector", "float64", (size,), dt.simpleString()))
-    return out
-
-
-def _infer_columns(
-    df: Any, used: list[str], kinds: dict[str, str], compress_sparse: bool
-) -> list[ColumnInfo]:
-    """Shapes from the first rows (one small job), which also proves the DataFrame is not empty."""
-    from pyspark.ml.linalg import SparseVector
-    from pyspark.mllib.linalg import SparseVector as OldSparseVector
-
-    rows = df.select(*used).limit(SAMPLE_ROWS).collect()
-    if not rows:
-        raise ConfigurationError(EMPTY_MESSAGE)
-    out = []
-    for name in used:
-        dt = df.schema[name].dataType
-        kind = kinds[name]
-        if kind == "scalar":
-            out.append(
-                ColumnInfo(name, "scalar", _SCALAR_DTYPES[dt.simpleString()], (), dt.simpleString())
-            )
-            continue
-        values = [r[name] for r in rows if r[name] is not None]
-        sizes = [len(v) if kind == "array" else int(v.size) for v in values]
-        if not sizes or sizes[0] == 0:
-            found = "only nulls" if not sizes else "an empty value"
-            raise ConfigurationError(
-                f"cannot infer the shape of column {name!r}: its first {len(rows)} rows hold "
-                f"{found}; drop or fill those rows, or give every row the same non-zero length"
-            )
-        if len(set(sizes)) > 1:
-            raise ConfigurationError(
-                f"column {name!r} has rows of different lengths ({sorted(set(sizes))!r} in the "
-                "first rows); every row of an array or vector column must have the same length"
-            )
-        if kind == "array":
-            dtype = _SCALAR_DTYPES[dt.elementType.simpleString()]
-        else:
-            dtype = "float64"
-            sparse = sum(isinstance(v, SparseVector | OldSparseVector) for v in values)
-            if compress_sparse and sparse * 2 > len(values):
-                kind = "sparse_vector"
-        out.append(ColumnInfo(name, kind, dtype, (sizes[0],), dt.simpleString()))
-    return out
 
 
 def _write(
