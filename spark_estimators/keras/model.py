@@ -86,19 +86,9 @@ class KerasModel(SparkModel):
     ``safe_mode=False``, so it is verified first, as for ``TorchModel`` (docs/security.md).
     """
 
-    def __init__(
-        self,
-        *,
-        model: Any = None,
-        history: list[dict[str, Any]] | None = None,
-        run_id: str | None = None,
-        output_shapes: list[tuple[int, ...]] | None = None,
-        custom_objects: dict[str, Any] | None = None,
-        **params: Any,
-    ) -> None:
-        super().__init__(
-            model=model, history=history, run_id=run_id, output_shapes=output_shapes, **params
-        )
+    def __init__(self, *, custom_objects: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """``custom_objects`` to load the model with; the other keywords as for SparkModel."""
+        super().__init__(**kwargs)
         self._custom_objects = dict(custom_objects or {})
         self._rank_fingerprints: list[str] = []
 

@@ -29,17 +29,16 @@ class LightningModel(TorchModel):
     def __init__(
         self,
         *,
-        model: Any = None,
-        history: list[dict[str, Any]] | None = None,
-        run_id: str | None = None,
-        output_shapes: list[tuple[int, ...]] | None = None,
         logged_metrics: dict[str, float] | None = None,
         forward_error: str | None = None,
-        **params: Any,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            model=model, history=history, run_id=run_id, output_shapes=output_shapes, **params
-        )
+        """Take the Lightning-only state; the other keywords are as for SparkModel.
+
+        ``logged_metrics`` are rank 0's ``trainer.logged_metrics``; ``forward_error`` is why the
+        module cannot be called on the feature tensors (``transform`` then explains it).
+        """
+        super().__init__(**kwargs)
         self._logged_metrics = dict(logged_metrics or {})
         self._forward_error = forward_error
 

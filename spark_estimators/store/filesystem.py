@@ -11,7 +11,8 @@ from spark_estimators.store._filesystems import (
     HadoopFilesystemSpec,
     parse_hdfs_url,
 )
-from spark_estimators.store.base import Store, make_layout, parent_of_data_paths
+from spark_estimators.store.base import Store
+from spark_estimators.store.layout import LayoutOverrides, make_layout, parent_of_data_paths
 
 
 class FilesystemStore(Store):
@@ -59,29 +60,15 @@ class FilesystemStore(Store):
                 f"{prefix_path!r}; use LocalStore for local paths"
             )
         prefix = prefix_path.rstrip("/")
-        for name, value in (
-            ("train_path", train_path),
-            ("val_path", val_path),
-            ("test_path", test_path),
-            ("runs_path", runs_path),
-        ):
+        moved = LayoutOverrides(train_path, val_path, test_path, runs_path)
+        for name, value in moved.items():
             if value is not None and split_protocol(value)[0] != protocol:
                 raise ConfigurationError(
                     f"{name}={value!r} must be a {protocol}:// URL like the prefix {prefix_path!r}"
                 )
         self.storage_options = dict(storage_options or {})
         spec = FsspecFilesystemSpec(protocol, self.storage_options)
-        super().__init__(
-            spec,
-            make_layout(
-                prefix,
-                train_path=train_path,
-                val_path=val_path,
-                test_path=test_path,
-                runs_path=runs_path,
-                save_runs=save_runs,
-            ),
-        )
+        super().__init__(spec, make_layout(prefix, moved, save_runs))
 
 
 class HDFSStore(Store):
@@ -117,13 +104,11 @@ class HDFSStore(Store):
         runs_path: str | None = None,
         save_runs: bool = True,
     ) -> None:
+        moved = LayoutOverrides(train_path, val_path, test_path, runs_path)
         if prefix_path is None:
             # horovod's docs build HDFSStore(train_path=..., val_path=...) for fit_on_parquet.
-            prefix_path = parent_of_data_paths(
-                "HDFSStore",
-                self._url_of(train_path) if train_path else None,
-                self._url_of(val_path) if val_path else None,
-            )
+            urls = moved.map(self._url_of)
+            prefix_path = parent_of_data_paths("HDFSStore", urls.train_path, urls.val_path)
         parsed = parse_hdfs_url(prefix_path)
         self._url_prefix = parsed.url_prefix
         spec = HadoopFilesystemSpec(
@@ -136,12 +121,7 @@ class HDFSStore(Store):
         super().__init__(
             spec,
             make_layout(
-                self._to_url(parsed.path.rstrip("/") or "/"),
-                train_path=self._to_url(train_path) if train_path else None,
-                val_path=self._to_url(val_path) if val_path else None,
-                test_path=self._to_url(test_path) if test_path else None,
-                runs_path=self._to_url(runs_path) if runs_path else None,
-                save_runs=save_runs,
+                self._to_url(parsed.path.rstrip("/") or "/"), moved.map(self._to_url), save_runs
             ),
         )
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import posixpath
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 from spark_estimators.errors import ConfigurationError
 
@@ -72,22 +73,35 @@ def check_name(value: object, what: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class LayoutOverrides:
+    """The entries a store's constructor may move (``train_path=`` ...); None keeps the default."""
+
+    train_path: str | None = None
+    val_path: str | None = None
+    test_path: str | None = None
+    runs_path: str | None = None
+
+    def items(self) -> list[tuple[str, str | None]]:
+        """``(keyword, value)`` of every entry, in the constructors' order."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+    def map(self, convert: Callable[[str], str]) -> LayoutOverrides:
+        """The same overrides with ``convert`` applied to each one that is set."""
+        return LayoutOverrides(**{k: convert(v) if v else None for k, v in self.items()})
+
+
 def make_layout(
-    prefix_path: str,
-    *,
-    train_path: str | None = None,
-    val_path: str | None = None,
-    test_path: str | None = None,
-    runs_path: str | None = None,
-    save_runs: bool = True,
+    prefix_path: str, overrides: LayoutOverrides | None = None, save_runs: bool = True
 ) -> StoreLayout:
-    """The default layout under ``prefix_path``, with any entry overridden."""
+    """The default layout under ``prefix_path``, with the entries of ``overrides`` moved."""
+    moved = overrides or LayoutOverrides()
     return StoreLayout(
         prefix_path=prefix_path,
-        train_path=train_path or join_path(prefix_path, TRAIN_DATA_NAME),
-        val_path=val_path or join_path(prefix_path, VAL_DATA_NAME),
-        test_path=test_path or join_path(prefix_path, TEST_DATA_NAME),
-        runs_path=runs_path or join_path(prefix_path, RUNS_NAME),
+        train_path=moved.train_path or join_path(prefix_path, TRAIN_DATA_NAME),
+        val_path=moved.val_path or join_path(prefix_path, VAL_DATA_NAME),
+        test_path=moved.test_path or join_path(prefix_path, TEST_DATA_NAME),
+        runs_path=moved.runs_path or join_path(prefix_path, RUNS_NAME),
         save_runs=save_runs,
     )
 

@@ -11,7 +11,8 @@ from typing import Any
 
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.store._filesystems import LocalFilesystemSpec
-from spark_estimators.store.base import Store, make_layout, parent_of_data_paths
+from spark_estimators.store.base import Store
+from spark_estimators.store.layout import LayoutOverrides, make_layout, parent_of_data_paths
 
 #: Where Databricks mounts DBFS on every node. Tests point it at a temp dir; the mapping is done
 #: on the driver when the store is built, so executors need no such setting.
@@ -61,21 +62,12 @@ class LocalStore(Store):
         runs_path: str | None = None,
         save_runs: bool = True,
     ) -> None:
+        moved = LayoutOverrides(train_path, val_path, test_path, runs_path).map(_local_prefix)
         if prefix_path is None:
             prefix_path = parent_of_data_paths(
-                type(self).__name__,
-                _local_prefix(train_path) if train_path else None,
-                _local_prefix(val_path) if val_path else None,
+                type(self).__name__, moved.train_path, moved.val_path
             )
-        local = _local_prefix(prefix_path)
-        layout = make_layout(
-            local,
-            train_path=_local_prefix(train_path) if train_path else None,
-            val_path=_local_prefix(val_path) if val_path else None,
-            test_path=_local_prefix(test_path) if test_path else None,
-            runs_path=_local_prefix(runs_path) if runs_path else None,
-            save_runs=save_runs,
-        )
+        layout = make_layout(_local_prefix(prefix_path), moved, save_runs)
         super().__init__(LocalFilesystemSpec(), layout)
 
 
