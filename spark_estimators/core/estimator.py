@@ -8,6 +8,7 @@ picklable spec argument) and ``_create_model``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
 import uuid
@@ -26,19 +27,26 @@ from spark_estimators.core.params import (
 )
 from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.core.progress import EpochProgress
+from spark_estimators.core.relaunch import ElasticRelaunch
 from spark_estimators.core.tracking import MlflowTracker, check_available
 from spark_estimators.errors import (
     ConfigurationError,
-    ElasticResetLimitError,
     TrainingFailedError,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HOROVOD_DATA_MODULE_KEYWORDS", "SparkEstimator"]
+__all__ = ["HOROVOD_DATA_MODULE_KEYWORDS", "SparkEstimator", "listify"]
 
 READERS = ("arrow", "petastorm")
 COLLECTIVE_BACKENDS = ("auto", "gloo", "nccl", "mpi")
+
+
+def listify(value: Any) -> list[Any]:
+    """``value`` as a list: None -> [], a list or tuple -> its items, anything else -> [value]."""
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _bad(param: str, value: Any, expected: str, fix: str = "") -> ConfigurationError:
@@ -46,7 +54,7 @@ def _bad(param: str, value: Any, expected: str, fix: str = "") -> ConfigurationE
     return ConfigurationError(msg + (f". {fix}" if fix else ""))
 
 
-class SparkEstimator(PersistenceMixin, Estimator, KeywordParams, EstimatorParams):
+class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams, EstimatorParams):
     """Base of every spark_estimators estimator (see the framework subclasses).
 
     A subclass composes the Params mixins its framework uses (see
@@ -358,43 +366,6 @@ class SparkEstimator(PersistenceMixin, Estimator, KeywordParams, EstimatorParams
                 progress.close()
         return self._create_model(results, meta, run_id)
 
-    # -- elastic: relaunch within the same fit ---------------------------------------------------
-    def _relaunch_backend(self, backend: Backend, exc: TrainingFailedError, reset: int) -> Backend:
-        """The backend of the next attempt: the same ranks, or fewer when slots are missing.
-
-        Barrier mode needs every rank's slot at once. On a cluster that lost an executor Spark
-        may take a while to bring one back; a relaunch then goes on with the free slots when
-        there are at least ``min_num_proc`` (the reader re-shards the same files by the new
-        size, and the learning rate is re-scaled from the user's rate).
-        """
-        n = backend.num_processes()
-        if isinstance(backend, SparkBackend):
-            from spark_estimators.core.session import available_task_slots, get_spark
-
-            low = self.getMinNumProc() or n
-            slots = available_task_slots(get_spark(backend.spark), needed=n, wait_s=30.0)
-            if slots is not None and low <= slots < n:
-                backend = backend.with_num_proc(slots)
-        logger.warning(
-            "elastic: training failed (%s); relaunching from the last checkpoint "
-            "with %d ranks (reset %d of at most %d)",
-            _summary(exc),
-            backend.num_processes(),
-            reset,
-            self.getResetLimit(),
-        )
-        return backend
-
-    def _reset_limit_error(self, failures: list[TrainingFailedError]) -> ElasticResetLimitError:
-        lines = [f"attempt {i + 1}: {_summary(exc)}" for i, exc in enumerate(failures)]
-        return ElasticResetLimitError(
-            f"elastic fit stopped: reset_limit={self.getResetLimit()} reached after "
-            f"{len(failures)} failed attempts ({'; '.join(lines)}). Fix the failure shown below "
-            "(the last attempt's), or raise reset_limit; a refit with the same run_id resumes "
-            "from the last checkpoint",
-            failures[-1].worker_failures,
-        )
-
     # -- shared pieces of the framework specs ----------------------------------------------------
     def _spec_fields(
         self,
@@ -459,6 +430,31 @@ class SparkEstimator(PersistenceMixin, Estimator, KeywordParams, EstimatorParams
             "transformBatchSize": self.getTransformBatchSize(),
         }
 
+    def _trained_module(self, results: list[Any]) -> Any:
+        """A CPU copy of the user's torch module with rank 0's final weights, in eval mode."""
+        self._check_fingerprints(results)
+        module = copy.deepcopy(self.getModel()).cpu()
+        module.load_state_dict(results[0]["state_dict"])
+        module.eval()
+        return module
+
+    def _wrap_model(
+        self, model_cls: type, model: Any, results: list[Any], run_id: str, **extra: Any
+    ) -> Any:
+        """The fitted Model: ``model`` with rank 0's history and output shapes, our columns."""
+        first = results[0]
+        fitted = model_cls(
+            model=model,
+            history=first["history"],
+            run_id=run_id,
+            output_shapes=first["output_shapes"],
+            **extra,
+            **self._model_params(),
+        )
+        if self.getOutputCols():
+            fitted.setOutputCols(self.getOutputCols())
+        return fitted
+
     # -- framework hooks -------------------------------------------------------------------------
     def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> Any:
         raise NotImplementedError
@@ -468,14 +464,3 @@ class SparkEstimator(PersistenceMixin, Estimator, KeywordParams, EstimatorParams
 
     def _create_model(self, results: list[Any], meta: Any, run_id: str) -> Any:
         raise NotImplementedError
-
-
-def _summary(exc: TrainingFailedError) -> str:
-    """One line per failure: which ranks and what they reported, without the tracebacks."""
-    if exc.worker_failures:
-        return ", ".join(
-            f"rank {f.rank}: {f.message}" + (f" (exit code {f.exit_code})" if f.exit_code else "")
-            for _, f in sorted(exc.worker_failures.items())
-        )
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

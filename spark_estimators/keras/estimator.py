@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 
 from pyspark import keyword_only
 
-from spark_estimators.core.estimator import SparkEstimator
+from spark_estimators.core.estimator import SparkEstimator, listify
 from spark_estimators.core.params import (
     HOROVOD_DATA_MODULE_KEYWORDS,
     SupervisedParams,
@@ -48,12 +48,6 @@ from spark_estimators.core.params import (
 )
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.keras.model import KerasModel, dumps_custom_objects
-
-
-def _listify(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 class KerasEstimator(SparkEstimator, SupervisedParams):
@@ -173,7 +167,7 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
                 f"gradient_compression={self.getGradientCompression()!r} is not "
                 "Compression.none or Compression.fp16"
             )
-        for cb in _listify(self.getCallbacks()):
+        for cb in listify(self.getCallbacks()):
             if not isinstance(cb, keras.callbacks.Callback):
                 raise ConfigurationError(
                     f"callbacks must be keras.callbacks.Callback instances, got {type(cb).__name__}"
@@ -230,14 +224,14 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
             optimizer_recipe=optimizer_recipe(self._optimizer()),
             loss=self.getLoss(),
             metrics=self.getMetrics(),
-            callbacks=_listify(self.getCallbacks()),
+            callbacks=listify(self.getCallbacks()),
             checkpoint_callback=self.getCheckpointCallback(),
             transformation_fn=self.getTransformationFn(),
         )
         roots = [
             user.optimizer_recipe[0],
-            *_listify(user.loss),
-            *_listify(user.metrics),
+            *listify(user.loss),
+            *listify(user.metrics),
             *user.callbacks,
             user.transformation_fn,
         ]
@@ -269,20 +263,10 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         from spark_estimators.keras.remote import model_from_bytes
 
         fingerprints = self._check_fingerprints(results)
-        first = results[0]
         custom = self.getCustomObjects()
-        model = model_from_bytes(first["model"], custom, compile=True)
-        keras_model = KerasModel(
-            model=model,
-            history=first["history"],
-            run_id=run_id,
-            output_shapes=first["output_shapes"],
-            custom_objects=custom,
-            **self._model_params(),
-        )
+        model = model_from_bytes(results[0]["model"], custom, compile=True)
+        keras_model = self._wrap_model(KerasModel, model, results, run_id, custom_objects=custom)
         keras_model._rank_fingerprints = fingerprints
-        if self.getOutputCols():
-            keras_model.setOutputCols(self.getOutputCols())
         return keras_model
 
 

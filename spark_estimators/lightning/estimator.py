@@ -19,7 +19,6 @@ by ``self.trainer.world_size``. ``scale_lr=True`` is refused with that advice.
 
 from __future__ import annotations
 
-import copy
 import difflib
 import inspect
 from typing import Any, ClassVar
@@ -27,7 +26,7 @@ from typing import Any, ClassVar
 from pyspark import keyword_only
 from pyspark.ml.param import TypeConverters
 
-from spark_estimators.core.estimator import SparkEstimator
+from spark_estimators.core.estimator import SparkEstimator, listify
 from spark_estimators.core.params import document_constructor, make_param
 from spark_estimators.core.params.base import to_int_or_none
 from spark_estimators.errors import ConfigurationError
@@ -55,8 +54,9 @@ _RESERVED_TRAINER_ARGS = {
     "plugins": "nothing: the estimator sets the cluster environment",
     "default_root_dir": "store (checkpoints and logs go into the run's directory)",
 }
-#: Keywords of the Torch estimator a LightningModule makes pointless: why, and what to do.
-_NOT_FOR_LIGHTNING: dict[str, tuple[tuple[Any, ...], str]] = {
+#: Keywords of the Torch estimator whose job the LightningModule does: the values that mean "not
+#: given" (accepted), and where the module does it.
+_MODULE_DOES: dict[str, tuple[tuple[Any, ...], str]] = {
     "optimizer": ((None,), "configure_optimizers() of the module builds the optimizer"),
     "loss": ((None,), "training_step() of the module computes the loss"),
     "loss_constructors": ((None, []), "training_step() of the module computes the loss"),
@@ -69,15 +69,9 @@ _NOT_FOR_LIGHTNING: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
 }
 _NOT_FOR_LIGHTNING = {
-    key: (unused, f"{why}; remove {key}=") for key, (unused, why) in _NOT_FOR_LIGHTNING.items()
+    key: (unused, f"{where}; remove {key}=") for key, (unused, where) in _MODULE_DOES.items()
 }
 _PROFILERS = ("simple", "advanced", "pytorch")
-
-
-def _listify(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 class LightningEstimator(SparkEstimator):
@@ -286,7 +280,7 @@ class LightningEstimator(SparkEstimator):
                 )
 
     def _validate_lightning_objects(self, pl: Any) -> None:
-        for cb in _listify(self.getCallbacks()):
+        for cb in listify(self.getCallbacks()):
             if not isinstance(cb, pl.Callback):
                 raise ConfigurationError(
                     f"callbacks must be pytorch_lightning.Callback objects, got {type(cb).__name__}"
@@ -295,7 +289,7 @@ class LightningEstimator(SparkEstimator):
         if log is not None and log is not False:
             from pytorch_lightning.loggers import Logger
 
-            if not all(isinstance(one, Logger) for one in _listify(log)):
+            if not all(isinstance(one, Logger) for one in listify(log)):
                 raise ConfigurationError(
                     f"logger={log!r} is invalid: expected a pytorch_lightning logger, a list "
                     "of them, None (TensorBoard into the store) or False (no logging)"
@@ -323,12 +317,12 @@ class LightningEstimator(SparkEstimator):
 
         user = LightningUserObjects(
             model=self.getModel(),
-            callbacks=_listify(self.getCallbacks()),
+            callbacks=listify(self.getCallbacks()),
             logger=self.getLogger(),
             profiler=self.getProfiler(),
             transformation_fn=self.getTransformationFn(),
         )
-        roots = [user.model, *user.callbacks, *_listify(user.logger), user.transformation_fn]
+        roots = [user.model, *user.callbacks, *listify(user.logger), user.transformation_fn]
         info = read_info(store, run_id, FRAMEWORK)
         remote_store = store.to_remote(run_id) if hasattr(store, "to_remote") else store
         return LightningTrainSpec(
@@ -347,23 +341,16 @@ class LightningEstimator(SparkEstimator):
         return train
 
     def _create_model(self, results: list[Any], meta: Any, run_id: str) -> LightningModel:
-        self._check_fingerprints(results)
+        module = self._trained_module(results)
         first = results[0]
-        module = copy.deepcopy(self.getModel()).cpu()
-        module.load_state_dict(first["state_dict"])
-        module.eval()
-        model = LightningModel(
-            model=module,
-            history=first["history"],
-            run_id=run_id,
-            output_shapes=first["output_shapes"],
+        return self._wrap_model(
+            LightningModel,
+            module,
+            results,
+            run_id,
             logged_metrics=first["logged_metrics"],
             forward_error=first["forward_error"],
-            **self._model_params(),
         )
-        if self.getOutputCols():
-            model.setOutputCols(self.getOutputCols())
-        return model
 
 
 def _is_torch_module(value: Any) -> bool:

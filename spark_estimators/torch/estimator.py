@@ -18,13 +18,12 @@ after that epoch (see :class:`spark_estimators.torch.EarlyStopping`).
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 from pyspark import keyword_only
 
 from spark_estimators.core.checkpoint import read_info
-from spark_estimators.core.estimator import SparkEstimator
+from spark_estimators.core.estimator import SparkEstimator, listify
 from spark_estimators.core.params import (
     HOROVOD_DATA_MODULE_KEYWORDS,
     HasLossConstructors,
@@ -40,12 +39,6 @@ from spark_estimators.torch.remote import (
     UserObjects,
     train,
 )
-
-
-def _listify(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasTrainMinibatchFn):
@@ -89,7 +82,7 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
                 "optimizer holds parameters that are not the model's: build it with "
                 "optimizer=torch.optim.X(model.parameters(), ...) on the same model object"
             )
-        if self.getLoss() is not None and _listify(self.getLossConstructors()):
+        if self.getLoss() is not None and listify(self.getLossConstructors()):
             raise ConfigurationError(
                 "loss and loss_constructors were both given: pass only one of them (as Horovod "
                 "requires)"
@@ -106,8 +99,8 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
                 "loss, or one per label column"
             )
         n_labels = len(self.getLabelCols())
-        for entry in _listify(self.getMetrics()):
-            group = _listify(entry)
+        for entry in listify(self.getMetrics()):
+            group = listify(entry)
             if len(group) not in (1, n_labels) or not all(callable(m) for m in group):
                 raise ConfigurationError(
                     f"metrics entry {entry!r} is invalid: give a function fn(output, label), or "
@@ -133,10 +126,10 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
             )
 
     def _losses(self) -> list[Any]:
-        constructors = _listify(self.getLossConstructors())
+        constructors = listify(self.getLossConstructors())
         if constructors:
             return [c() for c in constructors]
-        return _listify(self.getLoss())
+        return listify(self.getLoss())
 
     # -- training --------------------------------------------------------------------------------
     def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> TorchTrainSpec:
@@ -149,15 +142,15 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
             model=model,
             optimizer=optimizer,
             losses=losses,
-            metrics=_listify(self.getMetrics()),
-            callbacks=_listify(self.getCallbacks()),
+            metrics=listify(self.getMetrics()),
+            callbacks=listify(self.getCallbacks()),
             transformation_fn=self.getTransformationFn(),
             train_minibatch_fn=self.getTrainMinibatchFn(),
         )
         roots = [
             user.model,
             *user.losses,
-            *[m for entry in user.metrics for m in _listify(entry)],
+            *[m for entry in user.metrics for m in listify(entry)],
             *user.callbacks,
             user.transformation_fn,
             user.train_minibatch_fn,
@@ -176,21 +169,8 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
         return train
 
     def _create_model(self, results: list[Any], meta: Any, run_id: str) -> TorchModel:
-        self._check_fingerprints(results)
-        first = results[0]
-        model = copy.deepcopy(self.getModel()).cpu()
-        model.load_state_dict(first["state_dict"])
-        model.eval()
-        torch_model = TorchModel(
-            model=model,
-            history=first["history"],
-            run_id=run_id,
-            output_shapes=first["output_shapes"],
-            **self._model_params(),
-        )
-        if self.getOutputCols():
-            torch_model.setOutputCols(self.getOutputCols())
-        return torch_model
+        model = self._trained_module(results)
+        return self._wrap_model(TorchModel, model, results, run_id)
 
 
 document_constructor(

@@ -69,17 +69,15 @@ class KeywordParams(Params):
         """Accept a keyword without a Param at its "not used" value; else raise, naming why."""
         cls = type(self).__name__
         snake = to_snake(key)
-        if snake in self._horovod_only:
-            unused, alternative = self._horovod_only[snake]
+        entry = self._horovod_only.get(snake) or self._not_taken.get(snake)
+        if entry is not None:
+            unused, why = entry
             if _unused(value, unused):
                 return
-            raise ConfigurationError(
-                f"{cls}: horovod's {snake}={value!r} has no equivalent here; {alternative}"
-            )
-        if snake in self._not_taken:
-            unused, why = self._not_taken[snake]
-            if _unused(value, unused):
-                return
+            if snake in self._horovod_only:
+                raise ConfigurationError(
+                    f"{cls}: horovod's {snake}={value!r} has no equivalent here; {why}"
+                )
             raise ConfigurationError(
                 f"{snake}= (a {type(value).__name__}) is not used by {cls}: {why}"
             )
