@@ -220,7 +220,7 @@ def document_constructor(cls: type, summary: str) -> type:
     """
     init = cls.__dict__["__init__"]
     target = getattr(init, "__wrapped__", init)
-    text = summary.strip() + "\n\n" + parameters_section(cls) + "\n"
+    text = inspect.cleandoc(summary) + "\n\n" + parameters_section(cls) + "\n"
     defaults = declared_defaults(cls)
     keywords = [
         inspect.Parameter(
