@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all lint bench install clean wheel
+.PHONY: demo test test-all test-spark35 lint bench install clean wheel
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,28 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The pyspark 3.5 floor (classic sessions): the tested set with pyspark swapped for 3.5, in its own
+# venv, and the subset docs/concepts.md names ("What is tested where"). About 5 minutes.
+VENV35 := .venv-spark35
+PY35 := $(VENV35)/bin/python
+PYSPARK35 ?= 3.5.9
+SPARK35_TESTS := tests/unit/test_pyspark_versions.py tests/integration/test_run.py \
+	tests/integration/test_torch_estimator.py
+SPARK35_SELECT := not torch_estimator or loss_decreases or transform_equals or pipeline_save_load \
+	or bad_input_fails
+
+$(VENV35)/.installed: pyproject.toml constraints.txt
+	test -x $(PY35) || $(PYTHON) -m venv $(VENV35)
+	grep -v -e '^pyspark==' -e '^py4j==' constraints.txt > $(VENV35)/constraints.txt
+	echo 'pyspark==$(PYSPARK35)' >> $(VENV35)/constraints.txt
+	$(PY35) -m pip install -q -c $(VENV35)/constraints.txt -e ".[torch]" pytest pytest-timeout \
+		psutil grpcio grpcio-status googleapis-common-protos zstandard
+	touch $@
+
+test-spark35: $(VENV35)/.installed
+	$(PY35) -m pytest -p no:cacheprovider -m "not slow" -k "$(SPARK35_SELECT)" $(SPARK35_TESTS) \
+		$(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check spark_estimators tests bench
 	$(VENV)/bin/ruff format --check spark_estimators tests bench
@@ -33,4 +55,4 @@ wheel: $(STAMP)
 	$(PY) -m pip wheel --no-deps -w dist .
 
 clean:
-	rm -rf $(VENV) dist build *.egg-info
+	rm -rf $(VENV) $(VENV35) dist build *.egg-info

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+from spark_estimators._base.versions import require_pyspark
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_MASTER = "local[2]"
@@ -28,7 +30,9 @@ def get_spark(spark: Any = None) -> Any:
     Only a session created here gets ``PYSPARK_PYTHON`` (this interpreter, so executors import
     the same packages) and ``SPARK_LOCAL_IP=127.0.0.1``; an existing session is never changed.
     """
+    require_pyspark()
     if spark is not None:
+        is_connect(spark)  # refuses a Connect session on a pyspark too old for it
         return spark
     from pyspark.sql import SparkSession
 
@@ -84,8 +88,15 @@ def _live_task_slots(spark: Any) -> int | None:
 
 
 def is_connect(spark: Any) -> bool:
-    """True for a Spark Connect client session (no SparkContext, no JVM in this process)."""
-    return type(spark).__module__.startswith("pyspark.sql.connect")
+    """True for a Spark Connect client session (no SparkContext, no JVM in this process).
+
+    Raises :class:`~spark_estimators.errors.ConfigurationError` for a Connect session when the
+    pyspark client is older than 4.0 (see :mod:`spark_estimators._base.versions`).
+    """
+    connect = type(spark).__module__.startswith("pyspark.sql.connect")
+    if connect:
+        require_pyspark(connect=True)
+    return connect
 
 
 def spark_conf(spark: Any, key: str, default: str | None = None) -> str | None:

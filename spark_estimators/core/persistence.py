@@ -41,6 +41,7 @@ from pyspark.ml.util import (
 )
 
 from spark_estimators import envvars
+from spark_estimators._base.versions import installed_pyspark, parse_version
 from spark_estimators.errors import ModelIntegrityError, UnverifiedModelWarning
 
 NOT_SAVED = ("store", "backend")
@@ -142,6 +143,17 @@ def verify_blob(path: str, blob: bytes, record: Any, key: bytes | None) -> None:
         )
 
 
+def _metadata_context(io: MLWriter | MLReader) -> Any:
+    """What Spark ML's metadata helpers take: the session, or on pyspark 3.5 the SparkContext.
+
+    pyspark 4 takes the session (a Spark Connect client has no SparkContext); 3.5's helpers call
+    ``sc.parallelize`` and accept only a SparkContext (3.5 Connect sessions are refused earlier).
+    """
+    if parse_version(installed_pyspark()) >= (4, 0):
+        return io.sparkSession
+    return io.sparkSession.sparkContext
+
+
 class StageWriter(MLWriter):
     """Writes a stage; the stage may define ``_extra_state() -> dict`` for non-param state."""
 
@@ -165,11 +177,10 @@ class StageWriter(MLWriter):
         extra = inst._extra_state() if hasattr(inst, "_extra_state") else {}
         blob = cloudpickle.dumps({"params": blob_params, "extra": extra})
         record = integrity_record(blob, model_key(self._key))
-        # The session (not self.sc): a Spark Connect client has no SparkContext.
         DefaultParamsWriter.saveMetadata(
             inst,
             path,
-            self.sparkSession,
+            _metadata_context(self),
             extraMetadata={DIGEST_KEY: record},
             paramMap=json_params,
         )
@@ -187,7 +198,7 @@ class StageReader(MLReader):
 
     def load(self, path: str) -> Any:
         """Verify ``stage.pkl`` against its digest (and HMAC with a key), then rebuild the stage."""
-        metadata = DefaultParamsReader.loadMetadata(path, self.sparkSession)
+        metadata = DefaultParamsReader.loadMetadata(path, _metadata_context(self))
         blob_path = path.rstrip("/") + "/" + BLOB_NAME
         with _open(blob_path, "rb") as f:
             data = f.read()
