@@ -38,13 +38,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from spark_estimators.data import (
-    DatasetMetadata,
-    ReaderOptions,
-    make_batch_reader,
-    prepare_data,
-    torch_batches,
-)
+from spark_estimators.data import DatasetMetadata, make_batch_reader, prepare_data, torch_batches
 from spark_estimators.store import LocalStore
 
 N_FEATURES = 32
@@ -157,18 +151,17 @@ def bench_read(store, meta, features, batch_size: int, repeats: int) -> dict[str
 
     def ours(shuffle: bool, cache: bool = False, workers: int = 2):
         def make():
+            # Keywords, not ReaderOptions: the bench also runs against older trees (baselines).
             return make_batch_reader(
                 store,
                 meta,
-                ReaderOptions(
-                    batch_size=batch_size,
-                    shuffle=shuffle,
-                    inmemory_cache=cache,
-                    stack_columns=stack,
-                    num_workers=workers,
-                ),
                 rank=0,
                 size=1,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                inmemory_cache=cache,
+                stack_columns=stack,
+                num_workers=workers,
             )
 
         if cache:

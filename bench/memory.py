@@ -9,10 +9,11 @@ bench/fit.py's horovod preset) + a label, prepared with ``prepare_data(num_proc,
 
 Per size, ``--num-proc`` fresh processes (one per rank, run side by side, as the ranks of a fit)
 each read their shard for ``--epochs`` epochs with the settings an estimator uses
-(``ReaderOptions(batch_size, shuffle=True, num_workers=2)`` through ``torch_batches``) and report
+(``batch_size``, ``shuffle=True``, ``num_workers=2``, through ``torch_batches``) and report
 ``ru_maxrss`` (peak resident set), the RSS after the imports (torch, pyarrow; before reading), and
 the reader's high-water mark of decoded rows held at once (``BatchReader.held_rows_peak``).
-The target (issue 20): peak RSS at 5M within +15% of 100k.
+The target (issue 20): peak RSS at 5M within +15% of 100k. ``PYTHONPATH=OLD_TREE`` runs the
+ranks on another checkout (a baseline in the same hour).
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def child(root: str, rank: int, size: int, batch_size: int, epochs: int, use_tor
 
     import pyarrow  # noqa: F401
 
-    from spark_estimators.data import DatasetMetadata, ReaderOptions, make_batch_reader
+    from spark_estimators.data import DatasetMetadata, make_batch_reader
     from spark_estimators.store import LocalStore
 
     if use_torch:
@@ -84,8 +85,10 @@ def child(root: str, rank: int, size: int, batch_size: int, epochs: int, use_tor
     store = LocalStore(root)
     meta = DatasetMetadata.load(store)
     after_imports = rss_mb()
-    opts = ReaderOptions(batch_size=batch_size, shuffle=True, seed=0, num_workers=2)
-    reader = make_batch_reader(store, meta, opts, rank=rank, size=size)
+    # An estimator's train settings; keywords (not ReaderOptions) so older trees run it too.
+    reader = make_batch_reader(
+        store, meta, rank=rank, size=size, batch_size=batch_size, shuffle=True, num_workers=2
+    )
     rows = 0
     t0 = time.perf_counter()
     for _ in range(epochs):
