@@ -15,7 +15,8 @@ Files written before this schema are still read: torch's ``{"epoch", "history"}`
 ``{"epoch", "size", "history"}`` and lightning's ``{"epoch", "history", "checkpoint",
 "framework"}`` (unknown keys land in ``extra``; ``size`` is ``num_proc``).
 
-Also here: :func:`epoch_steps` and the weight fingerprints every framework's ranks compare.
+Also here: the weight fingerprints every framework's ranks compare. How a rank writes the info
+after each epoch is :func:`spark_estimators.core.rank.commit_epoch`.
 """
 
 from __future__ import annotations
@@ -157,21 +158,7 @@ def start_fields(info: CheckpointInfo | None) -> dict[str, Any]:
     return {"start_epoch": info.epoch + 1, "history": list(info.history)}
 
 
-# -- shared by the ranks of every framework --------------------------------------------------------
-def epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int:
-    """Steps per epoch: the reader's (same on every rank), capped by ``limit``.
-
-    With ``multiple`` > 1 (backward passes per step) the count is rounded down to a multiple of
-    it, and is at least ``multiple``.
-    """
-    steps = int(reader.steps_per_epoch)
-    if limit is not None:
-        steps = min(steps, int(limit)) if steps else int(limit)
-    if multiple > 1:
-        steps = max(multiple, steps - steps % multiple)
-    return steps
-
-
+# -- the weights fingerprint every framework's ranks compare --------------------------------------
 def fingerprint(chunks: Iterable[bytes]) -> str:
     """SHA-256 over ``chunks`` in order (ranks compare it: they must end with the same weights)."""
     h = hashlib.sha256()

@@ -1,6 +1,8 @@
 """Framework adapters for :class:`~spark_estimators.data.reader.BatchReader` batches.
 
-torch and tensorflow are imported inside the functions only, so importing this module (and the
+:func:`converted_epoch` is the one way batches are converted while an epoch is read (the
+estimators' ranks use it through :mod:`spark_estimators.core.batches`). torch and tensorflow are
+imported inside the functions only, so importing this module (and the
 rest of :mod:`spark_estimators.data`) never loads a framework.
 """
 
@@ -50,10 +52,21 @@ class TorchBatches:
                 out[name] = tensor
             return out
 
-        iter_epoch = getattr(self.reader, "iter_epoch", None)
-        if iter_epoch is not None:
-            return iter(iter_epoch(BlockFormat(convert=to_tensors, concat=torch.cat)))
-        return (to_tensors(batch) for batch in self.reader)  # readers without blocks (petastorm)
+        return converted_epoch(self.reader, BlockFormat(convert=to_tensors, concat=torch.cat))
+
+
+def converted_epoch(reader: Any, block_format: Any) -> Iterator[dict[str, Any]]:
+    """The reader's next epoch, each batch converted by ``block_format.convert``.
+
+    Our Arrow reader converts whole decoded blocks in its prefetch thread and slices batches out
+    of them (:meth:`~spark_estimators.data.reader.BatchReader.iter_epoch`); readers without
+    blocks (petastorm) convert each batch. The estimators' ranks read through this too
+    (:func:`spark_estimators.core.batches.epoch_batches`).
+    """
+    iter_epoch = getattr(reader, "iter_epoch", None)
+    if iter_epoch is not None:
+        return iter(iter_epoch(block_format))
+    return (block_format.convert(batch) for batch in reader)
 
 
 def torch_batches(

@@ -19,6 +19,7 @@ import torch
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from spark_estimators.core import checkpoint
+from spark_estimators.core.rank import commit_epoch, send_event
 
 logger = logging.getLogger(__name__)
 
@@ -182,8 +183,6 @@ class StoreCheckpoint(ModelCheckpoint):
                 num_proc=trainer.world_size,
                 fingerprint=checkpoint.torch_fingerprint(pl_module),
             )
-            from spark_estimators.task import send_event
-
             send_event("epoch", logs)
 
     def publish(
@@ -199,16 +198,9 @@ class StoreCheckpoint(ModelCheckpoint):
             store.sync_dir(self.logs_dir, run_id, subdir="logs")
         if epoch is None:
             return
-        info = checkpoint.CheckpointInfo(
-            framework=FRAMEWORK,
-            epoch=epoch,
-            num_proc=num_proc,
-            history=tuple(self.history),
-            fingerprint=fingerprint,
-            extra={"checkpoint": LAST_CHECKPOINT + CHECKPOINT_SUFFIX},
-        )
         # Written last: an info file always names a complete checkpoint.
-        checkpoint.write_info(store, run_id, info)
+        extra = {"checkpoint": LAST_CHECKPOINT + CHECKPOINT_SUFFIX}
+        commit_epoch(store, run_id, FRAMEWORK, epoch, num_proc, self.history, fingerprint, extra)
 
     def _mirror_deletions(self, local_dir: str) -> None:
         """Delete store checkpoints that ModelCheckpoint removed locally (its top-k pruning)."""

@@ -4,35 +4,24 @@ Per rank: init the collective group, pick the device (the task's GPU, as ``cuda:
 is one and ``use_gpu`` allows), restore the last checkpoint on hot-start, broadcast parameters
 and optimizer state from rank 0, scale the learning rate by the number of ranks (Horovod's rule:
 users give the single-process rate; ``scale_lr=False`` turns it off), train with
-``DistributedOptimizer`` on the sharded reader (every rank runs the same number of steps), average
-loss and metrics over the ranks each epoch, validate, call the callbacks, and on rank 0 write an
-atomic checkpoint, TensorBoard scalars and send the epoch's metrics to the driver.
+``DistributedOptimizer`` on the sharded reader, call the callbacks, and on rank 0 write an atomic
+``checkpoint.pt`` and TensorBoard scalars. The protocol shared with the other frameworks (steps
+per epoch, metric averaging over the ranks, events to the driver, ``checkpoint.json``, the result
+dict) is :mod:`spark_estimators.core.rank`; batches come from
+:mod:`spark_estimators.core.batches`, converted to tensors in the reader's prefetch thread.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
-import importlib
-import inspect
 import io
-import logging
-import shutil
-import sys
-import threading
-import time
-import types
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from spark_estimators.core import checkpoint, tensors
+from spark_estimators.core import checkpoint
+from spark_estimators.core import rank as protocol
+from spark_estimators.core.batches import BatchConverter, epoch_batches
 from spark_estimators.core.spec import TrainSpec
-from spark_estimators.task.scratch import make_temp_dir
-from spark_estimators.torch import serialization
-
-logger = logging.getLogger(__name__)
+from spark_estimators.torch import losses, serialization
 
 CHECKPOINT_FILE = "checkpoint.pt"
 FRAMEWORK = "torch"
@@ -67,27 +56,6 @@ def checkpoint_paths(store: Any, run_id: str) -> tuple[str, str]:
     return base.rstrip("/") + "/" + CHECKPOINT_FILE, checkpoint.info_path(store, run_id)
 
 
-def metric_name(metric: Any) -> str:
-    return str(getattr(metric, "__name__", None) or type(metric).__name__)
-
-
-def metric_plan(metrics: list[Any], label_cols: list[str]) -> list[tuple[str, Any, int]]:
-    """``(name, fn, output index)`` for each metric value recorded per epoch.
-
-    As in Horovod, an entry may be a group (a list): one function for every output, or one per
-    output. A plain function is one group of one. With one label a metric is named by its
-    function (``mae``); with several, by function and label column (``mae_y1``, ``mae_y2``).
-    """
-    several = len(label_cols) > 1
-    plan = []
-    for entry in metrics:
-        group = list(entry) if isinstance(entry, list | tuple) else [entry]
-        fns = group * len(label_cols) if len(group) == 1 else group
-        for i, (fn, col) in enumerate(zip(fns, label_cols, strict=True)):
-            plan.append((f"{metric_name(fn)}_{col}" if several else metric_name(fn), fn, i))
-    return plan
-
-
 def _call(callbacks: list[Any], hook: str, *args: Any) -> None:
     for cb in callbacks:
         fn = getattr(cb, hook, None)
@@ -95,291 +63,101 @@ def _call(callbacks: list[Any], hook: str, *args: Any) -> None:
             fn(*args)
 
 
-class _Batches:
-    """Turns reader batches (dicts of numpy arrays) into device tensors for the model."""
+def converter(spec: TorchTrainSpec) -> BatchConverter:
+    """Torch batches: scalar features ``[n, 1]``, scalar labels ``[n]`` (as ``transform``)."""
+    return BatchConverter.for_spec(spec, scalar_features_as_column=True)
 
-    def __init__(self, spec: TorchTrainSpec, device: Any, transformation_fn: Any):
-        self.spec, self.device = spec, device
-        self.transformation_fn = transformation_fn
 
-    def to_tensors(self, batch: dict[str, np.ndarray]) -> tuple[list[Any], list[Any], Any]:
+def _on_device(spec: TorchTrainSpec, batch: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
+    """``(inputs, labels, sample weights)`` of a converted batch, moved to ``device``."""
+    inputs = [batch[c].to(device) for c in spec.feature_cols]
+    labels = [batch[c].to(device) for c in spec.label_cols]
+    weights = batch[spec.sample_weight_col].to(device) if spec.sample_weight_col else None
+    return inputs, labels, weights
+
+
+@dataclass
+class _Epoch:
+    """What one pass over a reader needs besides the reader."""
+
+    spec: TorchTrainSpec
+    user: UserObjects
+    model: Any
+    optimizer: Any
+    loss_fn: losses.LossFn
+    device: Any
+    convert: BatchConverter
+    first_batch: protocol.FirstBatchEvent
+
+    def run(self, reader: Any, epoch: int, steps: int, train: bool) -> list[float]:
+        """One pass; returns ``[loss, *metrics]`` averaged over the rows of all ranks."""
         import torch
 
-        spec = self.spec
-        inputs = tensors.model_inputs(batch, spec.feature_cols, spec.input_shapes)
-        labels = tensors.model_inputs(
-            batch, spec.label_cols, spec.label_shapes, scalar_as_column=False
-        )
-        weights = None
-        if spec.sample_weight_col:
-            weights = torch.from_numpy(
-                tensors.for_torch(np.asarray(batch[spec.sample_weight_col], dtype=np.float32))
-            ).to(self.device)
-        return (
-            [torch.from_numpy(tensors.for_torch(a)).to(self.device) for a in inputs],
-            [torch.from_numpy(tensors.for_torch(a)).to(self.device) for a in labels],
-            weights,
-        )
-
-
-def compute_loss(
-    losses: list[Any],
-    outputs: list[Any],
-    labels: list[Any],
-    loss_weights: list[float] | None,
-    sample_weights: Any,
-) -> Any:
-    """Horovod's loss: ``sum_i loss_weights[i] * loss_i``, equal weights ``1/labels`` by default.
-
-    With ``sample_weights`` each loss must give one value per row (``losses`` are made so by
-    :func:`unreduced`); as in Horovod the weighted loss is ``mean(loss_row * weight_row)``,
-    not a weighted average, so two rows of equal weight count the same in any batch. A loss
-    with several values per row (an ``[n, k]`` output) is averaged over them first.
-    """
-    if loss_weights is None:
-        loss_weights = [1.0 / len(outputs)] * len(outputs)
-    total = None
-    for loss_fn, out, lab, weight in zip(losses, outputs, labels, loss_weights, strict=True):
-        value = loss_fn(out, match_output(lab, out))
-        if sample_weights is not None:
-            if value.dim() == 0:
-                raise ValueError(
-                    f"sample_weight_col needs a loss that returns one value per row; "
-                    f"{metric_name(loss_fn)} returned a scalar. Use a torch loss module "
-                    "(e.g. torch.nn.MSELoss()), a functional loss with a `reduction` argument "
-                    "(e.g. torch.nn.functional.mse_loss) or one that returns per-row values"
-                )
-            per_row = value.reshape(value.shape[0], -1).mean(dim=1)
-            value = (per_row * sample_weights.reshape(-1)).mean()
-        elif value.dim() != 0:
-            value = value.mean()
-        total = value * float(weight) if total is None else total + value * float(weight)
-    return total
-
-
-def unreduced(loss_fn: Any) -> Any:
-    """``loss_fn`` returning per-element losses, as Horovod calls it for sample weights.
-
-    A torch loss module (anything with a string ``reduction`` attribute) is copied with
-    ``reduction='none'``; a function that takes a ``reduction`` keyword (``F.mse_loss``,
-    ``F.cross_entropy``, ...) is called with ``reduction='none'``; anything else is used as it
-    is and must return per-row values itself.
-    """
-    import torch
-
-    reduction = getattr(loss_fn, "reduction", None)
-    if isinstance(loss_fn, torch.nn.Module) and isinstance(reduction, str):
-        if reduction == "none":
-            return loss_fn
-        clone = copy.copy(loss_fn)
-        clone.reduction = "none"  # type: ignore[assignment]
-        return clone
-    try:
-        params = inspect.signature(loss_fn).parameters
-    except (TypeError, ValueError):  # builtins without a signature
-        return loss_fn
-    if "reduction" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        partial = functools.partial(loss_fn, reduction="none")
-        functools.update_wrapper(partial, loss_fn)
-        return partial
-    return loss_fn
-
-
-def transform_outputs(outputs: Any, labels: list[Any]) -> tuple[list[Any], list[Any]]:
-    """Horovod's ``transform_outputs``: outputs as a list, each label shaped like its output."""
-    outputs = _as_list(outputs)
-    return outputs, [match_output(lab, out) for lab, out in zip(labels, outputs)]
-
-
-class LossFn:
-    """Horovod's ``loss_fn(outputs, labels, sample_weights)`` handed to ``train_minibatch_fn``."""
-
-    def __init__(self, losses: list[Any], loss_weights: list[float] | None, weighted: bool):
-        self.losses = [unreduced(f) for f in losses] if weighted else list(losses)
-        self.loss_weights = loss_weights
-
-    def __call__(self, outputs: Any, labels: list[Any], sample_weights: Any = None) -> Any:
-        return compute_loss(
-            self.losses, _as_list(outputs), labels, self.loss_weights, sample_weights
-        )
-
-
-def match_output(label: Any, output: Any) -> Any:
-    """Reshape a label to its output's shape when both hold as many values (Horovod's rule)."""
-    if label.shape != output.shape and label.numel() == output.numel():
-        return label.reshape(output.shape)
-    return label
-
-
-def _as_list(outputs: Any) -> list[Any]:
-    return list(outputs) if isinstance(outputs, list | tuple) else [outputs]
-
-
-def send_event(kind: str, data: Any) -> None:
-    from spark_estimators.task import send_event as _send
-
-    _send(kind, data)
-
-
-def _run_epoch(
-    model: Any,
-    reader: Any,
-    epoch: int,
-    steps: int,
-    batches: _Batches,
-    user: UserObjects,
-    spec: TorchTrainSpec,
-    optimizer: Any,
-    loss_fn: LossFn,
-    train: bool,
-) -> tuple[float, float, list[float]]:
-    """One pass; returns (sum of loss * rows, rows, sums of metric * rows) on this rank."""
-    import torch
-
-    loss_sum, rows = 0.0, 0.0
-    plan = metric_plan(user.metrics, spec.label_cols)
-    metric_sums = [0.0] * len(plan)
-    k = spec.backward_passes_per_step
-    model.train(train)
-    reader.set_epoch(epoch)
-    iterator = iter(reader)
-    for step in range(steps):
-        batch = next(iterator)
-        inputs, labels, weights = batches.to_tensors(batch)
-        n = float(inputs[0].shape[0])
-        with torch.set_grad_enabled(train):
-            if train and user.train_minibatch_fn is not None:
-                # Horovod's contract: the fn zeroes, steps and returns (outputs, loss) itself.
-                out, loss = user.train_minibatch_fn(
-                    model, optimizer, transform_outputs, loss_fn, inputs, labels, weights
-                )
-                outputs = _as_list(out)
-            else:
-                outputs, matched = transform_outputs(model(*inputs), labels)
-                loss = loss_fn(outputs, matched, weights)
-                if train:
-                    loss.backward()
-                    if (step + 1) % k == 0:
-                        optimizer.step()
-                        optimizer.zero_grad()
-        loss_sum += float(loss.detach()) * n
-        rows += n
-        if train and step == 0 and epoch == spec.start_epoch and hvd_rank() == 0:
-            send_event("first_batch", time.time())  # time to first batch, for the driver
-        with torch.no_grad():
-            for i, (_, metric, index) in enumerate(plan):
-                out = outputs[index].detach()
-                metric_sums[i] += float(metric(out, match_output(labels[index], out))) * n
-    close = getattr(iterator, "close", None)
-    if close is not None:
-        close()  # stops the reader's prefetch thread when fewer steps than an epoch were taken
-    return loss_sum, rows, metric_sums
-
-
-def hvd_rank() -> int:
-    from spark_estimators.collective import rank
-
-    return int(rank())
-
-
-def hvd_size() -> int:
-    from spark_estimators.collective import size
-
-    return int(size())
-
-
-def _average(hvd: Any, loss_sum: float, rows: float, metric_sums: list[float]) -> list[float]:
-    import torch
-
-    t = torch.tensor([loss_sum, rows, *metric_sums], dtype=torch.float64)
-    t = hvd.allreduce(t, op=hvd.Sum, name="epoch_metrics")
-    total_rows = max(float(t[1]), 1.0)
-    return [float(v) / total_rows for v in [t[0], *t[2:]]]
+        model, user, k = self.model, self.user, self.spec.backward_passes_per_step
+        plan = losses.metric_plan(user.metrics, self.spec.label_cols)
+        sums = protocol.EpochSums(len(plan))
+        model.train(train)
+        for step, batch in enumerate(epoch_batches(reader, self.convert, steps, epoch)):
+            inputs, labels, weights = _on_device(self.spec, batch, self.device)
+            with torch.set_grad_enabled(train):
+                if train and user.train_minibatch_fn is not None:
+                    # Horovod's contract: the fn zeroes, steps and returns (outputs, loss) itself.
+                    args = (losses.transform_outputs, self.loss_fn, inputs, labels, weights)
+                    out, loss = user.train_minibatch_fn(model, self.optimizer, *args)
+                    outputs = losses.as_list(out)
+                else:
+                    outputs, matched = losses.transform_outputs(model(*inputs), labels)
+                    loss = self.loss_fn(outputs, matched, weights)
+                    if train:
+                        loss.backward()
+                        if (step + 1) % k == 0:
+                            self.optimizer.step()
+                            self.optimizer.zero_grad()
+            if train:
+                self.first_batch()
+            with torch.no_grad():
+                values = []
+                for _, metric, index in plan:
+                    out = outputs[index].detach()
+                    values.append(float(metric(out, losses.match_output(labels[index], out))))
+            sums.add(float(loss.detach()), float(inputs[0].shape[0]), values)
+        return protocol.average_over_ranks(sums)
 
 
 def _save_checkpoint(
-    spec: TorchTrainSpec, model: Any, optimizer: Any, epoch: int, history: list[dict[str, Any]]
+    spec: TorchTrainSpec, model: Any, optimizer: Any, epoch: int, history: list[Any], size: int
 ) -> None:
     import torch
 
     ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
     buf = io.BytesIO()
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "epoch": epoch,
-            "size": hvd_size(),
-            "history": history,
-        },
-        buf,
-    )
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    torch.save({**state, "epoch": epoch, "size": size, "history": history}, buf)
     spec.store.write_bytes_atomic(ckpt, buf.getvalue())
     # Written second: an info file always names a complete checkpoint.
-    info = checkpoint.CheckpointInfo(
-        framework=FRAMEWORK,
-        epoch=epoch,
-        num_proc=hvd_size(),
-        history=tuple(history),
-        fingerprint=checkpoint.torch_fingerprint(model),
+    fingerprint = checkpoint.torch_fingerprint(model)
+    protocol.commit_epoch(spec.store, spec.run_id, FRAMEWORK, epoch, size, history, fingerprint)
+
+
+def _restore(
+    spec: TorchTrainSpec, model: Any, optimizer: Any, device: Any, size: int
+) -> tuple[int, list[dict[str, Any]]]:
+    """Rank 0 on hot-start: load ``checkpoint.pt``; returns (start epoch, history)."""
+    ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
+    state = serialization.load_checkpoint(
+        io.BytesIO(spec.store.read_bytes(ckpt)), map_location=device, name=ckpt
     )
-    checkpoint.write_info(spec.store, spec.run_id, info)
-
-
-class _TensorBoard:
-    """Scalars into a local event dir, synced to the run's logs/ in the store (rank 0)."""
-
-    def __init__(self, spec: TorchTrainSpec):
-        self.spec = spec
-        # Synced to the store after every epoch; removed by close() (or with the rank's scratch).
-        self.local = make_temp_dir("se-tb-")
-        self.writer: Any = None
-        try:
-            # tensorboard imports TensorFlow for file I/O when it is installed (seconds of start-up
-            # in every torch rank); its marker module makes it use its own light stub instead.
-            if "tensorflow" not in sys.modules:
-                sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(self.local)
-        except ImportError:
-            logger.warning("tensorboard is not installed: no TensorBoard logs for this run")
-
-    def log(self, epoch: int, logs: dict[str, Any]) -> None:
-        if self.writer is None:
-            return
-        for key, value in logs.items():
-            if key != "epoch" and isinstance(value, float):
-                self.writer.add_scalar(key, value, epoch)
-        self.writer.flush()
-        self.spec.store.sync_dir(self.local, self.spec.run_id)
-
-    def close(self) -> None:
-        try:
-            if self.writer is not None:
-                self.writer.close()
-        finally:
-            shutil.rmtree(self.local, ignore_errors=True)
-
-
-def _preload_in_background(modules: tuple[str, ...]) -> None:
-    """Import ``modules`` on a thread while this rank meets the others and opens its data.
-
-    The reader's first scan imports ``pyarrow.dataset`` (about 0.5 s) and the first
-    ``optimizer.step()`` imports ``torch._dynamo`` (about 2 s of CPU): started here they overlap
-    the rendezvous and the parameter broadcast, which mostly wait on sockets. An import error is
-    left for the main thread to meet.
-    """
-
-    def load() -> None:
-        for name in modules:
-            if name not in sys.modules:
-                try:
-                    importlib.import_module(name)
-                except Exception:  # noqa: BLE001 - the main thread imports it again and reports
-                    return
-
-    threading.Thread(target=load, name="se-preload", daemon=True).start()
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    start_epoch, history = spec.start_epoch, list(spec.history)
+    if int(state.get("epoch", -1)) >= start_epoch and "history" in state:
+        # Rank 0 died between writing checkpoint.pt and checkpoint.json: the weights are a newer
+        # epoch's than the info file says; go on after that epoch, not repeat it.
+        start_epoch, history = int(state["epoch"]) + 1, list(state["history"])
+    factor = protocol.lr_rescale(spec.scale_lr, int(state.get("size", size)), size)
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    return start_epoch, history
 
 
 def train(spec: TorchTrainSpec) -> dict[str, Any]:
@@ -390,8 +168,9 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     import spark_estimators.collective.torch as hvd
     from spark_estimators.collective.torch import Compression
     from spark_estimators.task import get_device
+    from spark_estimators.torch.logs import TensorBoardScalars
 
-    _preload_in_background(("pyarrow.dataset", "torch._dynamo"))
+    protocol.preload_in_background(("pyarrow.dataset", "torch._dynamo"))
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     device_name = get_device()
@@ -402,124 +181,76 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     user: UserObjects = cloudpickle.loads(spec.user_blob)
     model, optimizer = serialization.unpack(user.model, user.optimizer)
     model = model.to(device)
-    loss_fn = LossFn(user.losses, spec.loss_weights, weighted=bool(spec.sample_weight_col))
+    loss_fn = losses.LossFn(user.losses, spec.loss_weights, weighted=bool(spec.sample_weight_col))
     if spec.scale_lr:
         for group in optimizer.param_groups:
             group["lr"] = group["lr"] * size
-    history = list(spec.history)
-    start_epoch = spec.start_epoch
-    if spec.start_epoch > 0 and rank == 0:
-        ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
-        state = serialization.load_checkpoint(
-            io.BytesIO(spec.store.read_bytes(ckpt)), map_location=device, name=ckpt
-        )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if int(state.get("epoch", -1)) >= start_epoch and "history" in state:
-            # Rank 0 died between writing checkpoint.pt and checkpoint.json: the weights are
-            # a newer epoch's than the info file says; go on after that epoch, not repeat it.
-            start_epoch = int(state["epoch"]) + 1
-            history = list(state["history"])
-        saved_size = int(state.get("size", size))
-        if spec.scale_lr and saved_size != size:
-            # The saved rates were scaled for the ranks of that run (an elastic relaunch can
-            # have fewer): rescale, keeping whatever a callback or schedule did to them.
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * size / saved_size
+    history, start_epoch = list(spec.history), spec.start_epoch
     if spec.start_epoch > 0:
+        if rank == 0:
+            start_epoch, history = _restore(spec, model, optimizer, device, size)
         start_epoch = int(hvd.broadcast_object(start_epoch, root_rank=0, name="start_epoch"))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    compression = Compression.fp16 if spec.compression == "fp16" else Compression.none
     dist_opt = hvd.DistributedOptimizer(
         optimizer,
         named_parameters=model.named_parameters(),
-        compression=compression,
+        compression=Compression.fp16 if spec.compression == "fp16" else Compression.none,
         backward_passes_per_step=spec.backward_passes_per_step,
     )
-    batches = _Batches(spec, device, user.transformation_fn)
-    train_reader = spec.open_reader("train", rank, size, user.transformation_fn)
-    val_reader = (
-        spec.open_reader("val", rank, size, user.transformation_fn) if spec.meta.has_val else None
-    )
-    train_steps = checkpoint.epoch_steps(
+    convert = converter(spec)
+    train_reader, val_reader = protocol.open_readers(spec, rank, size, user.transformation_fn)
+    train_steps = protocol.epoch_steps(
         train_reader, spec.train_steps_per_epoch, spec.backward_passes_per_step
     )
     val_steps = (
-        checkpoint.epoch_steps(val_reader, spec.validation_steps_per_epoch) if val_reader else 0
+        protocol.epoch_steps(val_reader, spec.validation_steps_per_epoch) if val_reader else 0
     )
-    board = _TensorBoard(spec) if rank == 0 else None
-    names = [name for name, _, _ in metric_plan(user.metrics, spec.label_cols)]
+    passes = _Epoch(
+        spec, user, model, dist_opt, loss_fn, device, convert, protocol.FirstBatchEvent(rank == 0)
+    )
+    board = TensorBoardScalars(spec.store, spec.run_id) if rank == 0 else None
+    names = [name for name, _, _ in losses.metric_plan(user.metrics, spec.label_cols)]
     _call(user.callbacks, "on_train_begin", {})
     try:
         for epoch in range(start_epoch, spec.epochs):
             _call(user.callbacks, "on_epoch_begin", epoch, {})
-            sums = _run_epoch(
-                model,
-                train_reader,
-                epoch,
-                train_steps,
-                batches,
-                user,
-                spec,
-                dist_opt,
-                loss_fn,
-                True,
-            )
-            avg = _average(hvd, *sums)
-            logs: dict[str, Any] = {"epoch": epoch, "loss": avg[0]}
-            logs.update({n: v for n, v in zip(names, avg[1:], strict=True)})
+            means = passes.run(train_reader, epoch, train_steps, train=True)
+            val_means = None
             if val_reader is not None and val_steps:
-                vsums = _run_epoch(
-                    model,
-                    val_reader,
-                    epoch,
-                    val_steps,
-                    batches,
-                    user,
-                    spec,
-                    dist_opt,
-                    loss_fn,
-                    False,
-                )
-                vavg = _average(hvd, *vsums)
-                logs["val_loss"] = vavg[0]
-                logs.update({"val_" + n: v for n, v in zip(names, vavg[1:], strict=True)})
+                val_means = passes.run(val_reader, epoch, val_steps, train=False)
+            logs = protocol.epoch_logs(epoch, names, means, val_means)
             history.append(logs)
             _call(user.callbacks, "on_epoch_end", epoch, logs)
             if rank == 0:
-                _save_checkpoint(spec, model, optimizer, epoch, history)
                 assert board is not None
+                _save_checkpoint(spec, model, optimizer, epoch, history, size)
                 board.log(epoch, logs)
-                send_event("epoch", logs)
+                protocol.send_event("epoch", logs)
             stop = any(bool(getattr(cb, "stop_training", False)) for cb in user.callbacks)
-            # Every rank must agree, or the next collective would hang on the ones that go on.
-            flag = hvd.allreduce(torch.tensor([float(stop)]), op=hvd.Max, name="stop_training")
-            if float(flag[0]) > 0:
+            if protocol.stop_together(stop):  # else the ranks that go on would hang
                 break
         _call(user.callbacks, "on_train_end", {"history": history})
     finally:
         if board is not None:
             board.close()
-    output_shapes = _output_shapes(model, train_reader, batches)
-    result: dict[str, Any] = {"rank": rank, "fingerprint": checkpoint.torch_fingerprint(model)}
+    output_shapes = _output_shapes(model, train_reader, spec, convert, device)
+    fingerprint = checkpoint.torch_fingerprint(model)
+    state = None
     if rank == 0:
         model.cpu()
-        result.update(
-            state_dict={k: v.detach().clone() for k, v in model.state_dict().items()},
-            history=history,
-            output_shapes=output_shapes,
-        )
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     hvd.shutdown()
-    return result
+    return protocol.rank_result(rank, fingerprint, history, output_shapes, state_dict=state)
 
 
-def _output_shapes(model: Any, reader: Any, batches: _Batches) -> list[tuple[int, ...]]:
+def _output_shapes(
+    model: Any, reader: Any, spec: TorchTrainSpec, convert: BatchConverter, device: Any
+) -> list[tuple[int, ...]]:
     """Per-row shape of each model output, from one forward pass on a training batch."""
     import torch
 
     model.eval()
-    inputs, _, _ = batches.to_tensors(reader.peek())
+    inputs, _, _ = _on_device(spec, convert(reader.peek()), device)
     with torch.no_grad():
-        outputs = _as_list(model(*inputs))
-    return [tensors.output_row_shape(o.detach().cpu().numpy()) for o in outputs]
+        return protocol.row_shapes(model(*inputs))

@@ -9,12 +9,12 @@ import pytest
 
 from spark_estimators.core.checkpoint import (
     CheckpointInfo,
-    epoch_steps,
     info_path,
     read_info,
     start_fields,
     write_info,
 )
+from spark_estimators.core.rank import epoch_steps
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.store import LocalStore
 

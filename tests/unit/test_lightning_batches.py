@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from spark_estimators.core import tensors  # noqa: E402
-from spark_estimators.lightning.remote import BatchConverter  # noqa: E402
+from spark_estimators.lightning.remote import converter  # noqa: E402
+
+
+def BatchConverter(features, labels, weight, input_shapes, label_shapes):  # noqa: N802
+    """The converter a Lightning rank builds from its spec."""
+    fields = ("feature_cols", "label_cols", "sample_weight_col", "input_shapes", "label_shapes")
+    values = (features, labels, weight, input_shapes, label_shapes)
+    return converter(types.SimpleNamespace(**dict(zip(fields, values, strict=True))))
 
 
 @pytest.mark.parametrize("shape", [[-1, 1, 4, 4], [1, 4, 4]], ids=["horovod-full", "per-row"])

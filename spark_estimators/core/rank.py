@@ -1,0 +1,254 @@
+"""The rank-side protocol every estimator's ``remote.train`` follows (executor side).
+
+What the torch, Lightning and Keras ranks share, whatever trains the model:
+
+- **Readers**: :func:`open_readers` opens this rank's shard of the train (and val) split with the
+  spec's batch settings; :func:`epoch_steps` is the steps per epoch, the same on every rank (a
+  rank that stopped early would hang the others in the next collective).
+- **Metrics**: a rank sums ``loss * rows`` and ``metric * rows`` over an epoch
+  (:class:`EpochSums`); :func:`average_over_ranks` sums them over all ranks in one allreduce and
+  divides by the rows of all ranks, so every rank gets the same row-weighted means;
+  :func:`epoch_logs` names them (``loss``, metrics, ``val_`` + each).
+- **Agreement**: :func:`stop_together` - a rank stops only when the others do.
+- **Events to the driver** (rank 0): ``first_batch`` (wall time of the end of the first training
+  step, :class:`FirstBatchEvent`) and ``epoch`` (the epoch's logs), shown by
+  :mod:`spark_estimators.core.progress`.
+- **Checkpoints**: the framework writes its own file, then :func:`commit_epoch` writes
+  ``checkpoint.json`` (:mod:`spark_estimators.core.checkpoint`'s one schema) with the weights'
+  fingerprint; :func:`lr_rescale` is the factor for a learning rate saved for another number of
+  ranks.
+- **Result**: :func:`rank_result` - every rank returns its rank and weights fingerprint (the
+  driver checks that they agree); rank 0 adds the history, per-row output shapes and the
+  framework's payload (weights or model bytes).
+
+Each framework's ``remote.py`` keeps what only it knows: building and stepping the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+import time
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from spark_estimators import envvars
+from spark_estimators.core import checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+# -- the rank and its start-up --------------------------------------------------------------------
+def rank_and_size() -> tuple[int, int]:
+    """The rank and the number of ranks, from the launcher's environment (before any init)."""
+    return envvars.env_int(envvars.SE_RANK, 0), envvars.env_int(envvars.SE_SIZE, 1)
+
+
+def preload_in_background(modules: Sequence[str]) -> None:
+    """Import ``modules`` on a thread while this rank meets the others and opens its data.
+
+    The reader's first scan imports ``pyarrow.dataset`` (about 0.5 s) and torch's first
+    ``optimizer.step()`` imports ``torch._dynamo`` (about 2 s of CPU): started here they overlap
+    the rendezvous and the parameter broadcast, which mostly wait on sockets. An import error is
+    left for the main thread to meet.
+    """
+    names = tuple(modules)
+
+    def load() -> None:
+        for name in names:
+            if name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - the main thread imports it again and reports
+                    return
+
+    threading.Thread(target=load, name="se-preload", daemon=True).start()
+
+
+def light_tensorboard() -> None:
+    """Make ``tensorboard`` use its own file I/O stub instead of importing TensorFlow.
+
+    With TensorFlow installed, tensorboard imports it for file I/O: seconds of start-up in every
+    torch or Lightning rank. Its marker module ``tensorboard.compat.notf`` turns that off (not in
+    a Keras rank, which has TensorFlow loaded anyway).
+    """
+    if "tensorflow" not in sys.modules:
+        sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
+
+
+# -- readers --------------------------------------------------------------------------------------
+def open_readers(spec: Any, rank: int, size: int, transformation_fn: Any) -> tuple[Any, Any]:
+    """The rank's train reader, and its val reader (None when the data has no val split)."""
+    train = spec.open_reader("train", rank, size, transformation_fn)
+    val = spec.open_reader("val", rank, size, transformation_fn) if spec.meta.has_val else None
+    return train, val
+
+
+def epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int:
+    """Steps per epoch: the reader's (same on every rank), capped by ``limit``.
+
+    With ``multiple`` > 1 (backward passes per step) the count is rounded down to a multiple of
+    it, and is at least ``multiple``.
+    """
+    steps = int(reader.steps_per_epoch)
+    if limit is not None:
+        steps = min(steps, int(limit)) if steps else int(limit)
+    if multiple > 1:
+        steps = max(multiple, steps - steps % multiple)
+    return steps
+
+
+# -- metrics --------------------------------------------------------------------------------------
+@dataclass
+class EpochSums:
+    """One rank's running sums over an epoch: ``loss * rows``, ``rows``, ``metric * rows``."""
+
+    metrics: int = 0
+    loss: float = 0.0
+    rows: float = 0.0
+    metric_sums: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.metric_sums:
+            self.metric_sums = [0.0] * self.metrics
+
+    def add(self, loss: float, rows: float, metric_values: Sequence[float] = ()) -> None:
+        """Add one batch: its mean loss, its rows and its mean metric values."""
+        self.loss += float(loss) * rows
+        self.rows += rows
+        for i, value in enumerate(metric_values):
+            self.metric_sums[i] += float(value) * rows
+
+    def vector(self) -> np.ndarray:
+        """``[loss sum, rows, *metric sums]`` as float64 (what the ranks add up)."""
+        return np.array([self.loss, self.rows, *self.metric_sums], dtype=np.float64)
+
+
+def epoch_means(totals: Sequence[float] | np.ndarray) -> list[float]:
+    """``[loss, *metrics]`` means from summed ``[loss sum, rows, *metric sums]`` of all ranks."""
+    rows = max(float(totals[1]), 1.0)
+    return [float(totals[0]) / rows, *(float(v) / rows for v in totals[2:])]
+
+
+def average_over_ranks(sums: EpochSums, name: str = "epoch_metrics") -> list[float]:
+    """Row-weighted means of loss and metrics over all ranks (a collective: every rank calls it)."""
+    from spark_estimators import collective
+
+    return epoch_means(collective.allreduce(sums.vector(), op=collective.Sum, name=name))
+
+
+def epoch_logs(
+    epoch: int,
+    names: Sequence[str],
+    train: Sequence[float],
+    val: Sequence[float] | None = None,
+) -> dict[str, Any]:
+    """The epoch's logs: ``epoch``, ``loss``, the metrics, ``val_loss`` and ``val_`` + each."""
+    logs: dict[str, Any] = {"epoch": int(epoch), "loss": train[0]}
+    logs.update(zip(names, train[1:], strict=True))
+    if val is not None:
+        logs["val_loss"] = val[0]
+        logs.update({"val_" + n: v for n, v in zip(names, val[1:], strict=True)})
+    return logs
+
+
+def stop_together(stop: bool) -> bool:
+    """True on every rank when any rank wants to stop (one allreduce; every rank calls it)."""
+    from spark_estimators import collective
+
+    flag = np.array([float(bool(stop))], dtype=np.float64)
+    return bool(collective.allreduce(flag, op=collective.Max, name="stop_training")[0] > 0)
+
+
+# -- events to the driver -------------------------------------------------------------------------
+def send_event(kind: str, data: Any) -> None:
+    """Send an event (``"epoch"``, ``"first_batch"``) to the driver; nothing outside a run."""
+    from spark_estimators.task import send_event as send
+
+    send(kind, data)
+
+
+class FirstBatchEvent:
+    """Call after every training step: the first call sends ``first_batch`` (once, if enabled)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.pending = enabled
+
+    def __call__(self) -> None:
+        """Send the event on the first call."""
+        if self.pending:
+            self.pending = False
+            send_event("first_batch", time.time())  # time to first batch, for the driver
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+def commit_epoch(
+    store: Any,
+    run_id: str,
+    framework: str,
+    epoch: int,
+    num_proc: int | None,
+    history: Sequence[dict[str, Any]],
+    fingerprint: str | None,
+    extra: Mapping[str, Any] | None = None,
+) -> None:
+    """Rank 0, after the framework's checkpoint file is complete: write ``checkpoint.json``."""
+    info = checkpoint.CheckpointInfo(
+        framework=framework,
+        epoch=int(epoch),
+        num_proc=num_proc,
+        history=tuple(history),
+        fingerprint=fingerprint,
+        extra=dict(extra or {}),
+    )
+    checkpoint.write_info(store, run_id, info)
+
+
+def lr_rescale(scale_lr: bool, saved_size: int | None, size: int) -> float:
+    """Factor for a restored learning rate that was scaled for ``saved_size`` ranks.
+
+    With ``scale_lr`` the saved rate is ``lr * saved_size``; an elastic relaunch or a hot start
+    with another ``num_proc`` needs ``lr * size``, keeping what a schedule did to it.
+    """
+    if not scale_lr or saved_size is None or saved_size == size:
+        return 1.0
+    return size / saved_size
+
+
+# -- the result the driver gets -------------------------------------------------------------------
+def row_shapes(outputs: Any) -> list[tuple[int, ...]]:
+    """Per-row shape of each model output (one array or tensor, or a list/tuple of them)."""
+    from spark_estimators.core.tensors import output_row_shape
+
+    outs = list(outputs) if isinstance(outputs, list | tuple) else [outputs]
+    arrays = [o.detach().cpu().numpy() if hasattr(o, "detach") else np.asarray(o) for o in outs]
+    return [output_row_shape(a) for a in arrays]
+
+
+def rank_result(
+    rank: int,
+    fingerprint: str,
+    history: Sequence[dict[str, Any]] | None = None,
+    output_shapes: Sequence[tuple[int, ...]] | None = None,
+    **payload: Any,
+) -> dict[str, Any]:
+    """What ``remote.train`` returns to the driver.
+
+    Every rank: ``rank`` and ``fingerprint`` (the driver checks that all ranks end with the same
+    weights). Rank 0 also: ``history``, ``output_shapes`` and ``payload`` (the trained weights or
+    model and framework extras); other ranks' values for them are dropped.
+    """
+    result: dict[str, Any] = {"rank": int(rank), "fingerprint": fingerprint}
+    if rank == 0:
+        result.update(
+            history=list(history or []),
+            output_shapes=list(output_shapes or []),
+            **payload,
+        )
+    return result

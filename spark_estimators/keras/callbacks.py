@@ -1,0 +1,153 @@
+"""The Keras callbacks a ``KerasEstimator`` rank adds to ``model.fit`` (executor side).
+
+:class:`StoreCheckpoint` (rank 0) is the per-epoch checkpoint of the shared rank protocol
+(:mod:`spark_estimators.core.rank`): ``checkpoint.keras``, then ``checkpoint.json``, the store
+sync of local checkpoint and log directories, and the epoch's logs sent to the driver.
+:func:`rank_zero_callbacks` runs the user's file-writing callbacks on rank 0 only, into local
+directories that are synced to the store.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import keras
+import numpy as np
+
+from spark_estimators.core import checkpoint
+from spark_estimators.core import rank as protocol
+from spark_estimators.task.scratch import make_temp_dir, scratch_root
+
+CHECKPOINT_FILE = "checkpoint.keras"
+FRAMEWORK = "keras"
+
+
+def checkpoint_path(store: Any, run_id: str) -> str:
+    """The run's ``checkpoint.keras`` in ``store`` (its info file: core/checkpoint.py)."""
+    return store.get_checkpoint_path(run_id).rstrip("/") + "/" + CHECKPOINT_FILE
+
+
+class FeedEpochCallback(keras.callbacks.Callback):
+    """Tells the training feed which reader epoch the next pass is."""
+
+    def __init__(self, feed: Any):
+        super().__init__()
+        self.feed = feed
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Set the feed's epoch (unless it repeats: then each pass takes the next one)."""
+        if not self.feed.repeat:
+            self.feed.epoch = epoch
+
+
+class FirstBatchEvent(keras.callbacks.Callback):
+    """Rank 0: sends the wall-clock time of the end of the first training step to the driver."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = protocol.FirstBatchEvent()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        """Send ``first_batch`` after the first step."""
+        self.event()
+
+
+class StoreCheckpoint(keras.callbacks.Callback):
+    """Rank 0: after every epoch, checkpoint, sync logs and report the epoch to the driver.
+
+    Writes ``checkpoint.keras`` (model + optimizer state) atomically, then ``checkpoint.json``
+    (last epoch and history), so the info file always names a complete checkpoint. Local
+    directories of ``checkpoint_callback`` and ``TensorBoard`` are synced into the run's
+    ``checkpoints/`` and ``logs/`` in the store.
+    """
+
+    def __init__(
+        self,
+        spec: Any,
+        history: list[dict[str, Any]],
+        local_dirs: dict[str, str],
+        size: int,
+    ):
+        super().__init__()
+        self.spec = spec
+        self.history = history
+        self.local_dirs = local_dirs
+        # The learning rate in the checkpoint is scaled for this many ranks (see _restore).
+        self.size = size
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        """Checkpoint, sync the local directories and report the epoch (rank 0)."""
+        spec = self.spec
+        entry: dict[str, Any] = {"epoch": int(epoch)}
+        entry.update({k: _plain(v) for k, v in (logs or {}).items()})
+        self.history.append(entry)
+        ckpt = checkpoint_path(spec.store, spec.run_id)
+        with tempfile.TemporaryDirectory(prefix="se-keras-ckpt-", dir=scratch_root()) as tmp:
+            local = os.path.join(tmp, CHECKPOINT_FILE)
+            self.model.save(local)
+            spec.store.upload_file(local, ckpt, atomic=True)
+        fingerprint = checkpoint.keras_fingerprint(self.model)
+        protocol.commit_epoch(
+            spec.store, spec.run_id, FRAMEWORK, int(epoch), self.size, self.history, fingerprint
+        )
+        from spark_estimators.store.base import CHECKPOINTS_SUBDIR, LOGS_SUBDIR
+
+        for subdir, local_dir in self.local_dirs.items():
+            target = CHECKPOINTS_SUBDIR if subdir == "checkpoints" else LOGS_SUBDIR
+            spec.store.sync_dir(local_dir, spec.run_id, subdir=target)
+        protocol.send_event("epoch", entry)
+
+
+def _plain(value: Any) -> Any:
+    """Log values as JSON-friendly Python scalars."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.item() if np.ndim(value) == 0 else value.tolist()
+    if hasattr(value, "numpy"):
+        return _plain(value.numpy())
+    return value
+
+
+def rank_zero_callbacks(user: Any, rank: int, local_dirs: dict[str, str]) -> list[Any]:
+    """The user's callbacks; file-writing ones run on rank 0 only, into local dirs we sync."""
+    out: list[Any] = []
+    for cb in user.callbacks:
+        if isinstance(cb, keras.callbacks.TensorBoard):
+            if rank == 0:
+                cb.log_dir = local_dirs.setdefault("logs", make_temp_dir("se-tb-"))
+                out.append(cb)
+        elif isinstance(cb, keras.callbacks.ModelCheckpoint):
+            if rank == 0:
+                _redirect(cb, local_dirs)
+                out.append(cb)
+        else:
+            out.append(cb)
+    if user.checkpoint_callback is not None and rank == 0:
+        _redirect(user.checkpoint_callback, local_dirs)
+        out.append(user.checkpoint_callback)
+    if rank == 0 and "logs" not in local_dirs:
+        # TensorBoard logs of every run, as Horovod's estimator writes them (no graph: it costs
+        # seconds per fit and the model summary is in the checkpoint).
+        logs_dir = local_dirs.setdefault("logs", make_temp_dir("se-tb-"))
+        out.append(keras.callbacks.TensorBoard(logs_dir, write_graph=False))
+    return out
+
+
+def load_checkpoint_callback_weights(model: Any, user: Any) -> None:
+    """Rank 0: give back the weights ``checkpoint_callback`` saved last (e.g. the best epoch)."""
+    cb = user.checkpoint_callback
+    path = str(getattr(cb, "filepath", "") or "")
+    if cb is None or not os.path.isfile(path):
+        return  # never saved, or a per-epoch file name pattern: keep the final weights
+    if path.endswith(".weights.h5") or path.endswith(".keras"):
+        model.load_weights(path)
+
+
+def _redirect(cb: Any, local_dirs: dict[str, str]) -> None:
+    """Point a ModelCheckpoint at a local dir synced to the run's ``checkpoints/``."""
+    local = local_dirs.setdefault("checkpoints", make_temp_dir("se-ckpt-"))
+    name = os.path.basename(str(cb.filepath)) or "model.keras"
+    if name in (CHECKPOINT_FILE, checkpoint.INFO_FILE):
+        name = "user_" + name  # the store checkpoint of the run has that name
+    cb.filepath = os.path.join(local, name)
