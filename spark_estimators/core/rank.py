@@ -2,8 +2,9 @@
 
 What the torch, Lightning and Keras ranks share, whatever trains the model:
 
-- **Readers**: :func:`open_readers` opens this rank's shard of the train (and val) split with the
-  spec's batch settings; :func:`epoch_steps` is the steps per epoch, the same on every rank (a
+- **Readers**: :func:`open_readers` opens this rank's shard of the train (and val) split with
+  :func:`reader_options` (one :class:`~spark_estimators.data.ReaderOptions` per split, built
+  from the spec); :func:`epoch_steps` is the steps per epoch, the same on every rank (a
   rank that stopped early would hang the others in the next collective).
 - **Metrics**: a rank sums ``loss * rows`` and ``metric * rows`` over an epoch
   (:class:`EpochSums`); :func:`average_over_ranks` sums them over all ranks in one allreduce and
@@ -83,11 +84,41 @@ def light_tensorboard() -> None:
 
 
 # -- readers --------------------------------------------------------------------------------------
+def reader_options(spec: Any, split: str, transformation_fn: Any) -> Any:
+    """The :class:`~spark_estimators.data.ReaderOptions` of ``split`` ("train" or "val").
+
+    Only the train split shuffles (``shuffle_buffer_size=0`` turns it off) and uses
+    ``batch_size``; the val split reads in order with ``val_batch_size``. Both read the
+    feature, label and sample weight columns.
+    """
+    from spark_estimators.data import ReaderOptions
+
+    train = split == "train"
+    columns = [*spec.feature_cols, *spec.label_cols]
+    if spec.sample_weight_col:
+        columns.append(spec.sample_weight_col)
+    return ReaderOptions(
+        batch_size=spec.batch_size if train else spec.val_batch_size,
+        columns=tuple(columns),
+        shuffle=spec.shuffle and train and spec.shuffle_buffer_size != 0,
+        shuffle_buffer_size=spec.shuffle_buffer_size or None,
+        seed=spec.seed if spec.seed is not None else 0,
+        inmemory_cache=spec.inmemory_cache_all,
+        transformation_fn=transformation_fn,
+        num_workers=spec.train_reader_num_workers if train else spec.val_reader_num_workers,
+        reader=spec.reader,
+    )
+
+
 def open_readers(spec: Any, rank: int, size: int, transformation_fn: Any) -> tuple[Any, Any]:
     """The rank's train reader, and its val reader (None when the data has no val split)."""
-    train = spec.open_reader("train", rank, size, transformation_fn)
-    val = spec.open_reader("val", rank, size, transformation_fn) if spec.meta.has_val else None
-    return train, val
+    from spark_estimators.data import make_batch_reader
+
+    def open_split(split: str) -> Any:
+        options = reader_options(spec, split, transformation_fn)
+        return make_batch_reader(spec.store, spec.meta, options, split=split, rank=rank, size=size)
+
+    return open_split("train"), open_split("val") if spec.meta.has_val else None
 
 
 def epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int:

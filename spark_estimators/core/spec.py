@@ -2,7 +2,8 @@
 
 A spec is built on the driver by :meth:`SparkEstimator._spec_fields` plus the framework's own
 fields, pickled into the launch, and read by the framework's ``remote.train`` on every rank.
-User objects (models, losses, callbacks) travel inside ``user_blob``, pickled by value.
+User objects (models, losses, callbacks) travel inside ``user_blob``, pickled by value. The
+ranks' readers are built from these fields by :func:`spark_estimators.core.rank.reader_options`.
 """
 
 from __future__ import annotations
@@ -39,28 +40,3 @@ class TrainSpec:
     val_reader_num_workers: int
     history: list[dict[str, Any]] = field(default_factory=list)
     shuffle_buffer_size: int | None = None  # None: the reader's default; 0: no shuffling
-
-    def open_reader(self, split: str, rank: int, size: int, transformation_fn: Any) -> Any:
-        """The reader of ``split`` ("train" or "val") for one rank, with the batch settings."""
-        from spark_estimators.data import make_batch_reader
-
-        columns = list(self.feature_cols) + list(self.label_cols)
-        if self.sample_weight_col:
-            columns.append(self.sample_weight_col)
-        train = split == "train"
-        return make_batch_reader(
-            self.store,
-            self.meta,
-            split=split,
-            rank=rank,
-            size=size,
-            batch_size=self.batch_size if train else self.val_batch_size,
-            columns=columns,
-            shuffle=self.shuffle and train and self.shuffle_buffer_size != 0,
-            shuffle_buffer_size=self.shuffle_buffer_size or None,
-            seed=self.seed if self.seed is not None else 0,
-            inmemory_cache=self.inmemory_cache_all,
-            transformation_fn=transformation_fn,
-            num_workers=self.train_reader_num_workers if train else self.val_reader_num_workers,
-            reader=self.reader,
-        )

@@ -77,6 +77,52 @@ def test_average_over_ranks_and_stop_together_in_a_real_job(job_of_one):
     assert protocol.stop_together(False) is False
 
 
+# -- readers ---------------------------------------------------------------------------------------
+def spec_like(**changes):
+    fields = dict(
+        feature_cols=["id", "img"],
+        label_cols=["y"],
+        sample_weight_col=None,
+        batch_size=6,
+        val_batch_size=4,
+        shuffle=True,
+        shuffle_buffer_size=None,
+        seed=None,
+        inmemory_cache_all=True,
+        train_reader_num_workers=3,
+        val_reader_num_workers=1,
+        reader="arrow",
+    )
+    fields.update(changes)
+    return types.SimpleNamespace(**fields)
+
+
+def test_reader_options_of_the_train_and_val_splits():
+    fn = str.upper  # any transformation_fn; only passed on
+    train = protocol.reader_options(spec_like(sample_weight_col="w"), "train", fn)
+    assert (train.batch_size, train.shuffle, train.seed, train.num_workers) == (6, True, 0, 3)
+    assert train.columns == ("id", "img", "y", "w") and train.transformation_fn is fn
+    assert train.inmemory_cache and train.shuffle_buffer_size is None and train.reader == "arrow"
+    val = protocol.reader_options(spec_like(seed=7), "val", None)
+    assert (val.batch_size, val.shuffle, val.seed, val.num_workers) == (4, False, 7, 1)
+    assert val.columns == ("id", "img", "y")
+    # shuffle_buffer_size=0 turns shuffling off; a size is passed on
+    assert not protocol.reader_options(spec_like(shuffle_buffer_size=0), "train", None).shuffle
+    sized = protocol.reader_options(spec_like(shuffle_buffer_size=12), "train", None)
+    assert sized.shuffle and sized.shuffle_buffer_size == 12
+
+
+def test_open_readers_give_this_ranks_shards(tmp_path):
+    store = LocalStore(str(tmp_path / "store"))
+    meta = write_rows(store, 40)
+    spec = spec_like(store=store, meta=meta, shuffle=False)
+    train, val = protocol.open_readers(spec, 1, 2, None)
+    assert val is None  # no val split in the data
+    assert (train.rank, train.size, train.batch_size, train.steps_per_epoch) == (1, 2, 6, 4)
+    first = next(iter(train))
+    assert first["id"].tolist() == [20, 21, 22, 23, 24, 25]  # rank 1 owns rows 20..39
+
+
 # -- steps, learning rate, result ------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("reader_steps", "limit", "multiple", "expected"),
