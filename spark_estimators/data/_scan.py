@@ -184,7 +184,8 @@ class _ParquetRows:
         )
 
 
-def _reader_pool() -> Any:
+def reader_pool() -> Any:
+    """The Arrow memory pool of the reader: jemalloc, else the system allocator."""
     import pyarrow as pa
 
     global _POOL
@@ -203,7 +204,7 @@ def _open_parquet(handle: Any, *, metadata: Any, pre_buffer: bool, buffer_size: 
     try:
         from pyarrow._parquet import ParquetReader
 
-        reader = ParquetReader(memory_pool=_reader_pool())
+        reader = ParquetReader(memory_pool=reader_pool())
         reader.open(handle, metadata=metadata, pre_buffer=pre_buffer, buffer_size=buffer_size)
         return _ParquetRows(reader, public=False)
     except (ImportError, TypeError, AttributeError):

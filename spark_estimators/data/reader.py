@@ -208,6 +208,7 @@ class BatchReader:
         self._cache: dict[int, list[Batch]] = {}
         self._cached: set[int] = set()  # slices whose every block is in the cache
         self._held = HeldRows()
+        self._spare_buffer: Batch | None = None  # the shuffle buffer's arrays between passes
         self.block_rows = _block_rows(self.columns, batch_size)
         self._file_metadata: dict[str, Any] = {}  # Parquet footers, read once per file
         self._group_rows = {f.path: f.row_groups for f in files}
@@ -301,8 +302,13 @@ class BatchReader:
             pass_rows = 0
             chunks = self._chunks(order)
             blocks: Generator[Batch, None, None] = chunks
+            buffer = None
             if self.shuffle:
-                buffer = ShuffleBuffer(self.shuffle_buffer_size, self.block_rows, rng, held)
+                # The buffer's arrays go from pass to pass (a concurrent iterator makes its own).
+                spare, self._spare_buffer = self._spare_buffer, None
+                buffer = ShuffleBuffer(
+                    self.shuffle_buffer_size, self.block_rows, rng, held, arrays=spare
+                )
                 blocks = buffer.shuffle(chunks)
             try:
                 for block in blocks:
@@ -315,6 +321,8 @@ class BatchReader:
             finally:
                 blocks.close()
                 chunks.close()
+                if buffer is not None:
+                    self._spare_buffer = buffer.arrays
             if pass_rows == 0:
                 raise StoreError(
                     f"rank {self.rank}: a pass over its {self.split} shard gave no rows "
