@@ -116,8 +116,10 @@ def run_ranks(root: Path, args: argparse.Namespace) -> list[dict]:
     cmd += ["--batch-size", str(args.batch_size), "--epochs", str(args.epochs)]
     if args.no_torch:
         cmd.append("--no-torch")
+    # What the Spark task tells a rank: the ranks on this host (the reader sizes its read-ahead).
+    env = {**os.environ, "SPARK_ESTIMATORS_LOCAL_SIZE": str(args.num_proc)}
     procs = [
-        subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True)
+        subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True, env=env)
         for r in range(args.num_proc)
     ]
     out = []

@@ -335,3 +335,15 @@ def test_files_changed_after_preparation_are_reported(store):
     with pytest.raises(StoreError, match="has another row count than the dataset metadata"):
         list(reader)
     assert reader_threads() == []
+
+
+def test_read_ahead_only_when_the_rank_has_cores_to_spare(monkeypatch):
+    import os
+
+    from spark_estimators.data.reader import _readahead_blocks
+
+    monkeypatch.setenv("SPARK_ESTIMATORS_LOCAL_SIZE", str(10 * (os.cpu_count() or 1)))
+    assert _readahead_blocks(2) == 1  # the host's ranks fill its cores
+    monkeypatch.setenv("SPARK_ESTIMATORS_LOCAL_SIZE", "1")
+    assert _readahead_blocks(1) == 1  # one decode thread: nothing to overlap
+    assert _readahead_blocks(2) == (4 if (os.cpu_count() or 1) >= 2 else 1)
