@@ -4,12 +4,14 @@
 (:mod:`spark_estimators.core.rank`): ``checkpoint.keras``, then ``checkpoint.json``, the store
 sync of local checkpoint and log directories, and the epoch's logs sent to the driver.
 :func:`rank_zero_callbacks` runs the user's file-writing callbacks on rank 0 only, into local
-directories that are synced to the store.
+directories that are synced to the store. :func:`restore_checkpoint` loads the store checkpoint
+back on hot start (rank 0).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -18,10 +20,36 @@ import numpy as np
 
 from spark_estimators.core import checkpoint
 from spark_estimators.core import rank as protocol
+from spark_estimators.keras.serialization import scale_learning_rate
 from spark_estimators.task.scratch import make_temp_dir, scratch_root
 
 CHECKPOINT_FILE = "checkpoint.keras"
 FRAMEWORK = "keras"
+
+
+def restore_checkpoint(model: Any, spec: Any, size: int) -> None:
+    """Load the run's last checkpoint (weights and optimizer state) into ``model``.
+
+    The optimizer state includes the learning rate, scaled for the ranks of the run that saved
+    it; with ``scale_lr`` and another number of ranks now (an elastic relaunch with fewer, or a
+    hot start with another ``num_proc``) it is re-scaled to ``size``, keeping whatever a
+    callback such as ReduceLROnPlateau did to it.
+    """
+    ckpt = checkpoint_path(spec.store, spec.run_id)
+    info = checkpoint.read_info(spec.store, spec.run_id)
+    tmp = make_temp_dir("se-keras-restore-")
+    try:
+        local = os.path.join(tmp, CHECKPOINT_FILE)
+        with open(local, "wb") as f:
+            f.write(spec.store.read_bytes(ckpt))
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+        model.load_weights(local)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    factor = protocol.lr_rescale(spec.scale_lr, None if info is None else info.num_proc, size)
+    if factor != 1.0:
+        scale_learning_rate(model.optimizer, factor)
 
 
 def checkpoint_path(store: Any, run_id: str) -> str:

@@ -53,7 +53,6 @@ from spark_estimators.keras.serialization import (  # noqa: E402
     optimizer_recipe,
     scale_learning_rate,
 )
-from spark_estimators.task.scratch import make_temp_dir  # noqa: E402
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -167,31 +166,6 @@ def _compile(model: Any, user: KerasUserObjects, spec: KerasTrainSpec, size: int
     )
 
 
-def _restore(model: Any, spec: KerasTrainSpec, size: int) -> None:
-    """Load the run's last checkpoint (weights and optimizer state) into ``model``.
-
-    The optimizer state includes the learning rate, scaled for the ranks of the run that saved
-    it; with ``scale_lr`` and another number of ranks now (an elastic relaunch with fewer, or a
-    hot start with another ``num_proc``) it is re-scaled to ``size``, keeping whatever a
-    callback such as ReduceLROnPlateau did to it.
-    """
-    ckpt = checkpoint_path(spec.store, spec.run_id)
-    info = checkpoint.read_info(spec.store, spec.run_id)
-    tmp = make_temp_dir("se-keras-restore-")
-    try:
-        local = os.path.join(tmp, CHECKPOINT_FILE)
-        with open(local, "wb") as f:
-            f.write(spec.store.read_bytes(ckpt))
-        if not model.optimizer.built:
-            model.optimizer.build(model.trainable_variables)
-        model.load_weights(local)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    factor = protocol.lr_rescale(spec.scale_lr, None if info is None else info.num_proc, size)
-    if factor != 1.0:
-        scale_learning_rate(model.optimizer, factor)
-
-
 def train(spec: KerasTrainSpec) -> dict[str, Any]:
     """Train on this rank; rank 0 returns the trained model as ``.keras`` bytes and history."""
     import cloudpickle
@@ -209,7 +183,8 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
         model = model_from_bytes(spec.model_bytes, custom_objects, compile=False)
         _compile(model, user, spec, size)
     if spec.start_epoch > 0 and rank == 0:
-        _restore(model, spec, size)  # the other ranks get it from the broadcast below
+        # The other ranks get it from the broadcast of BroadcastGlobalVariablesCallback.
+        rank_callbacks.restore_checkpoint(model, spec, size)
     train_reader, val_reader = protocol.open_readers(spec, rank, size, user.transformation_fn)
     steps, repeat = _steps(train_reader, spec.train_steps_per_epoch)
     feed = EpochFeed(train_reader, spec, spec.start_epoch, repeat)
