@@ -94,6 +94,7 @@ class RowSlice:
 
     @property
     def rows(self) -> int:
+        """Number of rows in the slice."""
         return self.stop - self.start
 
 

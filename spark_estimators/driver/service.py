@@ -23,10 +23,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from spark_estimators.driver.rpc import Connection, RpcServer
 from spark_estimators.errors import RemoteError
+
+StateT = TypeVar("StateT")
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +120,39 @@ class JobState:
     abort_reason: str | None = None
 
 
-class DriverService:
+class JobServiceBase(Generic[StateT]):
+    """What the driver services of a job share: state, condition variable, output sinks.
+
+    Shared by :class:`DriverService` and the elastic driver service; subclasses set
+    ``self.state``, ``self._cond``, ``self._output`` and ``self._events``, and change the
+    state only while holding ``_cond``.
+    """
+
+    state: StateT
+    _cond: threading.Condition
+    _output: OutputSink | None
+    _events: EventSink | None
+
+    def wait(self, predicate: Callable[[StateT], bool], timeout: float | None) -> bool:
+        """Wait until ``predicate(state)`` holds; False when ``timeout`` passed first."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.state), timeout=timeout)
+
+    def notify(self) -> None:
+        """Wake the waiters of :meth:`wait` to check their predicate again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _on_log(self, data: dict[str, Any], conn: Connection) -> None:
+        if self._output is not None:
+            self._output(int(data["rank"]), data["stream"], data["lines"])
+
+    def _on_event(self, data: dict[str, Any], conn: Connection) -> None:
+        if self._events is not None:
+            self._events(int(data["rank"]), data["kind"], data["data"])
+
+
+class DriverService(JobServiceBase[JobState]):
     """Serves one job over :class:`RpcServer`; the runner waits on it.
 
     Parameters
@@ -223,14 +257,6 @@ class DriverService:
         with self._cond:
             self.state.finished_tasks.add(int(data))
             self._cond.notify_all()
-
-    def _on_log(self, data: dict[str, Any], conn: Connection) -> None:
-        if self._output is not None:
-            self._output(int(data["rank"]), data["stream"], data["lines"])
-
-    def _on_event(self, data: dict[str, Any], conn: Connection) -> None:
-        if self._events is not None:
-            self._events(int(data["rank"]), data["kind"], data["data"])
 
     def _on_watch(self, data: Any, conn: Connection) -> dict[str, Any]:
         """Long poll: answer when the job is aborted or after ``data`` seconds."""
@@ -338,16 +364,6 @@ class DriverService:
         with self._cond:
             if self.state.abort_reason is None:
                 self.state.abort_reason = reason
-            self._cond.notify_all()
-
-    def wait(self, predicate: Callable[[JobState], bool], timeout: float | None) -> bool:
-        """Wait until ``predicate(state)`` holds; False when ``timeout`` passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: predicate(self.state), timeout=timeout)
-
-    def notify(self) -> None:
-        """Wake the waiters of :meth:`wait` to check their predicate again."""
-        with self._cond:
             self._cond.notify_all()
 
     def registered_summary(self) -> str:

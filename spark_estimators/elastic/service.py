@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spark_estimators.driver.rpc import Connection, RpcServer
-from spark_estimators.driver.service import RankSettings, Registration, assign_ranks
+from spark_estimators.driver.service import (
+    JobServiceBase,
+    RankSettings,
+    Registration,
+    assign_ranks,
+)
 from spark_estimators.errors import RemoteError
 
 logger = logging.getLogger(__name__)
@@ -78,7 +83,7 @@ class ElasticState:
     pending_since: float | None = None
 
 
-class ElasticDriverService:
+class ElasticDriverService(JobServiceBase[ElasticState]):
     """Serves one elastic job over :class:`RpcServer`; see the module docstring."""
 
     def __init__(
@@ -200,14 +205,6 @@ class ElasticDriverService:
             if len(self.state.results) == len(self.state.members):
                 self.state.done = True
             self._cond.notify_all()
-
-    def _on_log(self, data: dict[str, Any], conn: Connection) -> None:
-        if self._output is not None:
-            self._output(int(data["rank"]), data["stream"], data["lines"])
-
-    def _on_event(self, data: dict[str, Any], conn: Connection) -> None:
-        if self._events is not None:
-            self._events(int(data["rank"]), data["kind"], data["data"])
 
     def _disconnected(self, conn: Connection) -> None:
         wid = conn.attrs.get("child_of") or conn.attrs.get("worker_id")
@@ -331,16 +328,6 @@ class ElasticDriverService:
         """Abort the job with ``reason`` and wake every waiter."""
         with self._cond:
             self._abort(reason, "driver")
-
-    def wait(self, predicate: Callable[[ElasticState], bool], timeout: float | None) -> bool:
-        """Wait until ``predicate(state)`` holds; False when ``timeout`` passed first."""
-        with self._cond:
-            return self._cond.wait_for(lambda: predicate(self.state), timeout=timeout)
-
-    def notify(self) -> None:
-        """Wake the waiters of :meth:`wait` to check their predicate again."""
-        with self._cond:
-            self._cond.notify_all()
 
     def close(self) -> None:
         """Abort the job if it is still running and stop the server."""

@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from spark_estimators._base.processes import kill_group, start_rank_process
+from spark_estimators._base.processes import start_rank_process
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import SparkEstimatorsError
 from spark_estimators.task.scratch import create_scratch, remove_scratch
 from spark_estimators.task.spark_task import (
-    OutputForwarder,
     TaskConfig,
     describe_exit,
     host_hash,
+    supervise_child,
     task_gpus,
-    watch_abort,
-    write_child_config,
 )
 
 
@@ -48,37 +45,20 @@ def _run_child(
     config: TaskConfig, client: RpcClient, wid: str, index: int, env: dict[str, str]
 ) -> tuple[int, bool, list[str]]:
     proc = start_rank_process("spark_estimators.elastic.worker", env)
-    assert proc.stdin is not None
-    assert proc.stdout is not None
-    assert proc.stderr is not None
-    forwarder = OutputForwarder(client, index)  # output is prefixed with the partition index
-    forwarder.attach(proc.stdout, "stdout")
-    forwarder.attach(proc.stderr, "stderr")
-    stop, aborted = threading.Event(), threading.Event()
-    watcher = threading.Thread(target=watch_abort, args=(config, proc, stop, aborted), daemon=True)
-    watcher.start()
-    try:
-        write_child_config(
-            proc.stdin,
-            {
-                "driver_address": config.driver_address,
-                "secret": config.secret,
-                "worker_id": wid,
-                "index": index,
-                "backend": config.backend,
-            },
-        )
-    except BrokenPipeError:
-        pass
-    code = proc.wait()
-    stop.set()
-    kill_group(proc)
-    try:
-        proc.stdin.close()
-    except OSError:
-        pass
-    forwarder.close()
-    return code, aborted.is_set(), forwarder.stderr_tail
+    # output is prefixed with the partition index (the rank changes between rounds)
+    return supervise_child(
+        config,
+        client,
+        proc,
+        index,
+        {
+            "driver_address": config.driver_address,
+            "secret": config.secret,
+            "worker_id": wid,
+            "index": index,
+            "backend": config.backend,
+        },
+    )
 
 
 def run_worker(config: TaskConfig, index: int, attempt: int, gpus: tuple[str, ...]) -> str:

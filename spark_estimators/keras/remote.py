@@ -137,6 +137,7 @@ class EpochFeed:
 
 
 def make_dataset(feed: EpochFeed, spec: KerasTrainSpec) -> Any:
+    """A ``tf.data.Dataset`` over the feed's batches, repeated when the epoch needs more steps."""
     from spark_estimators.data import tf_dataset
 
     ds = tf_dataset(feed, spec.feature_cols, spec.label_cols, spec.sample_weight_col)

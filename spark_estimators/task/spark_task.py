@@ -268,40 +268,21 @@ def run_rank(
             env=env,
             start_new_session=True,
         )
-        assert proc.stdin is not None
-        assert proc.stdout is not None
-        assert proc.stderr is not None
-        forwarder = OutputForwarder(client, settings.rank)
-        forwarder.attach(proc.stdout, "stdout")
-        forwarder.attach(proc.stderr, "stderr")
-        stop, aborted = threading.Event(), threading.Event()
-        watcher = threading.Thread(
-            target=watch_abort, args=(config, proc, stop, aborted), daemon=True
+        code, aborted, tail_lines = supervise_child(
+            config,
+            client,
+            proc,
+            settings.rank,
+            {
+                "driver_address": config.driver_address,
+                "secret": config.secret,
+                "rank": settings.rank,
+                "task_started": task_started,
+            },
         )
-        watcher.start()
-        try:
-            write_child_config(
-                proc.stdin,
-                {
-                    "driver_address": config.driver_address,
-                    "secret": config.secret,
-                    "rank": settings.rank,
-                    "task_started": task_started,
-                },
-            )
-        except BrokenPipeError:
-            pass
-        code = proc.wait()
-        stop.set()
-        kill_group(proc)  # leave no grandchild behind
         remove_scratch(scratch)  # before the job can end: the driver sees it gone on return
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
-        forwarder.close()
-        if code != 0 and not aborted.is_set():
-            tail = "\n".join(forwarder.stderr_tail)
+        if code != 0 and not aborted:
+            tail = "\n".join(tail_lines)
             client.call(
                 "failure",
                 RemoteError(
@@ -318,6 +299,43 @@ def run_rank(
         remove_scratch(scratch)  # a no-op when already removed above
         reservation.close()  # the rank process that used the port has exited
         client.close()
+
+
+def supervise_child(
+    config: TaskConfig,
+    client: RpcClient,
+    proc: subprocess.Popen[bytes],
+    label: int,
+    child_config: dict[str, Any],
+) -> tuple[int, bool, list[str]]:
+    """Hand a started rank process its config and supervise it to its end.
+
+    Its output streams to the driver prefixed with ``label``; a watcher kills it when the driver
+    aborts the job. After it exits its process group is killed (no grandchild stays behind).
+    Returns the exit code, whether the driver aborted it, and the last lines of its stderr.
+    """
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    forwarder = OutputForwarder(client, label)
+    forwarder.attach(proc.stdout, "stdout")
+    forwarder.attach(proc.stderr, "stderr")
+    stop, aborted = threading.Event(), threading.Event()
+    watcher = threading.Thread(target=watch_abort, args=(config, proc, stop, aborted), daemon=True)
+    watcher.start()
+    try:
+        write_child_config(proc.stdin, child_config)
+    except BrokenPipeError:
+        pass
+    code = proc.wait()
+    stop.set()
+    kill_group(proc)
+    try:
+        proc.stdin.close()
+    except OSError:
+        pass
+    forwarder.close()
+    return code, aborted.is_set(), forwarder.stderr_tail
 
 
 def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
