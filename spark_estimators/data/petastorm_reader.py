@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from spark_estimators.data._pipeline import Batch
 from spark_estimators.data.metadata import DatasetMetadata
-from spark_estimators.data.reader import Batch, TransformFn, _rank_and_size, steps_per_epoch
+from spark_estimators.data.options import TransformFn
+from spark_estimators.data.shards import rank_and_size, steps_per_epoch
 from spark_estimators.errors import ConfigurationError
 
 
@@ -57,7 +59,7 @@ class PetastormBatchReader:
         num_workers: int = 1,
     ) -> None:
         _import_petastorm()
-        self.rank, self.size = _rank_and_size(rank, size)
+        self.rank, self.size = rank_and_size(rank, size)
         self.store = store
         self.metadata = metadata
         self.split = split
