@@ -16,19 +16,27 @@ function run by ``TorchDistributor(num_processes=2, local_mode=False)`` reads it
 files with pyarrow into a DataLoader and trains a DDP model. Reported: total wall time from the
 call to its return, and time to the first training batch (wall clock, from the same start).
 
-Horovod 0.28.1 is not installed here (it does not build against torch 2.13 without a patch; see
-bench/README.md for the recipe). Side by side on this machine (issue 20: same hour, 8
-alternating rounds of this preset) horovod's TorchEstimator took 13.8 / 17.1 / 20.0 s (min /
-median / max); the 22-34 s in older notes came from a slower day of the machine.
+Horovod 0.28.1 cannot share this virtualenv (it needs pyarrow < 11, numpy < 2 and a C++17
+patch to build against torch 2.13; bench/README.md has the recipe). With
+``--horovod-python /work/venv-hvd/bin/python`` (the python of that separate virtualenv) the
+horovod preset also runs horovod's ``horovod.spark.torch.TorchEstimator`` side by side:
+bench/fit_horovod.py starts once in a subprocess with its own warm local[2] session and the same
+cached data, and runs one fit per round when asked, alternating with the two cases here (ours,
+TorchDistributor, horovod in odd rounds; the reverse in even ones); the summary adds ours /
+horovod per round and the medians. Without it, the summary quotes horovod's issue-20 median.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 PRESETS = {
@@ -161,12 +169,56 @@ def fit_distributor(df: Any, cfg: dict[str, Any]) -> dict[str, float]:
     return {"total_s": total, "first_batch_s": out["first_batch"] - t0, "loss": out["loss"]}
 
 
+class HorovodServer:
+    """bench/fit_horovod.py --serve run by the horovod virtualenv's python: one fit per call."""
+
+    def __init__(self, python: str) -> None:
+        script = Path(__file__).with_name("fit_horovod.py")
+        self.proc = subprocess.Popen(
+            [python, str(script), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def _read(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+        raise RuntimeError(f"bench/fit_horovod.py exited (rc {self.proc.wait()}) before {prefix}")
+
+    def wait_ready(self) -> None:
+        self._read("READY")
+
+    def fit(self, _frame: Any, _cfg: dict[str, Any]) -> dict[str, float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("fit\n")
+        self.proc.stdin.flush()
+        r = json.loads(self._read("RESULT "))
+        return {"total_s": r["total_s"], "first_batch_s": float("nan"), "loss": r["loss"]}
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", choices=sorted(PRESETS), default="horovod")
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument(
+        "--horovod-python",
+        metavar="PATH",
+        help="python of a horovod 0.28.1 virtualenv: also run bench/fit_horovod.py side by side",
+    )
     args = parser.parse_args()
     cfg = PRESETS[args.preset]
+    if args.horovod_python and args.preset != "horovod":
+        sys.exit("--horovod-python runs only with --preset horovod (fit_horovod.py's data)")
+    # started first: its Spark session and data cache build while ours do
+    hvd = HorovodServer(args.horovod_python) if args.horovod_python else None
 
     from pyspark.sql import functions as F
 
@@ -186,13 +238,18 @@ def main() -> None:
     vdf.count()
 
     ours_name, td_name = "spark_estimators TorchEstimator", "TorchDistributor + Arrow"
+    hvd_name = "horovod 0.28.1 TorchEstimator"
+    if hvd is not None:
+        hvd.wait_ready()
     print(f"preset {args.preset}: {cfg}, batch {BATCH}, 2 processes, local[2]")
     head = f"{'round':>5s} {'case':34s} {'total s':>8s} {'first batch s':>14s}"
     print(f"{head} {'last epoch loss':>15s}")
-    totals: dict[str, list[float]] = {ours_name: [], td_name: []}
-    ratios = []
+    totals: dict[str, list[float]] = {ours_name: [], td_name: [], hvd_name: []}
+    ratios, hvd_ratios = [], []
     for rnd in range(1, args.rounds + 1):
         order = [(ours_name, fit_ours, vdf), (td_name, fit_distributor, df)]
+        if hvd is not None:
+            order.append((hvd_name, hvd.fit, vdf))
         if rnd % 2 == 0:
             order.reverse()
         results = {name: fn(frame, cfg) for name, fn, frame in order}
@@ -204,8 +261,14 @@ def main() -> None:
             )
         ours, td = results[ours_name]["total_s"], results[td_name]["total_s"]
         ratios.append(ours / td)
-        print(f"round {rnd}: ours / TorchDistributor = {ours / td:.3f}", flush=True)
+        line = f"round {rnd}: ours / TorchDistributor = {ours / td:.3f}"
+        if hvd is not None:
+            hvd_ratios.append(ours / results[hvd_name]["total_s"])
+            line += f", ours / horovod = {hvd_ratios[-1]:.3f}"
+        print(line, flush=True)
     print("ours / TorchDistributor per round: " + ", ".join(f"{r:.3f}" for r in ratios))
+    if hvd is not None:
+        print("ours / horovod per round: " + ", ".join(f"{r:.3f}" for r in hvd_ratios))
     for label, first in (("all rounds", 0), ("warm rounds 2..", 1)):
         if len(ratios) <= first:
             continue
@@ -216,10 +279,19 @@ def main() -> None:
             f"ratio of medians {ours_med / td_med:.3f}, median of ratios "
             f"{statistics.median(ratios[first:]):.3f}"
         )
-        if args.preset == "horovod":
-            hvd = ours_med / HOROVOD_MEDIAN_S
-            line += f"; ours / horovod's {HOROVOD_MEDIAN_S} s (issue 20, not this run) = {hvd:.3f}"
+        if hvd is not None:
+            hvd_med = statistics.median(totals[hvd_name][first:])
+            line += (
+                f"; horovod {hvd_med:.2f} s, ours / horovod: ratio of medians "
+                f"{ours_med / hvd_med:.3f}, median of ratios "
+                f"{statistics.median(hvd_ratios[first:]):.3f}"
+            )
+        elif args.preset == "horovod":
+            r = ours_med / HOROVOD_MEDIAN_S
+            line += f"; ours / horovod's {HOROVOD_MEDIAN_S} s (issue 20, not this run) = {r:.3f}"
         print(line)
+    if hvd is not None:
+        hvd.close()
     spark.stop()
 
 
