@@ -3,6 +3,7 @@
 Usage:
     .venv/bin/python bench/fit.py --preset horovod   # 100k x 10, MLP 10-64-64-1, Adam, 2 epochs
     .venv/bin/python bench/fit.py --preset large     # 1M x 32, MLP, 1 epoch
+    .venv/bin/python bench/fit.py --preset horovod --horovod-python /work/venv-hvd/bin/python
 
 Both sides start from the same cached DataFrame on local[2], 2 processes, batch 256. The cases
 alternate for ``--rounds`` rounds (default 6; ours first in odd rounds, TorchDistributor first in
