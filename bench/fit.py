@@ -48,6 +48,26 @@ BATCH = 256
 HOROVOD_MEDIAN_S = 17.1  # horovod 0.28.1's median on the horovod preset, side by side (issue 20)
 
 
+def build_data(spark: Any, rows: int, nf: int) -> Any:
+    """The preset's cached DataFrames: ``nf`` uniform float columns and ``y`` linear in them, and
+    the same rows with the floats as one ML vector (``features``, ``y``).
+
+    bench/fit_horovod.py builds horovod's data with this too (it imports only the standard
+    library at the top, so horovod's virtualenv can import it).
+    """
+    from pyspark.ml.feature import VectorAssembler
+    from pyspark.sql import functions as F
+
+    cols = [F.rand(seed=i).alias(f"f{i}") for i in range(nf)]
+    df = spark.range(rows, numPartitions=2).select(*cols)
+    df = df.withColumn("y", sum(F.col(f"f{i}") * (i + 1) for i in range(nf)) / nf).cache()
+    df.count()
+    assembler = VectorAssembler(inputCols=[f"f{i}" for i in range(nf)], outputCol="features")
+    vdf = assembler.transform(df).select("features", "y").cache()
+    vdf.count()
+    return df, vdf
+
+
 def build_mlp(n_in: int, hidden: list[int]) -> Any:
     import torch
 
@@ -221,22 +241,11 @@ def main() -> None:
     # started first: its Spark session and data cache build while ours do
     hvd = HorovodServer(args.horovod_python) if args.horovod_python else None
 
-    from pyspark.sql import functions as F
-
     from spark_estimators.core.session import create_local_session
 
     spark = create_local_session("local[2]")
     spark.sparkContext.setLogLevel("ERROR")
-    nf = cfg["features"]
-    cols = [F.rand(seed=i).alias(f"f{i}") for i in range(nf)]
-    df = spark.range(cfg["rows"], numPartitions=2).select(*cols)
-    df = df.withColumn("y", sum(F.col(f"f{i}") * (i + 1) for i in range(nf)) / nf).cache()
-    df.count()
-    from pyspark.ml.feature import VectorAssembler
-
-    assembler = VectorAssembler(inputCols=[f"f{i}" for i in range(nf)], outputCol="features")
-    vdf = assembler.transform(df).select("features", "y").cache()
-    vdf.count()
+    df, vdf = build_data(spark, cfg["rows"], cfg["features"])
 
     ours_name, td_name = "spark_estimators TorchEstimator", "TorchDistributor + Arrow"
     hvd_name = "horovod 0.28.1 TorchEstimator"

@@ -29,22 +29,11 @@ import tempfile
 import time
 from typing import Any
 
-ROWS, FEATURES, HIDDEN, EPOCHS, BATCH = 100_000, 10, [64, 64], 2, 256
+from fit import BATCH, PRESETS, build_data, build_mlp  # bench/fit.py, beside this file
 
-
-def build_data(spark: Any) -> Any:
-    from pyspark.ml.feature import VectorAssembler
-    from pyspark.sql import functions as F
-
-    cols = [F.rand(seed=i).alias(f"f{i}") for i in range(FEATURES)]
-    df = spark.range(ROWS, numPartitions=2).select(*cols)
-    df = df.withColumn("y", sum(F.col(f"f{i}") * (i + 1) for i in range(FEATURES)) / FEATURES)
-    df = df.cache()
-    df.count()
-    assembler = VectorAssembler(inputCols=[f"f{i}" for i in range(FEATURES)], outputCol="features")
-    vdf = assembler.transform(df).select("features", "y").cache()
-    vdf.count()
-    return vdf
+_PRESET = PRESETS["horovod"]
+ROWS, FEATURES, EPOCHS = _PRESET["rows"], _PRESET["features"], _PRESET["epochs"]
+HIDDEN: list[int] = _PRESET["hidden"]
 
 
 def fit_once(vdf: Any) -> dict[str, float]:
@@ -54,12 +43,7 @@ def fit_once(vdf: Any) -> dict[str, float]:
 
     tmp = tempfile.mkdtemp(prefix="bench-hvd-")
     torch.manual_seed(0)
-    layers: list[Any] = []
-    prev = FEATURES
-    for h in HIDDEN:
-        layers += [torch.nn.Linear(prev, h), torch.nn.ReLU()]
-        prev = h
-    model = torch.nn.Sequential(*layers, torch.nn.Linear(prev, 1))
+    model = build_mlp(FEATURES, HIDDEN)
     est = TorchEstimator(
         num_proc=2,
         store=Store.create(tmp),
@@ -98,7 +82,7 @@ def main() -> None:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     spark = SparkSession.builder.master("local[2]").appName("bench-fit-horovod").getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
-    vdf = build_data(spark)
+    _, vdf = build_data(spark, ROWS, FEATURES)
     if args.serve:
         print("READY", flush=True)
         for line in sys.stdin:
