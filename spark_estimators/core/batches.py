@@ -128,21 +128,44 @@ def epoch_batches(
 ) -> Iterator[dict[str, Any]]:
     """One epoch of ``reader`` converted by ``convert``: ``steps`` batches (default: all).
 
-    ``epoch`` sets the reader's epoch (its shuffle order) first. The reader's prefetch thread
-    stops when the generator finishes or is closed, also after fewer batches than an epoch.
+    ``epoch`` sets the reader's epoch (its shuffle order) first. With ``steps`` beyond the
+    reader's ``steps_per_epoch`` (backward passes per step rounded up, see
+    :func:`~spark_estimators.core.rank.epoch_steps`) the rank wraps around its shard: the epoch's
+    order starts again for the missing batches, as the reader itself wraps a short shard. The
+    reader's prefetch thread stops when the generator finishes or is closed, also after fewer
+    batches than an epoch; afterwards the reader stands at the next epoch either way.
     """
     from spark_estimators.data.adapters import converted_epoch
 
     if epoch is not None:
         reader.set_epoch(epoch)
-    iterator = converted_epoch(reader, convert.block_format())
-    try:
-        if steps is None:
+    start = int(getattr(reader, "epoch", 0) or 0)
+    if steps is None:
+        iterator = converted_epoch(reader, convert.block_format())
+        try:
             yield from iterator
-        else:
-            for _ in range(steps):
-                yield next(iterator)
-    finally:
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            close()
+        finally:
+            _close(iterator)
+        return
+    left = steps
+    while left > 0:
+        reader.set_epoch(start)
+        iterator = converted_epoch(reader, convert.block_format())
+        try:
+            for batch in iterator:
+                yield batch
+                left -= 1
+                if left == 0:
+                    break
+            else:
+                if left == steps:  # no rows at all (then no rank has any): nothing to wrap
+                    break
+        finally:
+            _close(iterator)
+    reader.set_epoch(start + 1)
+
+
+def _close(iterator: Iterator[Any]) -> None:
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()

@@ -124,14 +124,24 @@ def open_readers(spec: Any, rank: int, size: int, transformation_fn: Any) -> tup
 def epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int:
     """Steps per epoch: the reader's (same on every rank), capped by ``limit``.
 
-    With ``multiple`` > 1 (backward passes per step) the count is rounded down to a multiple of
-    it, and is at least ``multiple``.
+    With ``multiple`` > 1 (``backward_passes_per_step``) the count is rounded **up** to a
+    multiple of it, so every optimizer step accumulates exactly ``multiple`` backward passes and
+    no partial accumulation is left at the end of an epoch. The passes beyond the reader's
+    epoch wrap around the rank's shard (:func:`~spark_estimators.core.batches.epoch_batches`
+    starts the epoch's order again), so every row is still read at least once per epoch and
+    fewer than ``multiple`` extra batches are read per rank. (Horovod keeps the count and
+    applies the partial accumulation at the end of the epoch; rounding down, as before, skipped
+    rows, and with fewer reader steps than ``multiple`` read past the end of the epoch.)
+
+    >>> import types
+    >>> epoch_steps(types.SimpleNamespace(steps_per_epoch=2), None, multiple=3)
+    3
     """
     steps = int(reader.steps_per_epoch)
     if limit is not None:
         steps = min(steps, int(limit)) if steps else int(limit)
     if multiple > 1:
-        steps = max(multiple, steps - steps % multiple)
+        steps = max(multiple, -(-steps // multiple) * multiple)
     return steps
 
 

@@ -117,7 +117,14 @@ def test_malformed_info_is_a_clear_error(store, text):
 
 @pytest.mark.parametrize(
     ("reader_steps", "limit", "multiple", "expected"),
-    [(10, None, 1, 10), (10, 4, 1, 4), (0, 4, 1, 4), (10, None, 3, 9), (2, None, 3, 3)],
+    [
+        (10, None, 1, 10),
+        (10, 4, 1, 4),
+        (0, 4, 1, 4),
+        (10, None, 3, 12),
+        (9, None, 3, 9),
+        (2, None, 3, 3),
+    ],
 )
 def test_epoch_steps(reader_steps, limit, multiple, expected):
     reader = types.SimpleNamespace(steps_per_epoch=reader_steps)

@@ -126,7 +126,7 @@ def test_open_readers_give_this_ranks_shards(tmp_path):
 # -- steps, learning rate, result ------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("reader_steps", "limit", "multiple", "expected"),
-    [(10, None, 1, 10), (10, 4, 1, 4), (10, 40, 1, 10), (10, None, 4, 8), (2, 5, 3, 3)],
+    [(10, None, 1, 10), (10, 4, 1, 4), (10, 40, 1, 10), (10, None, 4, 12), (2, 5, 3, 3)],
 )
 def test_steps_per_epoch(reader_steps, limit, multiple, expected):
     reader = types.SimpleNamespace(steps_per_epoch=reader_steps)
@@ -251,3 +251,31 @@ def test_epoch_batches_are_converted_blocks_sliced_into_steps(tmp_path, prefetch
             torch.testing.assert_close(batch[col], want[col])
     # steps=None runs the whole epoch
     assert len(list(epoch_batches(reader, convert))) == reader.steps_per_epoch == 7
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_steps_beyond_the_epoch_wrap_around_the_shard(tmp_path, shuffle):
+    # issue 25: 4 rows, 2 ranks, batch 1, backward_passes_per_step=3 -> 3 steps of a 2-step epoch
+    # raised "generator raised StopIteration"; now the third step starts the epoch's order again.
+    pytest.importorskip("torch")
+    store = LocalStore(str(tmp_path / "store"))
+    meta = write_rows(store, 4)
+    convert = BatchConverter(["id", "img"], ["y"])
+    for rank, shard in ((0, {0, 1}), (1, {2, 3})):
+        reader = make_batch_reader(
+            store, meta, rank=rank, size=2, batch_size=1, shuffle=shuffle, seed=3
+        )
+        steps = protocol.epoch_steps(reader, None, multiple=3)
+        assert (reader.steps_per_epoch, steps) == (2, 3)
+        for epoch in (0, 1):
+            ids = [int(b["id"][0, 0]) for b in epoch_batches(reader, convert, steps, epoch)]
+            assert len(ids) == 3 and set(ids) == shard  # every row of the shard, one again
+            assert ids[2] == ids[0]  # the wrap starts the epoch's order again
+            assert reader.epoch == epoch + 1
+    # 7 reader steps, 3 passes per step: 9 steps, the last two wrap (rows 0..5 of rank 0's 7)
+    reader = make_batch_reader(
+        store, write_rows(store, 14), rank=0, size=2, batch_size=1, shuffle=False
+    )
+    steps = protocol.epoch_steps(reader, None, multiple=3)
+    ids = [int(b["id"][0, 0]) for b in epoch_batches(reader, convert, steps, 0)]
+    assert steps == 9 and ids == [0, 1, 2, 3, 4, 5, 6, 0, 1]
