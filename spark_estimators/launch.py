@@ -261,20 +261,69 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def split_command(
+    parser: argparse.ArgumentParser, argv: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """``argv`` -> (the launcher's own options, the ranks' command after ``python -u``).
+
+    As with ``horovodrun`` and ``python`` itself, everything from the script (the first
+    positional word) or from ``-m module`` on is the user's command: ``-np 2 -m pytest -q``
+    runs ``pytest -q`` in each rank (argparse alone took ``-q`` for an unknown launcher option).
+    A ``--`` before the script, or right after it (the old workaround), is dropped.
+
+    >>> split_command(_parser(), ["-np", "2", "--gloo", "-m", "pytest", "-q", "-x"])
+    (['-np', '2', '--gloo'], ['-m', 'pytest', '-q', '-x'])
+    >>> split_command(_parser(), ["-np", "2", "--grace", "3", "train.py", "--", "-np", "4"])
+    (['-np', '2', '--grace', '3'], ['train.py', '-np', '4'])
+    """
+    words = list(argv)
+    takes_value = {
+        flag: action.nargs != 0
+        for action in parser._actions  # argparse has no public view of them
+        for flag in action.option_strings
+    }
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if word == "--":
+            return words[:i], _command(words[i + 1 :])
+        if word == "-m" or (word.startswith("-m") and word not in takes_value and word[2:3] != "-"):
+            module = words[i + 1 : i + 2] if word == "-m" else [word[2:]]
+            rest = words[i + 2 :] if word == "-m" else words[i + 1 :]
+            return words[:i], ["-m", *module, *_drop_separator(rest)]
+        if word.startswith("-") and word != "-":
+            flag = word.split("=", 1)[0]
+            if flag not in takes_value and flag.startswith("--"):  # argparse's unique prefixes
+                longer = [f for f in takes_value if f.startswith(flag)]
+                flag = longer[0] if len(longer) == 1 else flag
+            i += 2 if takes_value.get(flag, False) and "=" not in word else 1
+            continue
+        return words[:i], _command(words[i:])
+    return words, []
+
+
+def _command(words: list[str]) -> list[str]:
+    if words[:1] == ["-m"]:
+        return ["-m", *words[1:2], *_drop_separator(words[2:])]
+    return words[:1] + _drop_separator(words[1:])
+
+
+def _drop_separator(words: list[str]) -> list[str]:
+    return words[1:] if words[:1] == ["--"] else words
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m spark_estimators.launch``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) == 2 and argv[0] == _WORKER_FLAG:
         _worker_main(argv[1])
-    opts = _parser().parse_args(argv)
+    parser = _parser()
+    own, target = split_command(parser, argv)
+    opts = parser.parse_args(own)
     if opts.num_proc < 1:
-        _parser().error(f"-np must be >= 1, got {opts.num_proc}")
-    if opts.module:
-        target = ["-m", opts.module] + ([opts.script] if opts.script else []) + opts.args
-    elif opts.script:
-        target = [opts.script, *opts.args]
-    else:
-        _parser().error("give a script (train.py ...) or -m module")
+        parser.error(f"-np must be >= 1, got {opts.num_proc}")
+    if not target or target == ["-m"]:
+        parser.error("give a script (train.py ...) or -m module")
     extra: dict[str, str] = {}
     if opts.start_timeout is not None:
         extra[ev.START_TIMEOUT] = str(opts.start_timeout)
