@@ -159,6 +159,11 @@ def start_fields(info: CheckpointInfo | None) -> dict[str, Any]:
 
 
 # -- the weights fingerprint every framework's ranks compare --------------------------------------
+# What the ranks must agree on is what data-parallel training keeps equal: the parameters (the
+# same start by broadcast, the same averaged gradients, the same optimizer). Buffers and Keras's
+# non-trainable weights are left out: BatchNorm's running mean and variance are updated from each
+# rank's own batches and legitimately differ (horovod returns rank 0's, as we do; see the
+# estimators' ``average_running_stats``).
 def fingerprint(chunks: Iterable[bytes]) -> str:
     """SHA-256 over ``chunks`` in order (ranks compare it: they must end with the same weights)."""
     h = hashlib.sha256()
@@ -168,10 +173,13 @@ def fingerprint(chunks: Iterable[bytes]) -> str:
 
 
 def torch_fingerprint(model: Any) -> str:
-    """Fingerprint of a torch module's ``state_dict`` (names and values, sorted by name)."""
+    """Fingerprint of a torch module's parameters (names and values, sorted by name).
+
+    Buffers (BatchNorm running statistics, ``num_batches_tracked``) are not included.
+    """
 
     def chunks() -> Iterable[bytes]:
-        for name, tensor in sorted(model.state_dict().items()):
+        for name, tensor in sorted(model.named_parameters(), key=lambda item: item[0]):
             yield name.encode()
             yield tensor.detach().cpu().contiguous().numpy().tobytes()
 
@@ -179,7 +187,10 @@ def torch_fingerprint(model: Any) -> str:
 
 
 def keras_fingerprint(model: Any) -> str:
-    """Fingerprint of a Keras model's weights, in ``model.weights`` order."""
+    """Fingerprint of a Keras model's trainable weights, in ``model.trainable_weights`` order.
+
+    Non-trainable weights (BatchNormalization's moving mean and variance) are not included.
+    """
     import numpy as np
 
-    return fingerprint(np.ascontiguousarray(w.numpy()).tobytes() for w in model.weights)
+    return fingerprint(np.ascontiguousarray(w.numpy()).tobytes() for w in model.trainable_weights)

@@ -407,17 +407,30 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
             "train_reader_num_workers": self.getTrainReaderNumWorkers(),
             "val_reader_num_workers": self.getValReaderNumWorkers(),
             "shuffle_buffer_size": self.getShuffleBufferSize(),
+            "average_running_stats": self.getAverageRunningStats(),
             **start_fields(info),
         }
 
     @staticmethod
     def _check_fingerprints(results: list[Any]) -> list[str]:
-        """Every rank must end with the same weights; returns the fingerprints by rank."""
+        """Every rank must end with the same parameters; returns the fingerprints by rank.
+
+        The fingerprints cover the trainable parameters only (see
+        :mod:`spark_estimators.core.checkpoint`): per-rank state such as BatchNorm running
+        statistics may differ and never fails a fit.
+        """
         fingerprints = [r["fingerprint"] for r in results]
         if len(set(fingerprints)) != 1:
+            groups: dict[str, list[int]] = {}
+            for i, r in enumerate(results):
+                groups.setdefault(r["fingerprint"], []).append(int(r.get("rank", i)))
+            ranks = "; ".join(f"ranks {g}" for g in groups.values())
             raise TrainingFailedError(
-                f"ranks ended with different weights ({len(set(fingerprints))} distinct); this "
-                "is a bug, please report it"
+                f"ranks ended with different weights ({len(groups)} distinct: {ranks}): the "
+                "trainable parameters diverged, so some rank updated them outside the "
+                "DistributedOptimizer (a skipped or extra optimizer step, weights changed in "
+                "place, a callback that edits weights on one rank). Running statistics "
+                "(BatchNorm) are not compared; if no such code is yours, please report it"
             )
         return fingerprints
 

@@ -22,6 +22,7 @@ from pyspark.ml import Model
 from pyspark.ml.param.shared import HasOutputCols
 
 from spark_estimators.core import tensors
+from spark_estimators.core.history import History
 from spark_estimators.core.params.shared import (
     HasFeatureCols,
     HasInputShapes,
@@ -191,9 +192,14 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
         """The trained framework model, on the CPU."""
         return self._model
 
-    def getHistory(self) -> list[dict[str, Any]]:
-        """Per-epoch metrics averaged over the ranks (``epoch``, ``loss``, ``val_loss``, ...)."""
-        return list(self._history)
+    def getHistory(self) -> History:
+        """Per-epoch metrics averaged over the ranks (``epoch``, ``loss``, ``val_loss``, ...).
+
+        A list of one dict per epoch that also takes a metric name, as horovod's dict of lists
+        did: ``history[-1]["loss"]`` and ``min(history["val_loss"])`` both work
+        (:class:`~spark_estimators.core.history.History`).
+        """
+        return History(self._history)
 
     def getRunId(self) -> str | None:
         """The run id of the fit that trained this model (its checkpoints and logs in the store)."""

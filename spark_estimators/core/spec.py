@@ -40,3 +40,5 @@ class TrainSpec:
     val_reader_num_workers: int
     history: list[dict[str, Any]] = field(default_factory=list)
     shuffle_buffer_size: int | None = None  # None: the reader's default; 0: no shuffling
+    # Average normalisation running statistics over the ranks when training ends.
+    average_running_stats: bool = False

@@ -128,6 +128,44 @@ class StoreCheckpoint(keras.callbacks.Callback):
         protocol.send_event("epoch", entry)
 
 
+def moving_statistics(model: Any) -> list[Any]:
+    """The moving mean and variance of every ``BatchNormalization`` layer, nested ones too.
+
+    In layer order (the same on every rank). Horovod returns rank 0's statistics; these are
+    what ``average_running_stats=True`` averages.
+    """
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = list(flatten(include_self=False)) if flatten is not None else list(model.layers)
+    out = []
+    for layer in layers:
+        if isinstance(layer, keras.layers.BatchNormalization):
+            out += [layer.moving_mean, layer.moving_variance]
+    return out
+
+
+class AverageRunningStats(keras.callbacks.Callback):
+    """At the end of training, average BatchNormalization's moving statistics over the ranks.
+
+    ``KerasEstimator(average_running_stats=True)`` puts it before the user's callbacks, so their
+    ``on_train_end`` already sees the averaged values. One allreduce for all of them.
+    """
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        """Replace each moving statistic by its mean over the ranks (every rank calls it)."""
+        from spark_estimators import collective
+
+        variables = moving_statistics(self.model)
+        if collective.size() == 1 or not variables:
+            return
+        arrays = [np.asarray(keras.ops.convert_to_numpy(v), dtype=np.float64) for v in variables]
+        flat = np.ascontiguousarray(np.concatenate([a.reshape(-1) for a in arrays]))
+        collective.allreduce_(flat, op=collective.Average, name="average_running_stats")
+        offset = 0
+        for v, a in zip(variables, arrays, strict=True):
+            v.assign(flat[offset : offset + a.size].reshape(a.shape).astype(v.dtype))
+            offset += a.size
+
+
 def _plain(value: Any) -> Any:
     """Log values as JSON-friendly Python scalars."""
     if isinstance(value, np.ndarray | np.generic):

@@ -10,6 +10,8 @@ checkpoint on hot-start, and run the real ``model.fit`` on the sharded reader as
 
 1. ``BroadcastGlobalVariablesCallback(0)``: rank 0's model and optimizer state everywhere;
 2. ``MetricAverageCallback``: each epoch's logs become the mean over the ranks;
+   (with ``average_running_stats``: ``AverageRunningStats``, whose ``on_train_end`` averages
+   BatchNormalization's moving statistics before the user's callbacks see them);
 3. the user's callbacks (``ModelCheckpoint`` and ``TensorBoard`` only on rank 0, writing into
    the run's directory in the store), then ``checkpoint_callback`` on rank 0;
 4. ``StopTrainingAgreement``: a rank stops after an epoch only together with the others;
@@ -200,6 +202,7 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
             hvd.callbacks.BroadcastGlobalVariablesCallback(0),
             hvd.callbacks.MetricAverageCallback(),
             rank_callbacks.FeedEpochCallback(feed),
+            *([rank_callbacks.AverageRunningStats()] if spec.average_running_stats else []),
             *rank_callbacks.rank_zero_callbacks(user, rank, local_dirs),
             hvd.callbacks.StopTrainingAgreement(),
         ]

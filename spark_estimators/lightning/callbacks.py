@@ -70,6 +70,25 @@ class TerminateOnNaN(Callback):
                 )
 
 
+class AverageRunningStats(Callback):
+    """At the end of training, average BatchNorm running statistics over the ranks.
+
+    ``LightningEstimator(average_running_stats=True)`` puts it first, so the user's
+    ``on_train_end`` hooks already see the averaged statistics
+    (:mod:`spark_estimators.torch.running_stats`).
+    """
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Average the statistics in one allreduce per dtype (every rank calls it)."""
+        from spark_estimators.torch.running_stats import average_running_stats
+
+        def allreduce_sum_(flat: torch.Tensor) -> None:
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(flat)
+
+        average_running_stats(pl_module, allreduce_sum_, int(trainer.world_size))
+
+
 class StoreCheckpoint(ModelCheckpoint):
     """The estimator's per-epoch checkpoint, history and store sync (see the module docstring).
 

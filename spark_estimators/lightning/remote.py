@@ -156,7 +156,11 @@ def _fit(
     from pytorch_lightning.callbacks import ModelCheckpoint
 
     from spark_estimators.lightning import trainer as setup
-    from spark_estimators.lightning.callbacks import StoreCheckpoint, TerminateOnNaN
+    from spark_estimators.lightning.callbacks import (
+        AverageRunningStats,
+        StoreCheckpoint,
+        TerminateOnNaN,
+    )
     from spark_estimators.torch.serialization import load_checkpoint
 
     logs_dir = os.path.join(run_dir, "logs")
@@ -164,6 +168,8 @@ def _fit(
     ckpt_path = _fetch_checkpoints(spec, rank, ckpt_dir)
 
     callbacks = list(user.callbacks)
+    if spec.average_running_stats:
+        callbacks.insert(0, AverageRunningStats())  # before the user's on_train_end
     for cb in callbacks:
         if isinstance(cb, ModelCheckpoint) and cb.dirpath is None:
             cb.dirpath = ckpt_dir  # the user's checkpoints go to the store too

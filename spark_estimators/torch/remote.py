@@ -5,10 +5,12 @@ is one and ``use_gpu`` allows), restore the last checkpoint on hot-start, broadc
 and optimizer state from rank 0, scale the learning rate by the number of ranks (Horovod's rule:
 users give the single-process rate; ``scale_lr=False`` turns it off), train with
 ``DistributedOptimizer`` on the sharded reader, call the callbacks, and on rank 0 write an atomic
-``checkpoint.pt`` and TensorBoard scalars. The protocol shared with the other frameworks (steps
-per epoch, metric averaging over the ranks, events to the driver, ``checkpoint.json``, the result
-dict) is :mod:`spark_estimators.core.rank`; batches come from
-:mod:`spark_estimators.core.batches`, converted to tensors in the reader's prefetch thread.
+``checkpoint.pt`` and TensorBoard scalars. BatchNorm running statistics stay per rank (rank 0's
+are returned) unless ``average_running_stats`` averages them before ``on_train_end``. The
+protocol shared with the other frameworks (steps per epoch, metric averaging over the ranks,
+events to the driver, ``checkpoint.json``, the result dict) is
+:mod:`spark_estimators.core.rank`; batches come from :mod:`spark_estimators.core.batches`,
+converted to tensors in the reader's prefetch thread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from spark_estimators.core import rank as protocol
 from spark_estimators.core.batches import BatchConverter, epoch_batches
 from spark_estimators.core.spec import TrainSpec
 from spark_estimators.torch import losses, serialization
+from spark_estimators.torch.running_stats import average_running_stats
 
 CHECKPOINT_FILE = "checkpoint.pt"
 FRAMEWORK = "torch"
@@ -230,6 +233,8 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
             stop = any(bool(getattr(cb, "stop_training", False)) for cb in user.callbacks)
             if protocol.stop_together(stop):  # else the ranks that go on would hang
                 break
+        if spec.average_running_stats:
+            average_running_stats(model, lambda flat: hvd.allreduce_(flat, op=hvd.Sum), size)
         _call(user.callbacks, "on_train_end", {"history": history})
     finally:
         if board is not None:

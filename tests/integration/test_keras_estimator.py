@@ -103,7 +103,7 @@ def test_loss_decreases_below_bound_with_validation_history(fitted):
     assert "val_mae" in history[-1]
     w = model.getModel().layers[-1].get_weights()[0].ravel()
     np.testing.assert_allclose(w, TRUE_W, atol=0.1)
-    # Both ranks ended with bitwise identical weights.
+    # Both ranks ended with bitwise identical trainable weights.
     prints = model._rank_fingerprints
     assert len(prints) == 2 and prints[0] == prints[1]
 

@@ -257,8 +257,9 @@ class RecordingBackend(SparkBackend):
 
 
 def _weights_sha256(module):
+    """The parameters' fingerprint (buffers such as BatchNorm statistics may differ per rank)."""
     h = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
+    for name, tensor in sorted(module.named_parameters(), key=lambda item: item[0]):
         h.update(name.encode())
         h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()

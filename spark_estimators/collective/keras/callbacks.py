@@ -298,7 +298,60 @@ class StopTrainingAgreement(keras.callbacks.Callback):
         self.model.stop_training = bool(flag[0] > 0)
 
 
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Keep the best epoch's model by a monitored metric: horovod's ``BestModelCheckpoint``.
+
+    A ``ModelCheckpoint`` with ``save_best_only=True``. Give it to
+    ``KerasEstimator(checkpoint_callback=...)``: rank 0 saves the model each time ``monitor``
+    improves (the metric averaged over the ranks, so every rank agrees which epoch is best), the
+    file lands in the run's ``checkpoints/`` in the store, and the fitted model carries the best
+    epoch's weights instead of the last epoch's. ``getHistory()`` still has every epoch.
+
+    Parameters
+    ----------
+    monitor
+        The metric to watch (``"val_loss"`` needs ``validation=``).
+    verbose
+        1 prints a line when a checkpoint is saved.
+    save_weights_only
+        Save only the weights (``.weights.h5``) instead of the whole model (``.keras``).
+    mode
+        ``"auto"``, ``"min"`` or ``"max"``: which direction is better.
+    save_freq
+        ``"epoch"`` (horovod's default) or a number of batches.
+    filepath
+        Where to save: the estimator replaces the directory with the run's checkpoint
+        directory and keeps the file name. Not in horovod's signature (it set the path itself).
+
+    >>> from spark_estimators.collective.keras.callbacks import BestModelCheckpoint
+    >>> ckpt = BestModelCheckpoint(monitor="val_loss", mode="min")  # doctest: +SKIP
+    >>> est = KerasEstimator(..., checkpoint_callback=ckpt)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        save_weights_only: bool = False,
+        mode: str = "auto",
+        save_freq: str | int = "epoch",
+        filepath: str | None = None,
+    ):
+        if filepath is None:
+            filepath = "best_model.weights.h5" if save_weights_only else "best_model.keras"
+        super().__init__(
+            filepath=filepath,
+            monitor=monitor,
+            verbose=verbose,
+            save_best_only=True,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            save_freq=save_freq,
+        )
+
+
 __all__ = [
+    "BestModelCheckpoint",
     "BroadcastGlobalVariablesCallback",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",

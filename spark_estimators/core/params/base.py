@@ -87,6 +87,7 @@ ALIASES: dict[str, str] = {
     "val_reader_num_workers": "valReaderNumWorkers",
     "train_minibatch_fn": "trainMinibatchFn",
     "scale_lr": "scaleLr",
+    "average_running_stats": "averageRunningStats",
     "output_cols": "outputCols",
     "start_timeout": "startTimeout",
     "custom_objects": "customObjects",

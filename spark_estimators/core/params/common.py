@@ -268,12 +268,19 @@ class TrainingParams(DeclaredParams):
     scaleLr = make_param(
         "scaleLr", "multiply the learning rate by the number of ranks", TypeConverters.toBoolean
     )
+    averageRunningStats = make_param(
+        "averageRunningStats",
+        "at the end of training, average normalisation running statistics (BatchNorm running "
+        "mean and variance) over the ranks; False returns rank 0's, as horovod does",
+        TypeConverters.toBoolean,
+    )
     _defaults: ClassVar[dict[str, Any]] = {
         "model": None,
         "callbacks": None,
         "epochs": 1,
         "backwardPassesPerStep": 1,
         "scaleLr": True,
+        "averageRunningStats": False,
     }
 
     def getModel(self) -> Any:
@@ -295,6 +302,10 @@ class TrainingParams(DeclaredParams):
     def getScaleLr(self) -> bool:
         """Gets the value of ``scaleLr`` or its default value."""
         return self.getOrDefault(self.scaleLr)
+
+    def getAverageRunningStats(self) -> bool:
+        """Gets the value of ``averageRunningStats`` or its default value."""
+        return self.getOrDefault(self.averageRunningStats)
 
 
 class HorovodCompatParams(DeclaredParams):
