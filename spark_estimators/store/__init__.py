@@ -17,6 +17,10 @@ I/O (paths are full store paths or relative to the prefix)
     ``write_text``, ``write_bytes_atomic``, ``open_write(path, atomic=False)``, ``upload_file``,
     ``download_file``, ``exists``, ``isdir``, ``stat``, ``listdir``, ``makedirs``, ``delete``,
     ``sync_dir(local_dir, run_id, subdir="")``.
+horovod's names
+    ``get_full_path`` (a URL: ``file:///...``, ``s3://...``), ``get_localized_path`` (the path on
+    the store's filesystem client), ``read``, ``is_parquet_dataset``, ``get_parquet_dataset``;
+    ``DBFSLocalStore.matches_dbfs`` / ``normalize_path``. LocalStore is a FilesystemStore.
 Runs and datasets
     ``list_runs()``, ``delete_run(run_id)``, ``list_datasets()``, ``delete_dataset(idx)``.
 Executors

@@ -31,7 +31,7 @@ from typing import Any
 
 from spark_estimators.errors import ConfigurationError, StoreError
 from spark_estimators.store._filesystems import FilesystemSpec
-from spark_estimators.store.io import StoreIO
+from spark_estimators.store.compat import HorovodStoreMethods
 from spark_estimators.store.layout import (  # noqa: F401  (the layout's names, also here)
     CHECKPOINTS_SUBDIR,
     LOGS_SUBDIR,
@@ -63,8 +63,13 @@ def set_store_factory(factory: Callable[..., Store]) -> None:
     _store_factory = factory
 
 
-class StoreBase(StoreIO):
-    """Layout and I/O shared by :class:`Store` and its remote view :class:`RemoteStore`."""
+class StoreBase(HorovodStoreMethods):
+    """Layout and I/O shared by :class:`Store` and its remote view :class:`RemoteStore`.
+
+    The I/O is :class:`~spark_estimators.store.io.StoreIO`'s; horovod's names for some of it
+    (``get_full_path``, ``get_localized_path``, ``read``, ``is_parquet_dataset``,
+    ``get_parquet_dataset``) are :mod:`spark_estimators.store.compat`'s.
+    """
 
     _bound_run_id: str | None = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import pathlib
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.store._filesystems import LocalFilesystemSpec
 from spark_estimators.store.base import Store
+from spark_estimators.store.filesystem import FilesystemStore
 from spark_estimators.store.layout import LayoutOverrides, make_layout, parent_of_data_paths
 
 #: Where Databricks mounts DBFS on every node. Tests point it at a temp dir; the mapping is done
@@ -29,8 +31,11 @@ def _local_prefix(prefix_path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-class LocalStore(Store):
+class LocalStore(FilesystemStore):
     """A store on the local filesystem, or any filesystem mounted on every node (NFS, FUSE).
+
+    A :class:`~spark_estimators.store.FilesystemStore` (as in horovod, where LocalStore is one),
+    but read and written through pyarrow's local filesystem directly, not through fsspec.
 
     Parameters
     ----------
@@ -68,7 +73,17 @@ class LocalStore(Store):
                 type(self).__name__, moved.train_path, moved.val_path
             )
         layout = make_layout(_local_prefix(prefix_path), moved, save_runs)
-        super().__init__(LocalFilesystemSpec(), layout)
+        self.storage_options: dict[str, Any] = {}
+        # Store's constructor, not FilesystemStore's: no fsspec protocol and options to resolve.
+        Store.__init__(self, LocalFilesystemSpec(), layout)
+
+    def get_full_path(self, path: str) -> str:
+        """``path`` as a ``file://`` URL (relative paths are under the prefix).
+
+        >>> LocalStore("/tmp/experiments").get_full_path("runs")
+        'file:///tmp/experiments/runs'
+        """
+        return pathlib.PurePosixPath(self.fs_path(path)).as_uri()
 
 
 def session_local_store(prefix: str = "spark_estimators-store-") -> LocalStore:
@@ -140,7 +155,26 @@ class DBFSLocalStore(LocalStore):
 
     Accepts ``dbfs:/x``, ``/dbfs/x``, ``file:///dbfs/x`` and ``file:/dbfs/x``; all map to
     ``/dbfs/x``. Paths given to the I/O methods may use any of these forms too.
+    ``get_full_path`` gives ``file:///dbfs/x`` and ``get_localized_path`` ``/dbfs/x`` (horovod's).
     """
+
+    @classmethod
+    def matches_dbfs(cls, path: str) -> bool:
+        """True for a DBFS path in any of its forms (horovod's name; ``dbfs://x`` is not one).
+
+        >>> DBFSLocalStore.matches_dbfs("dbfs:/tmp/a"), DBFSLocalStore.matches_dbfs("dbfs://tmp")
+        (True, False)
+        """
+        return is_dbfs_path(path)
+
+    @staticmethod
+    def normalize_path(path: str) -> str:
+        """A DBFS path in the form ``/dbfs/...``; ConfigurationError (a ValueError) otherwise.
+
+        >>> DBFSLocalStore.normalize_path("file:///dbfs/tmp/a1")
+        '/dbfs/tmp/a1'
+        """
+        return dbfs_local_path(path, fuse_root="/dbfs")
 
     def __init__(self, prefix_path: str, **kwargs: Any) -> None:
         if not is_dbfs_path(prefix_path):

@@ -8,7 +8,7 @@ import pickle
 import pytest
 
 from spark_estimators.errors import StoreError
-from spark_estimators.store import RemoteStore, Store
+from spark_estimators.store import FilesystemStore, LocalStore, RemoteStore, Store
 
 S3_SECRET = "testing-secret-do-not-log"  # the one in conftest.py
 
@@ -169,3 +169,54 @@ def test_executors_write_through_the_remote_view(store, spark):
     assert store.listdir(run) == ["part-0.txt", "part-1.txt"]
     numbers = store.read_text(f"{run}/part-0.txt") + "," + store.read_text(f"{run}/part-1.txt")
     assert sorted(int(x) for x in numbers.split(",")) == list(range(10))
+
+
+# -- horovod's names (issue 25) ------------------------------------------------------------------
+def test_every_store_here_is_a_filesystem_store(store):
+    # horovod: LocalStore (and DBFSLocalStore) subclass FilesystemStore
+    assert isinstance(store, FilesystemStore)
+
+
+def test_full_and_localized_paths_are_horovods(store):
+    rel = "a/b/data.bin"
+    store.write_bytes(rel, b"payload")
+    full = store.get_full_path(rel)
+    scheme = full.split("://", 1)[0]
+    assert scheme == ("s3" if store.prefix_path.startswith("s3://") else "file")
+    assert full.endswith("/a/b/data.bin") and "//" not in full.split("://", 1)[1][1:]
+    # an absolute path or URL stays where it is; the localized path is the client's
+    assert store.get_full_path(full) == full
+    localized = store.get_localized_path(full)
+    assert localized == store.get_localized_path(rel) == store.fs_path(rel)
+    assert "://" not in localized
+    assert store.filesystem.get_file_info(localized).size == len(b"payload")
+    # read is read_bytes, by relative path, full URL or localized path
+    assert store.read(rel) == store.read(full) == b"payload"
+    if scheme == "file":
+        assert localized.startswith("/") and full == "file://" + localized
+    if isinstance(store, LocalStore):  # a local path is a path of the store (not of fsspec's)
+        assert store.read(localized) == b"payload"
+
+
+def test_parquet_dataset_checks_and_opens_through_the_store(store):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = store.get_train_data_path("pq")
+    assert not store.is_parquet_dataset(path)  # missing
+    store.write_text(path + "/README.txt", "not parquet")
+    assert not store.is_parquet_dataset(path)  # no Parquet file in it
+    with pytest.raises(StoreError, match=r"intermediate_train_data\.pq"):
+        store.get_parquet_dataset(path + "/missing")
+    table = pa.table({"x": [1, 2, 3], "y": [0.5, 1.5, 2.5]})
+    for i in (0, 1):
+        with store.open_write(f"{path}/part-{i}.parquet") as out:
+            pq.write_table(table, out)
+    store.delete(path + "/README.txt")
+    assert store.is_parquet_dataset(path)
+    assert store.is_parquet_dataset(store.get_full_path(path))
+    assert store.is_parquet_dataset(f"{path}/part-0.parquet")
+    dataset = store.get_parquet_dataset(path)
+    assert sorted(dataset.read().column("x").to_pylist()) == [1, 1, 2, 2, 3, 3]
+    remote = pickle.loads(pickle.dumps(store.to_remote("r")))  # executors have them too
+    assert remote.is_parquet_dataset(path) and remote.read(f"{path}/part-1.parquet")

@@ -174,3 +174,36 @@ def test_storage_options_are_accepted_empty_and_refused_where_meaningless(tmp_pa
     assert type(Store.create(str(tmp_path), storage_options=None)) is LocalStore
     with pytest.raises(ConfigurationError, match="storage_options only apply to fsspec stores"):
         Store.create(str(tmp_path), storage_options={"key": "k"})
+
+
+def test_horovods_dbfs_path_helpers():
+    # horovod's test_dbfs_local_store, on DBFSLocalStore's class and static methods
+    for url in ("dbfs:/tmp/a1", "/dbfs/tmp/a1", "file:///dbfs/tmp/a1", "file:/dbfs/tmp/a1"):
+        assert DBFSLocalStore.matches_dbfs(url)
+        assert DBFSLocalStore.normalize_path(url) == "/dbfs/tmp/a1"
+    assert not DBFSLocalStore.matches_dbfs("dbfs://tmp/test_local_dir3")
+    assert not DBFSLocalStore.matches_dbfs("/tmp/dbfs/a")
+    with pytest.raises(ValueError, match="not a DBFS path"):
+        DBFSLocalStore.normalize_path("dbfs://tmp/a1")
+
+
+def test_horovods_hdfs_full_and_localized_paths():
+    # horovod's test_hdfs_store_parse_url (no connection is made)
+    store = HDFSStore("hdfs://namenode01:8020/user/test/output")
+    assert store.get_full_path("/output") == "hdfs://namenode01:8020/output"
+    assert store.get_full_path("/user/test/output") == "hdfs://namenode01:8020/user/test/output"
+    assert (
+        store.get_localized_path("hdfs://namenode01:8020/user/test/output") == "/user/test/output"
+    )
+    for root in ("hdfs:///user/test/output", "/user/test/output"):
+        store = HDFSStore(root)
+        assert store.get_full_path("/user/test/output") == "hdfs:///user/test/output"
+        assert store.get_localized_path("hdfs:///user/test/output") == "/user/test/output"
+
+
+def test_local_paths_are_filesystem_stores_as_in_horovod(tmp_path):
+    # horovod: Store.create("/dbfs/tmp/x") off Databricks is a FilesystemStore
+    assert isinstance(Store.create(str(tmp_path / "dbfs" / "tmp")), FilesystemStore)
+    assert isinstance(LocalStore(str(tmp_path)), FilesystemStore)
+    assert LocalStore(str(tmp_path)).storage_options == {}
+    assert LocalStore(str(tmp_path)).get_full_path("x") == (tmp_path / "x").as_uri()
