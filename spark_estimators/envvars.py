@@ -48,6 +48,8 @@ COLLECTIVE_TIMEOUT = PREFIX + "COLLECTIVE_TIMEOUT"
 RUN_LOCK_TIMEOUT = PREFIX + "RUN_LOCK_TIMEOUT"
 HOST_HASH_SALT = PREFIX + "HOST_HASH_SALT"
 FUSION_THRESHOLD = PREFIX + "FUSION_THRESHOLD"
+#: Milliseconds a queued async allreduce may wait for more ops to fuse with (Horovod's cycle).
+CYCLE_TIME = PREFIX + "CYCLE_TIME"
 INLINE_LIMIT = PREFIX + "INLINE_LIMIT"
 MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
 #: Secret that signs saved models and estimators (HMAC-SHA256 of ``stage.pkl``) and is required
@@ -55,12 +57,15 @@ MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
 MODEL_KEY = PREFIX + "MODEL_KEY"
 LAZY_DYNAMO = PREFIX + "LAZY_DYNAMO"  # "0" turns off the rank's deferred torch._dynamo import
 #: Path of the collective timeline (per-rank Chrome trace); see collective/timeline.py.
+#: ``DYNAMIC`` (as Horovod's) starts none at init: start_timeline(path) starts it later.
 TIMELINE = PREFIX + "TIMELINE"
+TIMELINE_DYNAMIC = "DYNAMIC"
 
 # Horovod's variables that have an equivalent here (ours win when both are set); the table in
 # docs/collective.md lists them with the ignored ones (IGNORED_HOROVOD below).
 HOROVOD_TIMELINE = "HOROVOD_TIMELINE"
 HOROVOD_FUSION_THRESHOLD = "HOROVOD_FUSION_THRESHOLD"
+HOROVOD_CYCLE_TIME = "HOROVOD_CYCLE_TIME"
 HOROVOD_GLOO_TIMEOUT_SECONDS = "HOROVOD_GLOO_TIMEOUT_SECONDS"
 HOROVOD_START_TIMEOUT = "HOROVOD_START_TIMEOUT"
 HOROVOD_SPARK_START_TIMEOUT = "HOROVOD_SPARK_START_TIMEOUT"
@@ -68,9 +73,9 @@ HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
 HOROVOD_DYNAMIC_PROCESS_SETS = "HOROVOD_DYNAMIC_PROCESS_SETS"
 #: Horovod variables read nowhere here, with what to do instead (a warning names them).
 IGNORED_HOROVOD: dict[str, str] = {
-    "HOROVOD_CYCLE_TIME": "there is no background cycle: each op is negotiated when submitted",
-    "HOROVOD_TIMELINE_MARK_CYCLES": "there are no cycles to mark",
-    "HOROVOD_AUTOTUNE": "autotuning is not provided; set the fusion threshold yourself",
+    "HOROVOD_TIMELINE_MARK_CYCLES": "cycles are not marked in the timeline (each op's "
+    "QUEUE and NEGOTIATE events show its wait)",
+    "HOROVOD_AUTOTUNE": "autotuning is not provided; set the fusion threshold and cycle time",
     "HOROVOD_AUTOTUNE_LOG": "autotuning is not provided",
     "HOROVOD_CACHE_CAPACITY": "there is no response cache (negotiation is one allgather)",
     "HOROVOD_HIERARCHICAL_ALLREDUCE": "reductions are flat (the backend's own algorithm)",
@@ -101,6 +106,8 @@ RPC_LOG_INTERVAL = PREFIX + "RPC_LOG_INTERVAL"
 DEFAULT_START_TIMEOUT = 60.0
 DEFAULT_COLLECTIVE_TIMEOUT = 120.0
 DEFAULT_FUSION_THRESHOLD = 128 * 1024 * 1024
+#: Horovod's default cycle time (milliseconds) since 0.21.
+DEFAULT_CYCLE_TIME_MS = 1.0
 #: Bytes a whole negotiation round may gather for inline allreduces (all ranks together).
 DEFAULT_INLINE_GATHER_BYTES = 1024 * 1024
 #: The most bytes one rank sends inline, whatever the job size.

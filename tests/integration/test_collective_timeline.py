@@ -44,14 +44,14 @@ def _events(path) -> list[dict]:
 
 
 def test_timeline_records_ops_phases_and_ranks(tmp_path):
-    env = {ev.HOROVOD_TIMELINE: str(tmp_path / "hvd.json"), "HOROVOD_CYCLE_TIME": "3.5"}
+    env = {ev.HOROVOD_TIMELINE: str(tmp_path / "hvd.json"), "HOROVOD_CACHE_CAPACITY": "1024"}
     later = str(tmp_path / "later-{rank}.json")
     err = io.StringIO()
     assert run_local(_traced, 2, args=(later,), env=env, backend="gloo", stderr=err) == [0, 1]
     # the ignored Horovod variable is named once, by rank 0
-    warned = [line for line in err.getvalue().splitlines() if "HOROVOD_CYCLE_TIME" in line]
+    warned = [line for line in err.getvalue().splitlines() if "HOROVOD_CACHE_CAPACITY" in line]
     assert len(warned) == 1 and warned[0].startswith("[0]"), err.getvalue()[-2000:]
-    assert "there is no background cycle" in warned[0]
+    assert "there is no response cache" in warned[0]
     for rank in (0, 1):
         events = _events(tmp_path / f"hvd.rank{rank}.json")
         assert {e["pid"] for e in events} == {rank}
@@ -102,3 +102,44 @@ def test_init_argument_wins_over_the_environment(tmp_path):
     for rank in (0, 1):
         names = [e["name"] for e in _events(tmp_path / f"arg.rank{rank}.json")]
         assert names[-2:] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"]
+
+
+def _dynamic(later: str) -> dict:
+    import os
+
+    import torch
+
+    import spark_estimators.collective.torch as hvd
+    from spark_estimators.collective.runtime import engine as eng
+
+    os.chdir(os.path.dirname(later))  # where a file named after the variable would land
+    hvd.init()  # HOROVOD_TIMELINE=DYNAMIC: no timeline yet
+    engine = eng.current()
+    assert engine is not None
+    out = {"at_init": engine.timeline is not None, "files_at_init": sorted(os.listdir("."))}
+    hvd.allreduce(torch.ones(2), name="before")
+    hvd.start_timeline(later)
+    handles = [hvd.allreduce_async_(torch.ones(3), name=f"g{i}") for i in range(3)]
+    for h in handles:
+        hvd.synchronize(h)
+    hvd.stop_timeline()
+    hvd.allreduce(torch.ones(2), name="after")
+    hvd.shutdown()
+    out["files"] = sorted(os.listdir("."))
+    return out
+
+
+def test_dynamic_timeline_starts_only_through_the_api(tmp_path):
+    """``HOROVOD_TIMELINE=DYNAMIC`` (Horovod's "start later") is not a file name."""
+    env = {ev.HOROVOD_TIMELINE: "DYNAMIC", ev.HOROVOD_CYCLE_TIME: "600000"}
+    later = str(tmp_path / "api.json")
+    outs = run_local(_dynamic, 2, args=(later,), env=env, backend="gloo")
+    for rank, out in enumerate(outs):
+        assert out["at_init"] is False, rank
+        assert out["files_at_init"] == [], rank  # no DYNAMIC.rank<N>.json
+        assert not any("DYNAMIC" in f for f in out["files"]), out["files"]
+        events = [e for e in _events(tmp_path / f"api.rank{rank}.json") if e["ph"] == "X"]
+        tensors = {e["args"]["tensor"] for e in events}
+        assert tensors == {"g0", "g1", "g2"}, tensors  # neither "before" nor "after"
+        ops = [e for e in events if e["name"] == "ALLREDUCE"]
+        assert [e["args"]["fused"] for e in ops] == [3, 3, 3]  # one fused round, per tensor

@@ -16,14 +16,28 @@ The group stays usable afterwards. Cost: one small allgather per op (per fused b
 
 Inline allreduces: a CPU allreduce whose data fits the vector's payload room travels inside that
 allgather and is reduced locally in rank order (the same result on every rank): one round trip
-instead of two. On a small job this is also cheaper than the backend's allreduce (Gloo's ring
-takes more message rounds than one allgather). The room starts at ``INLINE_BYTES`` and follows
-the largest inline-able allreduce of the last ``ROOM_WINDOW`` rounds, up to the inline limit
-(``SPARK_ESTIMATORS_INLINE_LIMIT``, default ``1 MiB / size`` capped at 256 KiB), so a training
-loop whose fused gradient bucket is below the limit pays one round trip per step from its second
-step on. Every rank computes the room from the gathered vectors only (each rank's wish and limit
-travel in the header), so all ranks always send vectors of the same length, which the allgather
-needs; a mismatched op is still detected from the header before any data is used.
+instead of two (a fused batch travels inline when all of it fits). On a small job this is also
+cheaper than the backend's allreduce (Gloo's ring takes more message rounds than one allgather).
+The room starts at ``INLINE_BYTES`` and follows the largest inline-able allreduce of the last
+``ROOM_WINDOW`` rounds, up to the inline limit (``SPARK_ESTIMATORS_INLINE_LIMIT``, default
+``1 MiB / size`` capped at 256 KiB), so a training loop whose fused gradient bucket is below the
+limit pays one round trip per step from its second step on. Every rank computes the room from the
+gathered vectors only (each rank's wish and limit travel in the header), so all ranks always send
+vectors of the same length, which the allgather needs; a mismatched op is still detected from the
+header before any data is used.
+
+Fusion (Horovod's tensor fusion and cycle time): asynchronous allreduces queue up while the
+caller keeps submitting. The engine thread takes the oldest queued op and, if it is an allreduce
+that can be fused, waits until ``cycle_time`` has passed since it was submitted
+(``SPARK_ESTIMATORS_CYCLE_TIME`` / ``HOROVOD_CYCLE_TIME``, milliseconds, default 1), or less
+as soon as someone waits for a result (``synchronize``, ``wait``, a blocking op) or polls one.
+Then it negotiates the head op together with the allreduces queued right behind it that share
+its dtype, device, reduction and scaling, up to the fusion threshold
+(``SPARK_ESTIMATORS_FUSION_THRESHOLD`` / ``HOROVOD_FUSION_THRESHOLD``, bytes, default 128 MiB;
+0 disables fusion), and runs the prefix that every rank listed identically as one reduction of
+one packed buffer (see :mod:`.negotiation`). Horovod's coordinator can also fuse ops that ranks
+submitted in different orders; here the order must be the same on every rank (it already had
+to be), and a different order fails with the mismatch error below instead of hanging.
 
 Join: a rank that called ``join()`` keeps negotiating; while others still run allreduces it
 contributes zeros (so ``Average`` still divides by ``size()``, as in Horovod) and barriers pass.
@@ -52,8 +66,13 @@ from typing import Any
 import numpy as np
 
 from spark_estimators import envvars as ev
-from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp, dtype_code
+from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
+from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime import settings
+from spark_estimators.collective.runtime.negotiation import (  # noqa: F401  their old home
+    INLINE_BYTES,
+    ROOM_WINDOW,
+)
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
 logger = logging.getLogger(__name__)
@@ -74,14 +93,6 @@ class Kind(enum.IntEnum):
     PROCESS_SET = 10
 
 
-# Layout of the negotiation vector: a header, then room for an allreduce's data.
-_KIND, _SIG, _JOINED, _DIM0, _NUMEL, _DTYPE, _WIRE_OP, _DEVICE, _INLINE, _WANT, _LIMIT = range(11)
-_HEADER_LEN = 11
-#: The fixed payload room: an allreduce of at most this many bytes always travels inline.
-INLINE_BYTES = 512
-#: The room grows to the largest inline-able allreduce of this many recent rounds.
-ROOM_WINDOW = 32
-_DEVICES = ("cpu", "cuda")
 # Ops a joined rank can take part in (it contributes zeros / nothing).
 _JOINABLE = (Kind.ALLREDUCE, Kind.BARRIER)
 
@@ -94,6 +105,21 @@ class Agreement:
     joined: list[int]
     #: Every rank's inline payload (``uint8`` rows; zeros for joined ranks), or None.
     payloads: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """How an allreduce request is fused with the ones queued behind it.
+
+    Requests with equal ``key`` (this process only: framework, dtype, device, reduction,
+    scaling) may run as one: ``run(requests, agreement)`` reduces them together and returns
+    each request's result, in order. ``part`` is the op's own data for ``run``.
+    """
+
+    key: tuple[Any, ...]
+    nbytes: int
+    run: Callable[[Sequence[Request], Agreement], list[Any]]
+    part: Any
 
 
 @dataclass
@@ -117,9 +143,19 @@ class Request:
     dim0: int = 0
     #: For small allreduces: returns this rank's data as bytes to send inside the negotiation.
     inline: Callable[[], np.ndarray] | None = None
+    #: For allreduces that may be fused with their neighbours in the queue.
+    fusion: Fusion | None = None
     future: Future[Any] = field(default_factory=Future)
-    #: ``perf_counter_ns()`` when it entered the engine's queue (timeline only; 0: not queued).
+    #: ``perf_counter_ns()`` when it entered the engine's queue (0: run without queueing).
     queued_ns: int = 0
+    _hash: int | None = field(default=None, repr=False)
+
+    @property
+    def signature_hash(self) -> int:
+        """:func:`signature_hash` of the signature (computed once)."""
+        if self._hash is None:
+            self._hash = signature_hash(self.signature)
+        return self._hash
 
 
 def signature_hash(signature: tuple[Any, ...]) -> int:
@@ -134,6 +170,32 @@ class _Recoverable(SparkEstimatorsError):
     def __init__(self, error: BaseException):
         super().__init__(str(error))
         self.error = error
+
+
+class _OpFuture(Future[Any]):
+    """A request's future that tells the engine when someone waits for it or polls it.
+
+    A waiter ends the engine's cycle wait at once: nothing more is coming from this thread
+    until the result is there, so holding the queued ops back would only add latency.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self._engine = engine
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self.done():
+            return super().result(timeout)
+        self._engine._waiting(1)
+        try:
+            return super().result(timeout)
+        finally:
+            self._engine._waiting(-1)
+
+    def flush(self) -> None:
+        """Ask the engine to run what is queued now instead of at the end of its cycle."""
+        if not self.done():
+            self._engine.flush()
 
 
 class Handle:
@@ -157,8 +219,14 @@ class Handle:
         self.name = name
 
     def done(self) -> bool:
-        """True when every part of the op has finished."""
-        return all(f.done() for f in self._futures)
+        """True when every part of the op has finished (else the engine runs it soon)."""
+        if all(f.done() for f in self._futures):
+            return True
+        for f in self._futures:
+            flush = getattr(f, "flush", None)
+            if flush is not None:
+                flush()
+        return False
 
     def wait(self) -> Any:
         """Block until the op finished and return its result (raises the op's error)."""
@@ -168,7 +236,7 @@ class Handle:
         return results[0] if len(results) == 1 else results
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
+        state = "done" if all(f.done() for f in self._futures) else "pending"
         return f"Handle({self.name!r}, {state})"
 
 
@@ -188,11 +256,14 @@ class Engine:
         self._exec_lock = threading.Lock()
         self._pending_lock = threading.Lock()
         self._pending = 0  # submitted to the queue and not finished
-        # Payload room of the next negotiation vector (bytes, a multiple of 8): the same on
-        # every rank because it is computed from gathered vectors only (see _grow_room).
-        self._room = INLINE_BYTES
-        self._wants: deque[int] = deque(maxlen=ROOM_WINDOW)
-        self._limit = settings.inline_limit(backend.size)
+        # Threads blocked on a result, and the signal that ends the engine's cycle wait early.
+        self._waiters = 0
+        self._urgent = threading.Event()
+        self._negotiation = neg.Negotiation(settings.inline_limit(backend.size))
+        #: Seconds a fusable op may wait in the queue for more to fuse with (the cycle time).
+        self.cycle_time = settings.cycle_time() / 1000.0
+        #: Most bytes one fused allreduce reduces (0: no fusion).
+        self.fusion_threshold = settings.fusion_threshold()
         #: The process set this engine serves (0: the global set).
         self.set_id = 0
         #: A :class:`~spark_estimators.collective.api.timeline.Timeline` recording the ops, or None.
@@ -210,7 +281,12 @@ class Engine:
     @property
     def inline_room(self) -> int:
         """Bytes of allreduce data the next negotiation vector can carry."""
-        return self._room
+        return self._negotiation.room
+
+    @property
+    def rounds(self) -> int:
+        """Negotiation rounds so far (one per op or fused batch of ops)."""
+        return self._round
 
     def auto_name(self, op: str) -> str:
         """Horovod-style generated name for an unnamed op (``allreduce.noname.3``)."""
@@ -236,16 +312,26 @@ class Engine:
                 with self._pending_lock:
                     idle = self._pending == 0
                 if idle:
-                    self._run(request)
+                    self._run([request])
                     return request.future
             finally:
                 self._exec_lock.release()
-        if self.timeline is not None:
-            request.queued_ns = time.perf_counter_ns()
+        request.future = _OpFuture(self)
+        request.queued_ns = time.perf_counter_ns()
         with self._pending_lock:
             self._pending += 1
         self._queue.put(request)
         return request.future
+
+    def flush(self) -> None:
+        """End the current cycle wait: negotiate what is queued now."""
+        self._urgent.set()
+
+    def _waiting(self, delta: int) -> None:
+        with self._pending_lock:
+            self._waiters += delta
+        if delta > 0:
+            self._urgent.set()
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop the thread after the queued ops; False when it did not stop within ``timeout``."""
@@ -253,42 +339,172 @@ class Engine:
             return True
         self._closed = True
         self._queue.put(None)
+        self._urgent.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
     # -- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
+        pending: deque[Request] = deque()
+        stopping = False
         while True:
-            request = self._queue.get()
-            if request is None:
-                return
+            if not pending:
+                if stopping:
+                    return
+                request = self._queue.get()
+                if request is None:
+                    return
+                pending.append(request)
+            stopping = self._gather(pending, stopping)
+            done = 1
             with self._exec_lock:
                 try:
-                    self._run(request)
+                    done = self._run(self._batch(pending))
                 finally:
+                    for _ in range(done):
+                        pending.popleft()
                     with self._pending_lock:
-                        self._pending -= 1
+                        self._pending -= done
 
-    def _run(self, request: Request) -> None:
-        """Negotiate and execute one request, settling its future (never raises)."""
-        if not request.future.set_running_or_notify_cancel():
-            return
+    def _drain(self, pending: deque[Request]) -> bool:
+        """Move what is queued now into ``pending``; True when the stop marker came."""
+        while True:
+            try:
+                request = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            if request is None:
+                return True
+            pending.append(request)
+
+    def _gather(self, pending: deque[Request], stopping: bool) -> bool:
+        """Collect queued requests, waiting out the head's cycle when its batch could grow."""
+        stopping = self._drain(pending) or stopping
+        if not stopping and self.cycle_time > 0 and self._waiters == 0 and self._can_grow(pending):
+            deadline = pending[0].queued_ns / 1e9 + self.cycle_time
+            remaining = deadline - time.perf_counter()
+            if remaining > 0:
+                self._urgent.wait(remaining)
+            stopping = self._drain(pending) or stopping
+        self._urgent.clear()
+        return stopping
+
+    def _batch(self, pending: deque[Request]) -> list[Request]:
+        """The head and the queued requests right behind it that it may be fused with."""
+        head = pending[0]
+        fusion = head.fusion
+        batch = [head]
+        if fusion is None or self.fusion_threshold <= 0:
+            return batch
+        total = fusion.nbytes
+        for i in range(1, len(pending)):
+            other = pending[i].fusion
+            if other is None or other.key != fusion.key or len(batch) >= neg.MAX_SLOTS:
+                break
+            if total + other.nbytes > self.fusion_threshold:
+                break
+            batch.append(pending[i])
+            total += other.nbytes
+        return batch
+
+    def _can_grow(self, pending: deque[Request]) -> bool:
+        """True when one more queued request could still join the head's batch."""
+        fusion = pending[0].fusion
+        if fusion is None or self.fusion_threshold <= 0:
+            return False
+        batch = self._batch(pending)
+        if len(batch) < len(pending) or len(batch) >= neg.MAX_SLOTS:
+            return False  # the batch already ends at a request that cannot join it
+        return sum(r.fusion.nbytes for r in batch if r.fusion) < self.fusion_threshold
+
+    def _run(self, batch: list[Request]) -> int:
+        """Negotiate ``batch`` and run the agreed part; settles those futures (never raises).
+
+        Returns how many requests of ``batch`` (its first ones) were settled. (The MPI backend's
+        watchdog finds the op it serves in this frame's ``request`` local.)
+        """
+        head = request = batch[0]
         if self._broken is not None:
-            request.future.set_exception(self._broken_error(request))
-            return
+            if head.future.set_running_or_notify_cancel():
+                head.future.set_exception(self._broken_error(head))
+            return 1
+        timeline = self.timeline
+        start = time.perf_counter_ns()
+        times = [start]
+        ran = batch[:1]
+        results: list[Any] = []
+        error: BaseException | None = None
         try:
-            result = self._process(request)
+            if head.kind is Kind.JOIN:
+                timeline = None  # join() is not an op of the timeline
+                results = [self._join()]
+            else:
+                count, agreement = self._negotiate_batch(batch, times)
+                ran = batch[:count]
+                results = self._execute(ran, agreement)
         except _Recoverable as exc:
-            request.future.set_exception(exc.error)
+            error = exc.error
         except (CollectiveError, ConfigurationError) as exc:
-            request.future.set_exception(exc)
+            error = exc
         except BaseException as exc:
             error = self._backend_error(request, exc)
             self._broken = error
-            request.future.set_exception(error)
-        else:
-            request.future.set_result(result)
+        if timeline is not None:
+            self._record(timeline, ran, times, error)
+        for i, settled in enumerate(ran):
+            if not settled.future.set_running_or_notify_cancel():
+                continue
+            if error is not None:
+                settled.future.set_exception(error)
+            else:
+                settled.future.set_result(results[i])
+        return len(ran)
+
+    def _negotiate_batch(self, batch: list[Request], times: list[int]) -> tuple[int, Agreement]:
+        """Agree on what runs this round (``times`` gets the negotiation's end, and 1 if inline)."""
+        head = batch[0]
+        vectors = self._negotiate(self._negotiation.vector(batch))
+        active = self._active(vectors)
+        if not self._agree(vectors, active):
+            self._raise_mismatch(head, vectors)
+        joined = [r for r in range(self.backend.size) if r not in active]
+        if joined and head.kind not in _JOINABLE:
+            raise CollectiveError(
+                f"{head.kind.name.lower()} {head.name!r}: rank(s) {joined} already called "
+                "join(); only allreduce and barrier can run until every rank has joined"
+            )
+        plan = self._negotiation.plan(vectors, active)
+        payloads = self._negotiation.payloads(vectors) if plan.inline else None
+        times.append(time.perf_counter_ns())
+        if payloads is not None:
+            times.append(1)
+        dim0s = [int(d) for d in vectors[:, neg.DIM0]]
+        return plan.count, Agreement(dim0s=dim0s, joined=joined, payloads=payloads)
+
+    def _execute(self, ran: list[Request], agreement: Agreement) -> list[Any]:
+        head = ran[0]
+        if len(ran) == 1:
+            return [head.execute(agreement)]
+        assert head.fusion is not None
+        return head.fusion.run(ran, agreement)
+
+    def _record(
+        self, timeline: Any, ran: list[Request], times: list[int], error: BaseException | None
+    ) -> None:
+        end = time.perf_counter_ns()
+        negotiated = times[1] if len(times) > 1 else end
+        for request in ran:
+            info: dict[str, Any] = {"dtype": request.dtype, "what": request.description}
+            info["inline"] = len(times) > 2
+            if len(ran) > 1:
+                info["fused"] = len(ran)
+            if error is not None:
+                info["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
+            timeline.record(
+                request.name, request.kind.name, self.set_id, times[0], negotiated, end, info,
+                request.queued_ns,
+            )  # fmt: skip
 
     def _broken_error(self, request: Request) -> CollectiveError:
         assert self._broken is not None
@@ -321,95 +537,20 @@ class Engine:
         length = vector.size
         gathered = self.backend.allgather(vector.reshape(1, length), [1] * self.backend.size)
         vectors = np.asarray(gathered, dtype=np.int64).reshape(self.backend.size, length)
-        self._grow_room(vectors)
+        self._negotiation.update(vectors)
         return vectors
-
-    def _grow_room(self, vectors: np.ndarray) -> None:
-        """Set the next round's payload room from this round's vectors (same on every rank)."""
-        limit = int(vectors[:, _LIMIT].min())
-        wants = [int(w) for w in vectors[:, _WANT] if 0 < w <= limit]
-        self._wants.append(max(wants, default=0))
-        self._room = max(INLINE_BYTES, -(-max(self._wants) // 8) * 8)
-
-    def _empty_vector(self) -> np.ndarray:
-        vector = np.zeros(_HEADER_LEN + self._room // 8, dtype=np.int64)
-        vector[_LIMIT] = self._limit
-        return vector
-
-    def _vector(self, request: Request) -> np.ndarray:
-        vector = self._empty_vector()
-        vector[_KIND] = int(request.kind)
-        vector[_SIG] = signature_hash(request.signature)
-        vector[_JOINED] = -1
-        vector[_DIM0] = request.dim0
-        vector[_NUMEL] = request.numel
-        vector[_DTYPE] = dtype_code(request.dtype)
-        vector[_WIRE_OP] = int(request.wire_op)
-        vector[_DEVICE] = _DEVICES.index(request.device) if request.device in _DEVICES else 0
-        if request.inline is not None:
-            nbytes = request.numel * np.dtype(request.dtype).itemsize
-            vector[_WANT] = nbytes
-            if nbytes <= self._room:
-                payload = np.asarray(request.inline(), dtype=np.uint8).reshape(-1)
-                vector[_INLINE] = 1
-                vector[_HEADER_LEN:].view(np.uint8)[: payload.size] = payload
-        return vector
 
     @staticmethod
     def _active(vectors: np.ndarray) -> list[int]:
-        return [r for r in range(vectors.shape[0]) if vectors[r, _JOINED] < 0]
+        return [r for r in range(vectors.shape[0]) if vectors[r, neg.JOINED] < 0]
 
     @staticmethod
     def _agree(vectors: np.ndarray, active: Sequence[int]) -> bool:
         first = vectors[active[0]]
         return all(
-            vectors[r, _KIND] == first[_KIND] and vectors[r, _SIG] == first[_SIG] for r in active
+            vectors[r, neg.KIND] == first[neg.KIND] and vectors[r, neg.SIG] == first[neg.SIG]
+            for r in active
         )
-
-    def _process(self, request: Request) -> Any:
-        if request.kind is Kind.JOIN:
-            return self._join()
-        timeline = self.timeline
-        if timeline is None:
-            return self._negotiate_and_execute(request, None)
-        start = time.perf_counter_ns()
-        times = [start]
-        info: dict[str, Any] = {"dtype": request.dtype, "what": request.description}
-        try:
-            return self._negotiate_and_execute(request, times)
-        except BaseException as exc:
-            info["error"] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise
-        finally:
-            end = time.perf_counter_ns()
-            negotiated = times[1] if len(times) > 1 else end
-            info["inline"] = len(times) > 2
-            op = request.kind.name
-            timeline.record(
-                request.name, op, self.set_id, start, negotiated, end, info, request.queued_ns
-            )
-
-    def _negotiate_and_execute(self, request: Request, times: list[int] | None) -> Any:
-        """``times`` (timeline only) gets the end of negotiation, and a third entry if inline."""
-        vectors = self._negotiate(self._vector(request))
-        active = self._active(vectors)
-        if not self._agree(vectors, active):
-            self._raise_mismatch(request, vectors)
-        joined = [r for r in range(self.backend.size) if r not in active]
-        if joined and request.kind not in _JOINABLE:
-            raise CollectiveError(
-                f"{request.kind.name.lower()} {request.name!r}: rank(s) {joined} already called "
-                "join(); only allreduce and barrier can run until every rank has joined"
-            )
-        dim0s = [int(d) for d in vectors[:, _DIM0]]
-        payloads = None
-        if vectors[self.backend.rank, _INLINE]:  # then every active rank sent its data inline
-            payloads = np.ascontiguousarray(vectors[:, _HEADER_LEN:]).view(np.uint8)
-        if times is not None:
-            times.append(time.perf_counter_ns())
-            if payloads is not None:
-                times.append(1)
-        return request.execute(Agreement(dim0s=dim0s, joined=joined, payloads=payloads))
 
     def _raise_mismatch(self, request: Request | None, vectors: np.ndarray) -> None:
         """Every rank comes here from the same vectors: exchange descriptions, then raise."""
@@ -433,24 +574,25 @@ class Engine:
     def _join(self) -> int:
         joined_at = self._round
         while True:
-            vector = self._empty_vector()
-            vector[_KIND] = int(Kind.JOIN)
-            vector[_JOINED] = joined_at
+            vector = self._negotiation.empty()
+            vector[neg.KIND] = int(Kind.JOIN)
+            vector[neg.JOINED] = joined_at
             vectors = self._negotiate(vector)
             active = self._active(vectors)
             if not active:
                 # The last to join has the highest join round (ties: the highest rank).
-                return max(range(vectors.shape[0]), key=lambda r: (vectors[r, _JOINED], r))
+                return max(range(vectors.shape[0]), key=lambda r: (vectors[r, neg.JOINED], r))
             if not self._agree(vectors, active):
                 self._raise_mismatch(None, vectors)
                 continue
             row = vectors[active[0]]
-            inline = bool(row[_INLINE])  # the data came with the negotiation: nothing to do
-            if Kind(int(row[_KIND])) is Kind.ALLREDUCE and row[_NUMEL] > 0 and not inline:
+            plan = self._negotiation.plan(vectors, active)
+            # An inline batch came with the negotiation: nothing more to take part in.
+            if Kind(int(row[neg.KIND])) is Kind.ALLREDUCE and plan.numel > 0 and not plan.inline:
                 zeros = self.backend.zeros(
-                    int(row[_NUMEL]), DTYPES[int(row[_DTYPE])], _DEVICES[int(row[_DEVICE])]
+                    plan.numel, DTYPES[int(row[neg.DTYPE])], neg.DEVICES[int(row[neg.DEVICE])]
                 )
-                self.backend.allreduce(zeros, ReduceOp(int(row[_WIRE_OP])))
+                self.backend.allreduce(zeros, ReduceOp(int(row[neg.WIRE_OP])))
 
 
 _engine: Engine | None = None

@@ -7,13 +7,17 @@ torch (packing a fusion buffer, scaling in place, cloning) is behind
 :class:`~spark_estimators.collective.runtime.arrays.ArrayOps` (:mod:`.arrays`).
 
 Fusion: a grouped allreduce packs its tensors into one flat buffer (grown once per dtype and
-device, then reused) and reduces it with a single backend call.
+device, then reused) and reduces it with a single backend call. Allreduces submitted one by one
+(``allreduce_async_`` per tensor) carry a
+:class:`~spark_estimators.collective.runtime.engine.Fusion`: the engine fuses those queued
+together the same way (:func:`_run_fused`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +26,8 @@ from spark_estimators.collective.backends.base import DTYPES, FLOATING_DTYPES, B
 from spark_estimators.collective.runtime import adasum as _adasum
 from spark_estimators.collective.runtime import engine as eng
 from spark_estimators.collective.runtime.arrays import ArrayOps, write_result
-from spark_estimators.collective.runtime.engine import Agreement, Kind, Request
+from spark_estimators.collective.runtime.engine import Agreement, Fusion, Kind, Request
+from spark_estimators.collective.runtime.negotiation import itemsize
 from spark_estimators.collective.runtime.process_sets import global_root
 from spark_estimators.errors import ConfigurationError
 
@@ -35,6 +40,12 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _check_scaling(op: ReduceOp, dtype: str, prescale: float, postscale: float, name: str) -> None:
+    if dtype.startswith("complex") and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+        # Gloo/MPI have no such reduction: refuse it here, before anything is sent.
+        raise ConfigurationError(
+            f"op={op.name.title()} on {name!r} is not defined for complex tensors ({dtype}); "
+            "use op=Sum or op=Average"
+        )
     if dtype in FLOATING_DTYPES:
         return
     if op is ReduceOp.AVERAGE:
@@ -101,6 +112,12 @@ def allreduce(
     # The engine sends it inline when it fits the negotiation's current room.
     inline = payload if dtype in _NUMPY_DTYPES and numel > 0 and device == "cpu" else None
 
+    fusion = None
+    if numel > 0:
+        part = _FusedPart(ops, inputs, outputs, dtype, numel, wire_op, prescale, post, backend)
+        key = (id(ops), dtype, device, int(wire_op), prescale, post)
+        fusion = Fusion(key, numel * itemsize(dtype), _run_fused, part)
+
     def execute(agreement: Agreement) -> Sequence[Buffer]:
         if numel == 0:
             return outputs
@@ -135,23 +152,65 @@ def allreduce(
             device=device,
             wire_op=wire_op,
             inline=inline,
+            fusion=fusion,
         ),
         blocking=blocking,
     )
 
 
+@dataclass(frozen=True)
+class _FusedPart:
+    """One allreduce request's share of a fused reduction (see :func:`_run_fused`)."""
+
+    ops: ArrayOps
+    inputs: Sequence[Buffer]
+    outputs: Sequence[Buffer]
+    dtype: str
+    numel: int
+    wire_op: ReduceOp
+    prescale: float
+    post: float
+    backend: Any
+
+
+def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Any]:
+    """Reduce several queued allreduces as one (they share dtype, device, op and scaling).
+
+    Their inputs are packed in request order into one buffer, reduced with one backend call
+    (or from the inline payloads), and unpacked into each request's outputs.
+    """
+    parts: list[_FusedPart] = [r.fusion.part for r in requests if r.fusion is not None]
+    first = parts[0]
+    ops, backend = first.ops, first.backend
+    outputs = [out for p in parts for out in p.outputs]
+    if agreement.payloads is not None:
+        total = sum(p.numel for p in parts)
+        reduced = _reduce_rows(
+            agreement.payloads, first.dtype, total, first.wire_op, backend.size, first.post
+        )
+        offset = 0
+        for p in parts:
+            write_result(ops, reduced[offset : offset + p.numel], p.inputs, p.outputs)
+            offset += p.numel
+    else:
+        flat = ops.pack([x for p in parts for x in p.inputs])
+        if first.prescale != 1.0:
+            ops.scale_(flat, first.prescale)
+        backend.allreduce(flat, first.wire_op)
+        if first.post != 1.0:
+            ops.scale_(flat, first.post)
+        ops.unpack(flat, outputs)
+    return [p.outputs for p in parts]
+
+
 _NUMPY_DTYPES = frozenset(d for d in DTYPES if d != "bfloat16")
-
-
-def _itemsize(dtype: str) -> int:
-    return int(np.dtype(dtype).itemsize)
 
 
 def _reduce_rows(
     payloads: np.ndarray, dtype: str, numel: int, op: ReduceOp, size: int, post: float
 ) -> np.ndarray:
     """Reduce the inline payloads of every rank, in rank order (identical on every rank)."""
-    nbytes = numel * _itemsize(dtype)
+    nbytes = numel * itemsize(dtype)
     rows = np.ascontiguousarray(payloads[:, :nbytes]).view(np.dtype(dtype))
     if op is ReduceOp.MIN:
         out = rows.min(axis=0)

@@ -184,6 +184,28 @@ def fusion_threshold(threshold: int | None = None) -> int:
     )
 
 
+def cycle_time(milliseconds: float | None = None) -> float:
+    """Milliseconds a queued async allreduce may wait for more ops to fuse with.
+
+    The argument, else ``SPARK_ESTIMATORS_CYCLE_TIME``, else Horovod's ``HOROVOD_CYCLE_TIME``,
+    else 1 (Horovod's default). 0 fuses only what is already queued when the engine looks. The
+    wait ends early as soon as a thread waits for a result or polls one (see the engine).
+    """
+    name = ev.first_set(ev.CYCLE_TIME, ev.HOROVOD_CYCLE_TIME) or ev.CYCLE_TIME
+    if milliseconds is None:
+        try:
+            milliseconds = ev.env_float(name, ev.DEFAULT_CYCLE_TIME_MS)
+        except ValueError as exc:
+            raise ConfigurationError(f"{exc} (milliseconds, e.g. 1 or 3.5)") from None
+    value = float(milliseconds)
+    if not value >= 0 or value == float("inf"):
+        raise ConfigurationError(
+            f"cycle time must be a finite number of milliseconds >= 0 (0: no wait), got "
+            f"{milliseconds!r} ({name})"
+        )
+    return value
+
+
 def inline_limit(size: int, limit: int | None = None) -> int:
     """Largest CPU allreduce (bytes per rank) sent inside the negotiation message.
 
@@ -198,11 +220,18 @@ def inline_limit(size: int, limit: int | None = None) -> int:
 
 
 def timeline_path(path: str | None = None) -> str | None:
-    """Timeline path: the argument, else ``SPARK_ESTIMATORS_TIMELINE``, else HOROVOD_TIMELINE."""
-    if path:
-        return path
-    name = ev.first_set(ev.TIMELINE, ev.HOROVOD_TIMELINE)
-    return None if name is None else os.environ[name].strip()
+    """The path of the timeline ``init()`` starts, or None.
+
+    The argument, else ``SPARK_ESTIMATORS_TIMELINE``, else ``HOROVOD_TIMELINE``. ``DYNAMIC``
+    (any case), as in Horovod, means no timeline at init: the program starts one later with
+    ``start_timeline(path)``.
+    """
+    if not path:
+        name = ev.first_set(ev.TIMELINE, ev.HOROVOD_TIMELINE)
+        path = None if name is None else os.environ[name].strip()
+    if path is None or path.upper() == ev.TIMELINE_DYNAMIC:
+        return None
+    return path
 
 
 def ignored_horovod_variables() -> dict[str, str]:

@@ -1,0 +1,158 @@
+"""The negotiation vector: what every rank sends before each round of collective ops.
+
+Before each round the ranks allgather one int64 vector each (see
+:mod:`~spark_estimators.collective.runtime.engine` for why). Its layout::
+
+    header (HEADER_LEN)  |  slots: signature hashes, then element counts (2 x slots)  |  payload
+
+* The header describes the rank's *head* request (the oldest one it has not run yet): kind,
+  signature hash, first dimension, what a joined rank needs to mirror an allreduce, how many
+  requests follow in the slots, and the rank's wishes for the next rounds' sizes.
+* The slots list the rank's *fusion batch*: the head and the queued allreduces right behind it
+  that it may fuse with it (same dtype, device, reduction and scaling, within the fusion
+  threshold), in submission order.
+* The payload carries the data of the first requests of the batch when it fits (inline
+  allreduce: one round trip instead of two).
+
+What runs is decided from the gathered vectors only, so every rank decides the same: the
+**agreed batch** is the longest prefix of the head's batch that every active (not joined) rank
+listed with the same signatures in the same positions. Ranks whose queues differ (one rank's
+cycle ended earlier, or its fusion threshold is smaller) simply fuse fewer requests this round;
+the rest become the head of the next round. Ranks that submitted different ops, or the same ops
+in a different order, disagree on the head, and the engine raises a mismatch error on every rank
+instead of hanging.
+
+The sizes of the slots and the payload are the same on every rank (the allgather needs equal
+lengths): each round's vectors carry every rank's wishes, and every rank computes the next sizes
+from them alone. The payload room follows the largest inline-able batch of the last
+``ROOM_WINDOW`` rounds (at least ``INLINE_BYTES``, at most the inline limit); the slot count
+follows the longest batch of those rounds (``MIN_SLOTS`` .. ``MAX_SLOTS``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from spark_estimators.collective.backends.base import dtype_code
+
+if TYPE_CHECKING:
+    from spark_estimators.collective.runtime.engine import Request
+
+# Header fields.
+KIND, SIG, JOINED, DIM0, NUMEL, DTYPE, WIRE_OP, DEVICE, INLINE, WANT, LIMIT, COUNT, SLOTS_WANT = (
+    range(13)
+)
+HEADER_LEN = 13
+#: The fixed payload room: an allreduce of at most this many bytes always travels inline.
+INLINE_BYTES = 512
+#: The room and the slot count follow the wishes of this many recent rounds.
+ROOM_WINDOW = 32
+#: Fewest and most requests one round can fuse (the slot count lies in between).
+MIN_SLOTS = 64
+MAX_SLOTS = 1024
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a round runs, computed from the gathered vectors (the same on every rank)."""
+
+    #: Requests of the head's batch that run now, fused (1: the head alone).
+    count: int
+    #: Whether the data of those requests travelled inside the vectors.
+    inline: bool
+    #: Elements reduced by the agreed batch (what a joined rank mirrors with zeros).
+    numel: int
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name (numpy has no bfloat16)."""
+    return 2 if dtype == "bfloat16" else int(np.dtype(dtype).itemsize)
+
+
+class Negotiation:
+    """Builds this rank's vectors and reads the gathered ones; keeps the agreed sizes."""
+
+    def __init__(self, limit: int) -> None:
+        #: Largest inline batch (bytes per rank) this rank accepts (sent in every header).
+        self.limit = limit
+        #: Bytes of payload room in the next vector (a multiple of 8).
+        self.room = INLINE_BYTES
+        #: Requests the next vector can list.
+        self.slots = MIN_SLOTS
+        self._room_wants: deque[int] = deque(maxlen=ROOM_WINDOW)
+        self._slot_wants: deque[int] = deque(maxlen=ROOM_WINDOW)
+
+    @property
+    def payload_offset(self) -> int:
+        """Index of the payload's first int64 in the vector."""
+        return HEADER_LEN + 2 * self.slots
+
+    def empty(self) -> np.ndarray:
+        """A vector with no request (what a joined rank sends)."""
+        vector = np.zeros(self.payload_offset + self.room // 8, dtype=np.int64)
+        vector[LIMIT] = self.limit
+        return vector
+
+    def vector(self, batch: Sequence[Request]) -> np.ndarray:
+        """The vector of this rank for ``batch`` (the head first, then what it may fuse with)."""
+        head = batch[0]
+        listed = batch[: self.slots]
+        vector = self.empty()
+        vector[KIND] = int(head.kind)
+        vector[SIG] = head.signature_hash
+        vector[JOINED] = -1
+        vector[DIM0] = head.dim0
+        vector[NUMEL] = head.numel
+        vector[DTYPE] = dtype_code(head.dtype)
+        vector[WIRE_OP] = int(head.wire_op)
+        vector[DEVICE] = DEVICES.index(head.device) if head.device in DEVICES else 0
+        vector[COUNT] = len(listed)
+        vector[SLOTS_WANT] = min(len(batch), MAX_SLOTS)
+        n = len(listed)
+        vector[HEADER_LEN : HEADER_LEN + n] = [r.signature_hash for r in listed]
+        vector[HEADER_LEN + self.slots : HEADER_LEN + self.slots + n] = [r.numel for r in listed]
+        if head.inline is not None:
+            sizes = [r.numel * itemsize(r.dtype) for r in listed]
+            vector[WANT] = sum(sizes)
+            room = vector[self.payload_offset :].view(np.uint8)
+            used = packed = 0
+            for request, nbytes in zip(listed, sizes, strict=True):
+                if request.inline is None or used + nbytes > self.room:
+                    break
+                room[used : used + nbytes] = np.asarray(request.inline(), dtype=np.uint8)
+                used += nbytes
+                packed += 1
+            vector[INLINE] = packed
+        return vector
+
+    def payloads(self, vectors: np.ndarray) -> np.ndarray:
+        """Every rank's payload as ``uint8`` rows."""
+        return np.ascontiguousarray(vectors[:, self.payload_offset :]).view(np.uint8)
+
+    def plan(self, vectors: np.ndarray, active: Sequence[int]) -> Plan:
+        """The agreed batch of this round (see the module docstring)."""
+        rows = vectors[list(active)]
+        count = int(rows[:, COUNT].min())
+        hashes = rows[:, HEADER_LEN : HEADER_LEN + count]
+        same = (hashes == hashes[0]).all(axis=0)
+        if not same.all():
+            count = int(np.argmin(same))
+        inline = count > 0 and int(rows[:, INLINE].min()) >= count
+        start = HEADER_LEN + self.slots
+        numel = int(rows[0, start : start + count].sum())
+        return Plan(count=count, inline=inline, numel=numel)
+
+    def update(self, vectors: np.ndarray) -> None:
+        """Set the next round's sizes from this round's vectors (the same on every rank)."""
+        limit = int(vectors[:, LIMIT].min())
+        wants = [int(w) for w in vectors[:, WANT] if 0 < w <= limit]
+        self._room_wants.append(max(wants, default=0))
+        self.room = max(INLINE_BYTES, -(-max(self._room_wants) // 8) * 8)
+        self._slot_wants.append(int(vectors[:, SLOTS_WANT].max()))
+        self.slots = min(MAX_SLOTS, max(MIN_SLOTS, max(self._slot_wants)))
