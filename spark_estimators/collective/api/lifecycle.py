@@ -206,13 +206,55 @@ def gloo_enabled() -> bool:
     return is_initialized() and backend_name() in ("gloo", "nccl")
 
 
-def nccl_built() -> bool:
-    """True when torch has NCCL (a CUDA build)."""
+def nccl_built() -> int:
+    """NCCL's version code when torch has NCCL (a CUDA build), else 0; Horovod's meaning.
+
+    The code is NCCL's ``NCCL_VERSION_CODE`` (``22105`` for 2.21.5; ``2708`` for 2.7.8), so
+    Horovod's ``if hvd.nccl_built() and hvd.nccl_built() < 2700`` checks keep working; it is
+    truthy exactly when NCCL is there.
+    """
     try:
+        import torch
         import torch.distributed as dist
     except ImportError:
+        return 0
+    if not dist.is_nccl_available():
+        return 0
+    try:
+        major, minor, patch = (int(v) for v in torch.cuda.nccl.version()[:3])
+    except (RuntimeError, AttributeError, TypeError, ValueError):
+        return 1  # NCCL is there but does not say its version: still "built"
+    if (major, minor) <= (2, 8):
+        return major * 1000 + minor * 100 + patch
+    return major * 10000 + minor * 100 + patch
+
+
+def cuda_built() -> bool:
+    """True when torch was built with CUDA (Horovod: built with CUDA support)."""
+    try:
+        import torch
+    except ImportError:
         return False
-    return bool(dist.is_nccl_available())
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    """True when torch was built with ROCm (HIP)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return getattr(torch.version, "hip", None) is not None
+
+
+def ddl_built() -> bool:
+    """Always False: IBM DDL is not a backend here (Horovod dropped it too)."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Always False: oneCCL is not a backend here (Horovod's ``ccl_built`` guards skip it)."""
+    return False
 
 
 def gloo_built() -> bool:

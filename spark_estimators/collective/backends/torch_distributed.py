@@ -10,6 +10,13 @@
 
 If ``torch.distributed`` is already initialised (a script that called ``init_process_group``
 itself, e.g. under torchrun), the default group is reused and left alone at shutdown.
+
+Dtypes Gloo lacks (``int16``, ``uint16``, ``uint32``, ``uint64``; NCCL lacks the 16-bit ones):
+allgather, broadcast and alltoall send their raw bytes (as ``uint8`` rows); reductions run on a
+wider integer type and cast back (sums and products wrap around exactly as in the original
+type; ``uint64`` reduces as ``int64`` with the sign bit flipped for Min/Max, which keeps its
+order). Gloo would otherwise raise "Invalid scalar type". Complex tensors reduce with Sum and
+Average only (Min/Max/Product are refused before anything is sent, so the group stays usable).
 """
 
 from __future__ import annotations
@@ -71,6 +78,40 @@ def _as_tensor(buf: Buffer) -> torch.Tensor:
 
 def _like_input(result: torch.Tensor, buf: Buffer) -> Buffer:
     return result.numpy() if isinstance(buf, np.ndarray) else result
+
+
+#: dtype names torch.distributed's Gloo cannot send ("Invalid scalar type") -> the wider dtype
+#: their reductions run in (uint64 has none: it reduces as int64, see _reduce_wide).
+_WIDER = {"int16": "int32", "uint16": "int32", "uint32": "int64", "uint64": "int64"}
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (contiguous) as ``uint8`` rows: shape ``(dim0, bytes per row)``, same memory."""
+    import torch
+
+    rows = int(tensor.shape[0]) if tensor.dim() else 1
+    per_row = 1
+    for d in tensor.shape[1:]:
+        per_row *= int(d)
+    return tensor.reshape(rows, per_row).view(torch.uint8)
+
+
+def _from_bytes(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Rows of bytes from :func:`_as_bytes` back as ``like``'s dtype and trailing shape."""
+    return raw.view(like.dtype).reshape(int(raw.shape[0]), *like.shape[1:])
+
+
+def _check_reduction(tensor: torch.Tensor, op: ReduceOp) -> None:
+    """Refuse what the backend cannot reduce, before any byte is sent (keeps the group usable)."""
+    if tensor.is_complex() and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+        raise ConfigurationError(
+            f"op={op.name.title()} is not defined for complex tensors ({_dtype_name(tensor)}); "
+            "use op=Sum or op=Average"
+        )
 
 
 class TorchDistributedBackend(Backend):
@@ -197,16 +238,45 @@ class TorchDistributedBackend(Backend):
         """Reduce ``buf`` in place with ``torch.distributed.all_reduce``."""
         import torch.distributed as dist
 
-        dist.all_reduce(_as_tensor(buf), op=_torch_op(op), group=self.group)
+        tensor = _as_tensor(buf)
+        _check_reduction(tensor, op)
+        if _dtype_name(tensor) in _WIDER:
+            self._reduce_wide(tensor, op)
+            return
+        dist.all_reduce(tensor, op=_torch_op(op), group=self.group)
+
+    def _reduce_wide(self, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """Allreduce a dtype Gloo lacks in a wider integer type, then cast back in place."""
+        import torch
+        import torch.distributed as dist
+
+        if _dtype_name(tensor) == "uint64":
+            # Same bits as int64: sums and products wrap identically; flipping the sign bit
+            # maps unsigned order onto signed order for Min/Max.
+            wide = tensor.view(torch.int64).clone()
+            flip = op in (ReduceOp.MIN, ReduceOp.MAX)
+            if flip:
+                wide ^= torch.iinfo(torch.int64).min
+            dist.all_reduce(wide, op=_torch_op(op), group=self.group)
+            if flip:
+                wide ^= torch.iinfo(torch.int64).min
+            tensor.view(torch.int64).copy_(wide)
+            return
+        wide = tensor.to(getattr(torch, _WIDER[_dtype_name(tensor)]))
+        dist.all_reduce(wide, op=_torch_op(op), group=self.group)
+        tensor.copy_(wide)  # integer casts keep the low bits: the wrap-around of the narrow type
 
     def broadcast(self, buf: Buffer, root: int) -> None:
         """Overwrite ``buf`` with rank ``root``'s (``torch.distributed.broadcast``)."""
         import torch.distributed as dist
 
+        tensor = _as_tensor(buf)
+        if _dtype_name(tensor) in _WIDER:
+            tensor = _as_bytes(tensor)  # same memory: the broadcast writes into buf
         if self.group is None:
-            dist.broadcast(_as_tensor(buf), src=root)
+            dist.broadcast(tensor, src=root)
         else:
-            dist.broadcast(_as_tensor(buf), group=self.group, group_src=root)
+            dist.broadcast(tensor, group=self.group, group_src=root)
 
     def barrier(self) -> None:
         """Block until every rank of the group arrives."""
@@ -219,6 +289,9 @@ class TorchDistributedBackend(Backend):
         import torch
 
         tensor = _as_tensor(buf)
+        if _dtype_name(tensor) in _WIDER:
+            raw = _as_tensor(self.allgather(_as_bytes(tensor.contiguous()), first_dims))
+            return _like_input(_from_bytes(raw, tensor), buf)
         rest = tuple(tensor.shape[1:])
         most = max(first_dims)
         if all(d == most for d in first_dims):
@@ -239,6 +312,9 @@ class TorchDistributedBackend(Backend):
         import torch.distributed as dist
 
         tensor = _as_tensor(buf)
+        if _dtype_name(tensor) in _WIDER:
+            raw = self.alltoall(_as_bytes(tensor.contiguous()), send_rows, recv_rows)
+            return _like_input(_from_bytes(_as_tensor(raw), tensor), buf)
         out = tensor.new_empty((sum(recv_rows), *tensor.shape[1:]))
         dist.all_to_all_single(
             out,
@@ -252,8 +328,9 @@ class TorchDistributedBackend(Backend):
     def reducescatter(self, buf: Buffer, op: ReduceOp, rows: Sequence[int]) -> Buffer:
         """Reduce ``buf`` and return this rank's block of ``rows`` rows."""
         tensor = _as_tensor(buf)
-        if len(set(rows)) > 1 or op is not ReduceOp.SUM:
-            return super().reducescatter(buf, op, rows)
+        _check_reduction(tensor, op)
+        if len(set(rows)) > 1 or op is not ReduceOp.SUM or _dtype_name(tensor) in _WIDER:
+            return super().reducescatter(buf, op, rows)  # an allreduce, widened if needed
         out = tensor.new_empty((rows[self.rank], *tensor.shape[1:]))
         _reduce_scatter_single(out, tensor.contiguous(), _torch_op(op), self.group)
         return _like_input(out, buf)

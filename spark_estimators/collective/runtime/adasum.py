@@ -4,12 +4,16 @@ Two vectors combine as::
 
     adasum(a, b) = (1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b
 
-which is ``a + b`` for orthogonal vectors and their average for parallel ones (a coefficient is
-1 when its vector's squared norm is below 1e-8, as in Horovod). For ``2**k`` ranks the vectors
-combine pairwise in a binary tree over the ranks: ``(0, 1)``, ``(2, 3)``, ... first, then the
-pairs of pairs, so the number of ranks must be a power of two (Horovod has the same rule). Each
-tensor of a grouped allreduce (or of a ``DistributedOptimizer`` bucket) gets its own
-coefficients, as in Horovod's fused buffers. Dot products and norms are computed in float64.
+which is ``a + b`` for orthogonal vectors and their average for parallel ones (a zero vector
+leaves the other unchanged). For ``2**k`` ranks the vectors combine pairwise in a binary tree
+over the ranks: ``(0, 1)``, ``(2, 3)``, ... first, then the pairs of pairs, so the number of
+ranks must be a power of two (Horovod has the same rule). Each tensor of a grouped allreduce (or
+of a ``DistributedOptimizer`` bucket) gets its own coefficients, as in Horovod's fused buffers.
+Dot products and norms are computed in float64 on each vector divided by its largest absolute
+value, so they neither overflow nor underflow: the result is right for any magnitude float64
+holds. (Horovod's own sums give the plain sum when a squared norm is below sqrt(DBL_MIN) ~
+1.5e-154, elements near 1e-77 and smaller, and NaN when it overflows, elements near 1e154 and
+larger; see :func:`combine`.)
 
 How it runs here: one allgather of every rank's (pre-scaled) data, then the same tree on every
 rank, in rank order, so every rank gets a bitwise identical result. That moves ``size`` times
@@ -35,12 +39,31 @@ ADASUM_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64"})
 
 
 def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Adasum of two vectors (float64)."""
-    dot = float(np.dot(a, b))
-    anormsq, bnormsq = float(np.dot(a, a)), float(np.dot(b, b))
-    acoeff = 1.0 - dot / anormsq * 0.5 if anormsq >= 1e-8 else 1.0
-    bcoeff = 1.0 - dot / bnormsq * 0.5 if bnormsq >= 1e-8 else 1.0
-    return np.asarray(acoeff * a + bcoeff * b)
+    """Adasum of two vectors (float64), exact at any magnitude a float64 can hold.
+
+    Each vector is first divided by its largest absolute value, so the dot product and the
+    squared norms are computed on numbers in [-1, 1] and neither overflow (|a|^2 of a vector of
+    1e160s) nor underflow (|a|^2 of 1e-160s, which would make the coefficients 1 and give the sum
+    of parallel vectors). With ``a = sa * u`` and ``b = sb * v``::
+
+        (1 - a.b / 2|a|^2) a = a - (u.v / 2|u|^2) sb u
+        (1 - a.b / 2|b|^2) b = b - (u.v / 2|v|^2) sa v
+
+    where every factor stays within the range of its inputs. A zero vector contributes nothing and
+    leaves the other unchanged (Horovod's coefficient 1 for a zero norm).
+    """
+    sa = float(np.max(np.abs(a))) if a.size else 0.0
+    sb = float(np.max(np.abs(b))) if b.size else 0.0
+    if sa == 0.0 or sb == 0.0 or not (np.isfinite(sa) and np.isfinite(sb)):
+        # One vector is zero (its dot with the other is 0: both coefficients are 1), or the data
+        # already holds inf/NaN, which propagates as it would in a plain sum.
+        return np.asarray(a + b)
+    u, v = a / sa, b / sb
+    dot = float(np.dot(u, v))
+    unormsq, vnormsq = float(np.dot(u, u)), float(np.dot(v, v))  # both >= 1 (max element is 1)
+    acoeff, bcoeff = 0.5 * dot / unormsq, 0.5 * dot / vnormsq
+    # Subtract before adding: a + b alone could overflow for two vectors near float64's maximum.
+    return np.asarray(((a - (acoeff * sb) * u) + b) - (bcoeff * sa) * v)
 
 
 def tree_reduce(vectors: Sequence[np.ndarray]) -> np.ndarray:

@@ -5,7 +5,10 @@ and semantics: ``init``, ``rank``, ``size``, ``local_rank``, ... (shared with
 :mod:`spark_estimators.collective`), the tensor ops (``allreduce``/``allreduce_``/
 ``allreduce_async``/``allreduce_async_``, ``grouped_allreduce``, ``allgather``,
 ``broadcast``/``broadcast_``, ``alltoall``, ``reducescatter``, ``barrier``, ``join``,
-``synchronize``, ``poll``, ``allgather_object``, ``broadcast_object``),
+``synchronize``, ``poll``, ``allgather_object``, ``broadcast_object``, ``grouped_allgather``,
+``grouped_reducescatter``, ``sparse_allreduce_async``), the build queries (``nccl_built``,
+``cuda_built``, ``ccl_built`` ...), ``HorovodInternalError`` (the error of a failed collective op:
+:class:`~spark_estimators.errors.CollectiveError` under Horovod's name),
 ``DistributedOptimizer``, ``broadcast_parameters``, ``broadcast_optimizer_state``,
 ``Compression``, ``SyncBatchNorm`` and process sets (``ProcessSet``, ``add_process_set``,
 ``remove_process_set``, ``global_process_set``).
@@ -46,6 +49,13 @@ from spark_estimators.collective.torch.exchange import (
     reducescatter,
     reducescatter_async,
 )
+from spark_estimators.collective.torch.grouped import (
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    sparse_allreduce_async,
+)
 from spark_estimators.collective.torch.ops import (
     allreduce,
     allreduce_,
@@ -60,6 +70,10 @@ from spark_estimators.collective.torch.ops import (
 )
 from spark_estimators.collective.torch.optimizer import DistributedOptimizer
 from spark_estimators.collective.torch.sync_bn import SyncBatchNorm
+from spark_estimators.errors import CollectiveError
+
+#: Horovod's name for the error of a failed collective op (``except hvd.HorovodInternalError``).
+HorovodInternalError = CollectiveError
 
 __all__ = [
     "Compression",
@@ -67,6 +81,7 @@ __all__ = [
     "DistributedOptimizer",
     "FP16Compressor",
     "Handle",
+    "HorovodInternalError",
     "NoneCompressor",
     "SyncBatchNorm",
     "allgather",
@@ -87,14 +102,19 @@ __all__ = [
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "elastic",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "join",
     "poll",
     "reducescatter",
     "reducescatter_async",
+    "sparse_allreduce_async",
     "synchronize",
 ]
 __all__ += _api.__all__

@@ -4,7 +4,15 @@ Also ``broadcast_parameters`` and ``broadcast_optimizer_state`` (a model's and a
 from one rank to all).
 
 Part of :mod:`spark_estimators.collective.torch` (Horovod's names, arguments and semantics); the
-reductions are in :mod:`.ops`. Out-of-place ``allgather`` and ``broadcast`` are differentiable.
+reductions are in :mod:`.ops`. Out-of-place ``allgather``, ``broadcast``, ``alltoall`` and
+``reducescatter`` are differentiable, with Horovod's gradients (its ``Horovod*`` autograd
+functions; the tests in horovod's test/parallel/test_torch.py define them):
+
+* allgather: the *average* over ranks of the incoming gradients, this rank's rows of it;
+* broadcast: the average over ranks on the root rank, zeros elsewhere;
+* alltoall: the incoming gradient sent back with an alltoall (the received splits as splits);
+* reducescatter: the allgather of the incoming gradients, times ``size()`` for ``op=Sum`` and
+  times the pre- and postscale factors (so ``op=Average`` gives the allgather alone).
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ class _AllgatherFunction(torch.autograd.Function):
     @waited
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         ps = ctx.process_set
-        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.SUM, process_set=ps).wait()
+        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ps).wait()
         dims = allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64), None, ps).wait()
         offset = int(dims[: _engine.require("allgather", ps).backend.rank].sum())
         return reduced.narrow(0, offset, ctx.dim0), None, None
@@ -112,7 +120,7 @@ class _BroadcastFunction(torch.autograd.Function):
     @waited
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         ps = ctx.process_set
-        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.SUM, process_set=ps).wait()
+        reduced = allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ps).wait()
         if _engine.require("broadcast").backend.rank != ctx.root_rank:  # global ranks
             reduced.zero_()
         return reduced, None, None, None
@@ -150,6 +158,30 @@ def alltoall_async(
     return Handle([future], name or "alltoall", finish)
 
 
+class _AlltoallFunction(torch.autograd.Function):
+    @staticmethod
+    @waited
+    def forward(
+        ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any
+    ) -> Any:
+        split_list = None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
+        future = _ops.alltoall(_TORCH, tensor.detach(), split_list, name, True, process_set)
+        out, received = future.result()
+        # Horovod: the gradient goes back with the received splits (also after an even split).
+        ctx.received, ctx.process_set = [int(n) for n in received], process_set
+        if splits is None:
+            return out
+        received_splits = torch.from_numpy(np.asarray(received, dtype=np.int32))
+        ctx.mark_non_differentiable(received_splits)
+        return out, received_splits
+
+    @staticmethod
+    @waited
+    def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> tuple[Any, ...]:
+        back, _ = alltoall_async(grad.contiguous(), ctx.received, None, ctx.process_set).wait()
+        return back, None, None, None
+
+
 @waited
 def alltoall(
     tensor: torch.Tensor,
@@ -165,8 +197,10 @@ def alltoall(
     -------
     torch.Tensor or tuple
         The received rows in rank order; with ``splits`` also a tensor of the row counts
-        received from each rank (Horovod's second return value).
+        received from each rank (Horovod's second return value). Differentiable.
     """
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _AlltoallFunction.apply(tensor, splits, name, process_set)
     return alltoall_async(tensor, splits, name, process_set).wait()
 
 
@@ -190,6 +224,42 @@ def reducescatter_async(
     )
 
 
+def reducescatter_backward(
+    grads: Sequence[torch.Tensor], op: ReduceOp, pre: float, post: float, process_set: Any
+) -> list[torch.Tensor]:
+    """Horovod's reducescatter gradient: scale, then allgather every gradient (in order)."""
+    factor = pre * post
+    if op is ReduceOp.SUM:
+        factor *= _engine.require("reducescatter", process_set).backend.size
+    scaled = [(g * factor if factor != 1.0 else g).contiguous() for g in grads]
+    handles = [allgather_async(g, None, process_set) for g in scaled]
+    return [h.wait() for h in handles]
+
+
+class _ReducescatterFunction(torch.autograd.Function):
+    @staticmethod
+    @waited
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        process_set: Any,
+        pre: float,
+        post: float,
+    ) -> torch.Tensor:
+        ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
+        return reducescatter_async(  # type: ignore[no-any-return]
+            tensor, name, Compression.none, op, process_set, pre, post
+        ).wait()
+
+    @staticmethod
+    @waited
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        (out,) = reducescatter_backward([grad], ctx.op, ctx.pre, ctx.post, ctx.process_set)
+        return out, None, None, None, None, None
+
+
 @waited
 def reducescatter(
     tensor: torch.Tensor,
@@ -203,7 +273,14 @@ def reducescatter(
     """Reduce ``tensor`` across ranks; rank r receives block r of the first dimension.
 
     Blocks are as even as possible, the first ``dim0 % size()`` ranks get one extra row.
+    Differentiable (Horovod's gradient: see the module docstring).
     """
+    if tensor.requires_grad and torch.is_grad_enabled():
+        compressed, ctx = compression.compress(tensor)
+        out = _ReducescatterFunction.apply(
+            compressed, name, resolve_op(op), process_set, prescale_factor, postscale_factor
+        )
+        return compression.decompress(out, ctx)
     return reducescatter_async(  # type: ignore[no-any-return]
         tensor, name, compression, op, process_set, prescale_factor, postscale_factor
     ).wait()

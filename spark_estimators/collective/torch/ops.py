@@ -2,8 +2,10 @@
 
 Users import them through :mod:`spark_estimators.collective.torch`. Every op is submitted to the
 collective engine (see :mod:`spark_estimators.collective.runtime.engine`); the blocking form
-is the async form followed by :func:`synchronize`. Out-of-place ``allreduce`` is
-differentiable, as in Horovod. The ops that move data are in :mod:`.exchange`.
+is the async form followed by :func:`synchronize`. Out-of-place ``allreduce`` and
+``grouped_allreduce`` are differentiable, as in Horovod: the gradient is the same reduction
+(op and scale factors) of the incoming gradients. The ops that move data are in
+:mod:`.exchange`.
 """
 
 from __future__ import annotations
@@ -276,6 +278,33 @@ def grouped_allreduce_async(
     )
 
 
+class _GroupedAllreduceFunction(torch.autograd.Function):
+    @staticmethod
+    @waited
+    def forward(
+        ctx: Any,
+        op: ReduceOp,
+        name: str | None,
+        pre: float,
+        post: float,
+        process_set: Any,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
+        handle = grouped_allreduce_async(list(tensors), None, name, op, pre, post, process_set)
+        return tuple(handle.wait())
+
+    @staticmethod
+    @waited
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        # Horovod's rule: the gradients go through the same grouped reduction. Backward on one
+        # output at a time is fine: autograd passes zeros for the others, on every rank alike.
+        reduced = grouped_allreduce_async(
+            [g.contiguous() for g in grads], None, None, ctx.op, ctx.pre, ctx.post, ctx.process_set
+        ).wait()
+        return (None, None, None, None, None, *reduced)
+
+
 @waited
 def grouped_allreduce(
     tensors: Sequence[torch.Tensor],
@@ -290,16 +319,19 @@ def grouped_allreduce(
     """Reduce several tensors as one fused operation (per dtype and device); new tensors.
 
     This is what tensor fusion does for Horovod: one negotiation and one backend reduction for
-    the whole group instead of one per tensor.
+    the whole group instead of one per tensor. Differentiable when a tensor requires grad.
     """
     compressed = [compression.compress(t) for t in tensors]
-    outs = grouped_allreduce_async(
-        [c for c, _ in compressed],
-        None,
-        name,
-        resolve_op(op, average, adasum=True),
-        prescale_factor,
-        postscale_factor,
-        process_set,
-    ).wait()
+    resolved = resolve_op(op, average, adasum=True)
+    sent = [c for c, _ in compressed]
+    if torch.is_grad_enabled() and any(c.requires_grad for c in sent):
+        outs = list(
+            _GroupedAllreduceFunction.apply(
+                resolved, name, prescale_factor, postscale_factor, process_set, *sent
+            )
+        )
+    else:
+        outs = grouped_allreduce_async(
+            sent, None, name, resolved, prescale_factor, postscale_factor, process_set
+        ).wait()
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]

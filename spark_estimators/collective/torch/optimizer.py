@@ -28,6 +28,9 @@ sum is averaged across ranks once (Horovod's semantics, not divided by k).
 on the local gradients, and the change of every parameter (the delta) is combined across ranks
 with Adasum (per parameter), then added to the parameters as they were before the step. No hooks,
 no buckets; ``process_set=`` restricts every reduction to that set's members.
+
+A rank outside ``process_set`` trains on its own, as in Horovod: no hooks, no reductions, and
+``step()`` applies its local gradients (Adasum: its local step).
 """
 
 from __future__ import annotations
@@ -108,8 +111,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         groups: int | Sequence[Sequence[torch.Tensor]] | None,
         fusion_threshold: int,
         process_set: Any = None,
+        local_only: bool = False,
     ) -> None:
         params = _trainable(self.param_groups)
+        self._se_local = local_only
         self._se_names = _parameter_names(named_parameters, params)
         self._se_compression = compression
         self._se_passes = backward_passes_per_step
@@ -132,7 +137,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._se_inflight: list[tuple[int, Handle, list[tuple[torch.Tensor, Any]]]] = []
         self._se_should_sync = True
         self._se_synchronized = False
-        self._se_hooks = [p.register_post_accumulate_grad_hook(self._se_hook) for p in params]
+        self._se_hooks = (
+            []
+            if local_only
+            else [p.register_post_accumulate_grad_hook(self._se_hook) for p in params]
+        )
 
     # -- hooks and buckets -------------------------------------------------------------------
     def _se_hook(self, p: torch.Tensor) -> None:
@@ -183,6 +192,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Call it yourself to clip or inspect averaged gradients, then call ``step()`` inside
         ``with optimizer.skip_synchronize():``.
         """
+        if self._se_local:  # not a member of the process set: local gradients as they are
+            self._se_synchronized = True
+            return
         with waited_ops():
             while self._se_next < len(self._se_buckets):
                 self._se_launch(self._se_next)
@@ -246,8 +258,10 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
         compression: type[Compressor],
         process_set: Any,
+        local_only: bool = False,
     ) -> None:
         params = _trainable(self.param_groups)
+        self._se_local = local_only
         self._se_params = params
         self._se_names = _parameter_names(named_parameters, params)
         self._se_compression = compression
@@ -262,6 +276,8 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         yield
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if self._se_local:  # not a member of the process set: a local step
+            return super().step(closure)
         params = self._se_params
         starts = [p.detach().clone() for p in params]
         loss = super().step(closure)
@@ -359,6 +375,8 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         Accepted for Horovod compatibility (gradients are always dense).
     process_set
         Average the gradients among this ``ProcessSet``'s members only (default: every rank).
+        On a rank outside the set, ``step()`` applies the local gradients (Horovod's
+        behaviour): that rank trains on its own.
     fusion_threshold
         Bytes per bucket (default ``SPARK_ESTIMATORS_FUSION_THRESHOLD`` or 128 MiB; 0 = none).
 
@@ -395,8 +413,13 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         raise ConfigurationError("compression must be Compression.none or Compression.fp16")
     if num_groups and groups is None:
         groups = num_groups
+    local_only = False
     if process_set is not None:
-        _engine.require("DistributedOptimizer", process_set)  # a member of a registered set
+        registered = getattr(process_set, "process_set_id", None) is not None
+        if registered and hasattr(process_set, "included") and process_set.included() is False:
+            local_only = True  # Horovod: a non-member trains locally
+        else:
+            _engine.require("DistributedOptimizer", process_set)  # a registered ProcessSet
     base = type(optimizer)
     if resolved is ReduceOp.ADASUM:
         if gradient_predivide_factor != 1.0:
@@ -409,7 +432,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
             _CLASSES[(base, "adasum")] = adasum_cls
         delta: _AdasumOptimizer = object.__new__(adasum_cls)
         delta.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in _NOT_COPIED})
-        delta._se_setup_adasum(named_parameters, compression, process_set)
+        delta._se_setup_adasum(named_parameters, compression, process_set, local_only)
         return delta
     cls = _CLASSES.get(base)
     if cls is None:
@@ -426,5 +449,6 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         groups,
         _settings.fusion_threshold(fusion_threshold),
         process_set,
+        local_only,
     )
     return wrapped
