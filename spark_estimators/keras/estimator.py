@@ -31,6 +31,13 @@ weights come back: with ``save_best_only=True`` the returned model is the best e
 
 ``custom_objects`` (custom layers, losses, metrics) are shipped to the ranks and to ``transform``
 and used wherever the model is loaded.
+
+Input shapes: without ``input_shapes`` the shapes of the model's inputs are used, as horovod's
+KerasEstimator does (``model.inputs[i]`` shapes ``feature_cols[i]``): a 784-long vector column
+feeds ``keras.Input((28, 28, 1))`` as ``[-1, 28, 28, 1]``. One unknown dimension besides the
+batch becomes ``-1`` (filled from the row's length); inputs with more unknown dimensions, and
+models without declared inputs, get the columns as they are. A column whose rows cannot fill the
+model's input fails in the driver before training, naming the column, the shape and the fix.
 """
 
 from __future__ import annotations
@@ -112,6 +119,31 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         """Gets the value of ``checkpointCallback`` or its default value."""
         return self.getOrDefault("checkpointCallback")
 
+    def getInputShapes(self) -> list[Any] | None:
+        """Gets ``inputShapes``; when unset, the shapes of the Keras model's inputs.
+
+        Each ``model.inputs[i]`` shape ``(None, 28, 28, 1)`` gives ``[-1, 28, 28, 1]`` for
+        ``feature_cols[i]`` (horovod's rule); see the module docstring for unknown dimensions.
+        None when neither is known.
+        """
+        shapes = self.getOrDefault(self.inputShapes)
+        if shapes is not None:
+            return list(shapes)
+        return model_input_shapes(self.getModel(), len(self.getFeatureCols()))
+
+    def _check_data_shapes(self, columns: dict[str, Any]) -> None:
+        if self.getOrDefault(self.inputShapes) is not None:
+            super()._check_data_shapes(columns)
+            return
+        import math
+
+        from spark_estimators.core.tensors import check_shapes
+
+        sizes = {name: int(math.prod(info.shape)) for name, info in columns.items()}
+        param = "the Keras model's inputs (input_shapes is unset, so model.inputs decide)"
+        check_shapes(param, self.getFeatureCols(), self.getInputShapes(), sizes)
+        check_shapes("label_shapes", self.getLabelCols(), self.getLabelShapes(), sizes)
+
     def getBackendEnv(self) -> dict[str, str]:
         """Gets the value of ``backendEnv`` or its default value."""
         return dict(self.getOrDefault("backendEnv") or {})
@@ -145,6 +177,13 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
             raise ConfigurationError(
                 "scale_lr=True multiplies a constant learning rate by num_proc, but the optimizer "
                 "has a LearningRateSchedule: scale the schedule yourself and pass scale_lr=False"
+            )
+        inputs = _declared_inputs(model)
+        if inputs is not None and len(inputs) != len(self.getFeatureCols()):
+            raise ConfigurationError(
+                f"the Keras model has {len(inputs)} input(s) but feature_cols names "
+                f"{len(self.getFeatureCols())} column(s) {self.getFeatureCols()!r}: give one "
+                "feature column per model input, in the order of model.inputs"
             )
         if self.getLoss() is None:
             raise ConfigurationError(
@@ -268,6 +307,43 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         keras_model = self._wrap_model(KerasModel, model, results, run_id, custom_objects=custom)
         keras_model._rank_fingerprints = fingerprints
         return keras_model
+
+
+def _declared_inputs(model: Any) -> list[Any] | None:
+    """``model.inputs`` of a built functional or Sequential model, else None."""
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):  # a subclassed or unbuilt model has none
+        return None
+    return list(inputs) if inputs else None
+
+
+def model_input_shapes(model: Any, feature_count: int) -> list[Any] | None:
+    """Input shapes for the feature columns from ``model.inputs``, or None.
+
+    ``(None, 28, 28, 1)`` -> ``[-1, 28, 28, 1]``; one unknown dimension besides the batch ->
+    a per-row shape with ``-1`` for it (``(None, None, 8)`` -> ``[-1, 8]``); more than one ->
+    None for that input (the column is fed as it is).
+
+    >>> import types
+    >>> fake = types.SimpleNamespace(inputs=[types.SimpleNamespace(shape=(None, 28, 28, 1))])
+    >>> model_input_shapes(fake, 1)
+    [[-1, 28, 28, 1]]
+    """
+    inputs = _declared_inputs(model)
+    if inputs is None or len(inputs) != feature_count:
+        return None
+    shapes: list[Any] = []
+    for tensor in inputs:
+        dims = [None if d is None else int(d) for d in tuple(tensor.shape)[1:]]
+        unknown = sum(d is None for d in dims)
+        if unknown == 0:
+            shapes.append([-1, *dims])
+        elif unknown == 1:
+            shapes.append([-1 if d is None else d for d in dims])
+        else:
+            shapes.append(None)
+    return shapes if any(s is not None for s in shapes) else None
 
 
 document_constructor(
