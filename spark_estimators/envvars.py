@@ -20,6 +20,17 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 GROUP_RANK = "GROUP_RANK"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 
+# horovodrun's (Gloo) rank variables, set as well so horovod-era code that reads them (horovod's
+# own test suite does) runs unchanged; spark_estimators itself reads ours.
+HOROVOD_RANK_VARS = (
+    "HOROVOD_RANK",
+    "HOROVOD_SIZE",
+    "HOROVOD_LOCAL_RANK",
+    "HOROVOD_LOCAL_SIZE",
+    "HOROVOD_CROSS_RANK",
+    "HOROVOD_CROSS_SIZE",
+)
+
 # Our own rank settings.
 PREFIX = "SPARK_ESTIMATORS_"
 SE_RANK = PREFIX + "RANK"

@@ -68,7 +68,7 @@ def host_hash(executor_address: str = "") -> str:
 
 
 def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict[str, str]:
-    """Environment of one rank process: torchrun's variables and ours."""
+    """Environment of one rank process: torchrun's variables, horovodrun's and ours."""
     env = {
         ev.MASTER_ADDR: settings.master_addr,
         ev.MASTER_PORT: str(settings.master_port),
@@ -89,6 +89,17 @@ def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict
         ev.SE_HOSTNAME: settings.host_hash,
         "PYTHONUNBUFFERED": "1",
     }
+    if backend != "mpi":
+        # horovodrun sets these under Gloo only (under MPI code reads mpirun's PMI_RANK ...).
+        horovod = (
+            settings.rank,
+            settings.size,
+            settings.local_rank,
+            settings.local_size,
+            settings.cross_rank,
+            settings.cross_size,
+        )
+        env.update(zip(ev.HOROVOD_RANK_VARS, map(str, horovod)))
     if gpus:
         # The rank sees exactly its task's GPUs (as cuda:0..); get_available_devices() still
         # answers Spark's addresses, as Horovod's does.
