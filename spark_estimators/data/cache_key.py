@@ -1,8 +1,31 @@
 """The prepare_data cache key: what makes two preparations the same dataset.
 
-sha256 of the analyzed plan's semantic hash, the schema, ``df.inputFiles()`` with sizes and
-modification times (so rewritten source files are not served stale), the preparation params that
-change the content and the store paths (see :mod:`spark_estimators.data.prepare`).
+sha256 of the plan's fingerprint, the schema, ``df.inputFiles()`` with sizes and modification
+times (so rewritten source files are not served stale), the preparation params that change the
+content and the store paths (see :mod:`spark_estimators.data.prepare`).
+
+The plan's fingerprint (:func:`plan_fingerprint`) is its semantic hash, except where that hash
+changes between two DataFrames built the same way, which is the case for every plan through an ML
+transformer: VectorAssembler, StringIndexerModel, StandardScalerModel, ... compute their column
+with a ScalaUDF, and a ScalaUDF's hash is its closure object's identity, new at every
+``transform``. Such plans get a fingerprint of their content instead (issue 25):
+
+- classic sessions: the canonicalized analyzed plan as JSON (complete, never truncated; the JVM's
+  id removed, so another driver process gets the same), each ScalaUDF's function by the sha256
+  of its Java serialization (so a scaler fitted on other data, or an indexer with other labels,
+  differs), and each leaf (a file relation by format, options, root paths and schemas; others
+  by semantic hash: local data by content, an RDD-backed leaf by the RDD's id, so such plans are
+  not reused). A plan with
+  another opaque part (an expression the JSON cannot show, e.g. a Python UDF or a subquery)
+  keeps the semantic hash.
+- Spark Connect: the plan the client sends (its protobuf) without its plan ids and stage uids:
+  a transformer's name and params, the input's paths and options, local data by content. A
+  fitted model is referenced by its server-side id, so a refitted model misses (a new dataset),
+  never hits wrongly. Plans that name tables, views or SQL keep the server's semantic hash, since
+  the name alone does not say what it reads.
+
+Any miss only costs a new preparation; a wrong hit would train on stale data, so whatever cannot
+be fingerprinted surely falls back to the semantic hash.
 """
 
 from __future__ import annotations
@@ -10,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from typing import Any
 
 from spark_estimators.data.metadata import FORMAT_VERSION
@@ -17,20 +41,190 @@ from spark_estimators.store.base import StoreBase
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compute_cache_key", "input_file_stats"]
+__all__ = ["compute_cache_key", "input_file_stats", "plan_fingerprint"]
+
+_SCALA_UDF = "org.apache.spark.sql.catalyst.expressions.ScalaUDF"
+_JVM_ID_RE = re.compile(r'"jvmId":"[^"]*"')
+#: Fields the plan JSON shows as null although they are settings, not content (ANSI mode).
+_SETTING_FIELDS = frozenset({"evalMode", "evalContext"})
+#: Connect relations that name what they read rather than describe it.
+_NAMED_RELATIONS = frozenset(
+    {"sql", "named_table", "cached_remote_relation", "cached_local_relation"}
+)
 
 
 def compute_cache_key(df: Any, params: dict[str, Any], store: StoreBase) -> str:
-    """sha256 of the plan's semantic hash, input files (size, mtime), params and store paths."""
+    """sha256 of the plan's fingerprint, input files (size, mtime), params and store paths."""
     material = {
         "format": FORMAT_VERSION,
-        "plan": int(df.semanticHash()),
+        "plan": plan_fingerprint(df),
         "schema": df.schema.json(),
         "inputs": input_file_stats(df),
         "params": params,
         "store": [store.prefix_path, store.get_train_data_path(), store.get_val_data_path()],
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def plan_fingerprint(df: Any) -> Any:
+    """What identifies ``df``'s plan: its semantic hash, or its content (see the module doc).
+
+    An int (the semantic hash, as before issue 25, so datasets prepared then are still found)
+    or a dict for plans through ML transformers.
+    """
+    try:
+        if getattr(df, "_jdf", None) is not None:
+            content = _classic_udf_plan(df)
+        else:
+            content = _connect_ml_plan(df)
+    except Exception as exc:  # noqa: BLE001 - any surprise: the semantic hash is always safe
+        logger.debug("cannot fingerprint the plan's content (%s); using its semantic hash", exc)
+        content = None
+    return content if content is not None else int(df.semanticHash())
+
+
+def _classic_udf_plan(df: Any) -> dict[str, Any] | None:
+    plan = df._jdf.queryExecution().analyzed().canonicalized()
+    text = str(plan.toJSON())
+    if f'"{_SCALA_UDF}"' not in text:
+        return None  # no ScalaUDF: the semantic hash is stable
+    nodes = json.loads(text)
+    for node in nodes:
+        if node.get("num-children", 0) and _opaque(node):
+            return None
+    jvm = df.sparkSession.sparkContext._jvm
+    functions = [
+        hashlib.sha256(bytes(jvm.org.apache.spark.util.Utils.serialize(udf.function()))).hexdigest()
+        for udf in _scala_udfs(plan)
+    ]
+    leaves = plan.collectLeaves()
+    return {
+        "plan_json": hashlib.sha256(_JVM_ID_RE.sub("", text).encode()).hexdigest(),
+        "udf_functions": functions,
+        "leaves": [_leaf_fingerprint(leaves.apply(i)) for i in range(leaves.size())],
+    }
+
+
+def _leaf_fingerprint(leaf: Any) -> Any:
+    """A leaf plan node's content, the same in every driver process where it can be.
+
+    A file relation's semantic hash involves its file format's JVM identity (another driver
+    process gets another number), so it is described by format, options, root paths and schemas
+    (which files and their sizes and times are in the key already). Other leaves by their
+    semantic hash: local data by content, an RDD by its id (never reused wrongly).
+    """
+    if leaf.getClass().getName().endswith(".LogicalRelation"):
+        relation = leaf.relation()
+        if relation.getClass().getName().endswith(".HadoopFsRelation"):
+            return [
+                str(relation.fileFormat().getClass().getName()),
+                str(relation.options().toString()),
+                str(relation.location().rootPaths().toString()),
+                str(relation.dataSchema().json()),
+                str(relation.partitionSchema().json()),
+                str(relation.bucketSpec().toString()),
+            ]
+    return int(leaf.semanticHash())
+
+
+def _opaque(value: Any, cls: str = "", key: str = "") -> bool:
+    """True when a plan node's JSON hides content (a null that is not a ScalaUDF's function)."""
+    if isinstance(value, dict):
+        cls = value.get("class", cls)
+        return any(_opaque(v, cls, k) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_opaque(v, cls, key) for v in value)
+    if value is None:
+        return not (
+            (cls == _SCALA_UDF and key == "function")
+            or key in _SETTING_FIELDS
+            or cls.endswith(".Literal")
+        )
+    return False
+
+
+def _scala_udfs(plan: Any) -> list[Any]:
+    """The ScalaUDF expressions of a JVM plan, in a fixed order (nodes, then expressions)."""
+    found: list[Any] = []
+
+    def visit_expression(expr: Any) -> None:
+        if expr.getClass().getName() == _SCALA_UDF:
+            found.append(expr)
+        children = expr.children()
+        for i in range(children.size()):
+            visit_expression(children.apply(i))
+
+    def visit_plan(node: Any) -> None:
+        expressions = node.expressions()
+        for i in range(expressions.size()):
+            visit_expression(expressions.apply(i))
+        children = node.children()
+        for i in range(children.size()):
+            visit_plan(children.apply(i))
+
+    visit_plan(plan)
+    return found
+
+
+def _connect_ml_plan(df: Any) -> dict[str, Any] | None:
+    plan = getattr(df, "_plan", None)
+    session = getattr(df, "sparkSession", None)
+    if plan is None or session is None:
+        return None
+    proto = plan.to_proto(session.client)
+    if not _has_field(proto, "ml_relation"):
+        return None  # no ML transformer: the semantic hash is stable
+    if any(_has_field(proto, name) for name in _NAMED_RELATIONS):
+        return None
+    _strip_ids(proto)
+    return {"connect_plan": hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()}
+
+
+def _submessages(field: Any, value: Any) -> list[Any]:
+    """The messages held by one set field of a protobuf message (maps by their values)."""
+    if field.message_type is None:
+        return []
+    if field.message_type.GetOptions().map_entry:
+        items = list(value.values())
+    elif _is_repeated(field):
+        items = list(value)
+    else:
+        items = [value]
+    return [item for item in items if hasattr(item, "ListFields")]
+
+
+def _is_repeated(field: Any) -> bool:
+    repeated = getattr(field, "is_repeated", None)  # protobuf >= 6; older ones have ``label``
+    if repeated is None:
+        return bool(field.label == field.LABEL_REPEATED)
+    return bool(repeated() if callable(repeated) else repeated)
+
+
+def _has_field(message: Any, name: str) -> bool:
+    for field, value in message.ListFields():
+        if field.name == name:
+            return True
+        if any(_has_field(item, name) for item in _submessages(field, value)):
+            return True
+    return False
+
+
+def _strip_ids(message: Any, plan_ids: dict[int, int] | None = None) -> None:
+    """Make equal plans equal: transformers' ``uid`` cleared, ``plan_id``s renumbered.
+
+    Plan ids count up in the client for every DataFrame; column references use them too
+    (``df["x"]`` after a self-join), so they are renumbered by first appearance, not dropped.
+    """
+    plan_ids = {} if plan_ids is None else plan_ids
+    for field, value in message.ListFields():
+        if field.message_type is None:
+            if field.name == "uid":
+                message.ClearField(field.name)
+            elif field.name == "plan_id":
+                setattr(message, field.name, plan_ids.setdefault(int(value), len(plan_ids)))
+            continue
+        for item in _submessages(field, value):
+            _strip_ids(item, plan_ids)
 
 
 def input_file_stats(df: Any) -> list[list[Any]]:

@@ -1,0 +1,115 @@
+"""issue 25 item 12: prepare_data reuses its dataset for DataFrames built through ML transformers.
+
+Two DataFrames built the same way through ``VectorAssembler`` have different ``semanticHash()``
+(the ScalaUDF's closure object is new at every ``transform``), so every refit of a feature
+pipeline wrote its data again. The cache must hit for equal pipelines and still miss for any
+change: other input columns, other source data, a scaler fitted on other data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from spark_estimators.data import prepare_data
+from spark_estimators.data.cache_key import plan_fingerprint
+from spark_estimators.store import LocalStore
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+
+
+def write_source(spark, path, n=40, scale=1.0):
+    rows = [(float(i) * scale, float(i % 7), float(i % 3), float(i % 2)) for i in range(n)]
+    spark.createDataFrame(rows, ["a", "b", "c", "y"]).write.mode("overwrite").parquet(path)
+
+
+def assembled(spark, path, cols=("a", "b")):
+    from pyspark.ml.feature import VectorAssembler
+
+    df = spark.read.parquet(path).filter("a >= 0")
+    return VectorAssembler(inputCols=list(cols), outputCol="features").transform(df)
+
+
+def scaled(spark, path, fit_rows):
+    from pyspark.ml.feature import StandardScaler
+
+    df = assembled(spark, path)
+    scaler = StandardScaler(inputCol="features", outputCol="scaled").fit(df.limit(fit_rows))
+    return scaler.transform(df)
+
+
+def test_equal_pipelines_hit_and_any_change_misses(spark, tmp_path):
+    store = LocalStore(str(tmp_path / "store"))
+    source = str(tmp_path / "source")
+    write_source(spark, source)
+    # the premise: Spark's own hash differs for equal pipelines
+    assert assembled(spark, source).semanticHash() != assembled(spark, source).semanticHash()
+
+    first = prepare_data(2, store, assembled(spark, source), ["features"], ["y"])
+    files = sorted(store.listdir(first.train_path))
+    again = prepare_data(2, store, assembled(spark, source), ["features"], ["y"])
+    assert again == first and sorted(store.listdir(first.train_path)) == files
+    assert store.list_datasets() == [first.dataset_idx]
+
+    other_cols = prepare_data(2, store, assembled(spark, source, ("a", "c")), ["features"], ["y"])
+    assert other_cols.dataset_idx != first.dataset_idx
+    # fitted transformers: the same fit hits, a fit on other rows misses
+    scaled_20 = prepare_data(2, store, scaled(spark, source, 20), ["scaled"], ["y"])
+    assert prepare_data(2, store, scaled(spark, source, 20), ["scaled"], ["y"]) == scaled_20
+    scaled_30 = prepare_data(2, store, scaled(spark, source, 30), ["scaled"], ["y"])
+    assert scaled_30.dataset_idx != scaled_20.dataset_idx
+    # other source data under the same path
+    write_source(spark, source, n=41, scale=2.0)
+    new_data = prepare_data(2, store, assembled(spark, source), ["features"], ["y"])
+    assert new_data.dataset_idx not in (first.dataset_idx, other_cols.dataset_idx)
+    assert new_data.train_rows + new_data.val_rows == 41
+    assert len(store.list_datasets()) == 5
+
+
+def test_plans_without_ml_transformers_keep_the_semantic_hash(spark):
+    df = spark.range(10).selectExpr("id", "id * 2 as x")
+    assert plan_fingerprint(df) == df.semanticHash()
+
+
+def test_rdd_backed_data_through_a_transformer_is_never_served_stale(spark):
+    from pyspark.ml.feature import VectorAssembler
+
+    def build(v):
+        df = spark.createDataFrame([(v, 1.0), (2.0, 0.0)], ["a", "y"])
+        return VectorAssembler(inputCols=["a"], outputCol="features").transform(df)
+
+    # the rows live in an RDD the plan cannot show: other data must not hit
+    assert plan_fingerprint(build(1.0)) != plan_fingerprint(build(5.0))
+
+
+def test_a_new_driver_process_computes_the_same_fingerprint(spark, tmp_path):
+    source = str(tmp_path / "source")
+    write_source(spark, source)
+    here = plan_fingerprint(assembled(spark, source))
+    assert isinstance(here, dict)
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        from pyspark.sql import SparkSession
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_prepare_cache_pipelines import assembled
+        from spark_estimators.data.cache_key import plan_fingerprint
+        spark = (SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+                 .config("spark.driver.host", "127.0.0.1").getOrCreate())
+        try:
+            print("FP " + json.dumps(plan_fingerprint(assembled(spark, {source!r}))))
+        finally:
+            spark.stop()
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FP ")]
+    assert lines, proc.stderr[-3000:]
+    assert json.loads(lines[0][3:]) == here
