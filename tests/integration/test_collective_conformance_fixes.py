@@ -276,6 +276,36 @@ def _values_section(hvd, torch, rank: int) -> dict:
     return out
 
 
+SPARSE_INPUTS = [[[1, 2, 4, 5], [4, 3, 2, 9]], [[1, 3, 4], [4, 7, 9]]]  # horovod's, per rank
+
+
+def _sparse_section(hvd, torch, rank: int) -> dict:
+    """horovod's test_sparse_embeddings with values: an Embedding(sparse=True) trained one step."""
+    out: dict = {}
+    for as_dense in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Embedding(10, 3, sparse=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        dist = hvd.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), sparse_as_dense=as_dense
+        )
+        dist.zero_grad()
+        model(torch.tensor(SPARSE_INPUTS[rank])).sum().backward()
+        dist.step()
+        out[as_dense] = {
+            "weight": model.weight.detach().numpy().copy(),
+            "grad_is_sparse": model.weight.grad.is_sparse,
+            "names": sorted(dist._parameter_names.values()),
+        }
+    # horovod raises its HorovodInternalError (a RuntimeError) for a reducescatter with Adasum
+    try:
+        hvd.reducescatter(torch.ones(4), op=hvd.Adasum)
+        out["rs_adasum"] = None
+    except RuntimeError as exc:
+        out["rs_adasum"] = (isinstance(exc, hvd.HorovodInternalError), str(exc))
+    return out
+
+
 def _suite() -> dict:
     import torch
 
@@ -291,6 +321,7 @@ def _suite() -> dict:
         ("adasum", _adasum_section),
         ("grads", _grad_section),
         ("values", _values_section),
+        ("sparse", _sparse_section),
         ("optimizer", lambda hvd, torch, rank: _optimizer_section(hvd, torch, rank, first)),
         ("dtypes", _dtype_section),
     ):
@@ -496,3 +527,26 @@ def test_sparse_allreduce_async_gathers_every_entry(ranks):
         # rank r holds {r: 1 + r, 2: 10}; the gathered entries sum per index when densified
         np.testing.assert_allclose(values["sparse"], np.array([1.0, 2.0, 20.0, 0.0]) / SIZE)
         np.testing.assert_allclose(values["sparse_sum"], [1.0, 2.0, 20.0, 0.0])
+
+
+# -- DistributedOptimizer with sparse gradients (horovod's test_sparse_embeddings) ---------------
+@pytest.mark.parametrize("as_dense", [False, True])
+def test_sparse_gradients_are_averaged_like_dense_ones(ranks, as_dense):
+    import torch
+
+    torch.manual_seed(0)
+    start = torch.nn.Embedding(10, 3).weight.detach().numpy()
+    counts = [np.bincount(np.ravel(inp), minlength=10) for inp in SPARSE_INPUTS]
+    average = (counts[0] + counts[1])[:, None] / SIZE * np.ones((1, 3))  # d(sum)/d(row) = count
+    expected = start - 0.1 * average
+    for r, section in enumerate(_section(ranks, "sparse")):
+        got = section[as_dense]
+        np.testing.assert_allclose(got["weight"], expected, rtol=1e-6, err_msg=f"rank {r}")
+        assert got["grad_is_sparse"]  # handed back sparse, as SparseAdam & co. need
+        assert got["names"] == ["weight"]
+
+
+def test_reducescatter_with_adasum_raises_horovods_error_class(ranks):
+    for section in _section(ranks, "sparse"):
+        is_internal, message = section["rs_adasum"]
+        assert is_internal and "op=Adasum is not supported by reducescatter" in message

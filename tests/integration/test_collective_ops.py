@@ -153,11 +153,13 @@ def _op_suite() -> dict:
             errors[key] = str(exc)
     out["errors"] = errors
     out["after_errors"] = hvd.allreduce(torch.ones(2), op=hvd.Sum).numpy()
+    out["avg_int"] = hvd.allreduce(t("i32")).numpy()  # Horovod: in float64, truncated
+    out["avg_int_big"] = hvd.allreduce(t("i32_big"), postscale_factor=0.5).numpy()
     try:
-        hvd.allreduce(t("i32"))
-        out["avg_int_error"] = None
+        hvd.allreduce(torch.ones(3, dtype=torch.bool))
+        out["avg_bool_error"] = None
     except ConfigurationError as exc:
-        out["avg_int_error"] = str(exc)
+        out["avg_bool_error"] = str(exc)
     # autograd through allreduce, allgather, broadcast
     xg = torch.tensor(d["f32"], requires_grad=True)
     (hvd.allreduce(xg, op=hvd.Sum) * (r + 1)).sum().backward()
@@ -391,9 +393,17 @@ def test_mismatch_raises_on_every_rank_naming_the_tensor(suite, key, names):
     _all_equal(suite, "after_errors", np.full(2, 2.0), rtol=0)
 
 
-def test_average_of_integers_is_refused(suite):
+def test_integers_average_and_scale_as_in_horovod(suite, data):
+    # Horovod scales integer tensors in float64 and truncates toward zero (its test_torch.py
+    # averages and pre/postscales IntTensor/LongTensor); bool has no average.
+    d0, d1 = data
+    expected = np.trunc((d0["i32"] + d1["i32"]) / 2).astype(np.int32)
+    big = np.trunc((d0["i32_big"] + d1["i32_big"]) * 0.5 * 0.5).astype(np.int32)
     for r in range(SIZE):
-        assert "op=Average" in suite[r]["avg_int_error"] and "int32" in suite[r]["avg_int_error"]
+        np.testing.assert_array_equal(suite[r]["avg_int"], expected)
+        assert suite[r]["avg_int"].dtype == np.int32
+        np.testing.assert_array_equal(suite[r]["avg_int_big"], big)
+        assert "op=Average" in suite[r]["avg_bool_error"] and "bool" in suite[r]["avg_bool_error"]
 
 
 def test_autograd(suite, data):

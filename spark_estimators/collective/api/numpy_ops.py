@@ -123,7 +123,8 @@ def allreduce(
     name
         Name used in error messages; must be the same on every rank when given.
     prescale_factor, postscale_factor
-        Multiply the input before / the result after the reduction (floating dtypes only).
+        Multiply the input before / the result after the reduction (integers: in float64,
+        truncated toward zero, as in Horovod).
     average
         Deprecated Horovod flag: ``False`` means ``Sum``.
     process_set

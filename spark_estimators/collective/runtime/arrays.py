@@ -53,6 +53,18 @@ class ArrayOps(Protocol):
         """The backend's ``result`` as a buffer of this framework, like ``like``."""
 
 
+def scale_array(x: np.ndarray, factor: float) -> None:
+    """Multiply ``x`` by ``factor`` in place.
+
+    Integer arrays are scaled in float64 and truncated toward zero, as Horovod scales integer
+    tensors (``op=Average``, ``prescale_factor``, ``postscale_factor``).
+    """
+    if x.dtype.kind in "iu":
+        x[...] = (x * factor).astype(x.dtype)
+    else:
+        np.multiply(x, x.dtype.type(factor), out=x)
+
+
 class NumpyOps:
     """:class:`ArrayOps` for numpy arrays (used by the core API and the Keras adapter)."""
 
@@ -88,8 +100,8 @@ class NumpyOps:
         np.copyto(dst, np.asarray(src).reshape(dst.shape))
 
     def scale_(self, x: np.ndarray, factor: float) -> None:
-        """Multiply ``x`` by ``factor`` in place."""
-        np.multiply(x, x.dtype.type(factor), out=x)
+        """Multiply ``x`` by ``factor`` in place (integers: see :func:`scale_array`)."""
+        scale_array(x, factor)
 
     def pack(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         """Copy ``xs`` into the reused fusion buffer of their dtype and return its used part."""

@@ -110,8 +110,11 @@ class TorchOps:
         dst.copy_(src.reshape(dst.shape))
 
     def scale_(self, x: torch.Tensor, factor: float) -> None:
-        """Multiply ``x`` by ``factor`` in place."""
-        x.mul_(factor)
+        """Multiply ``x`` by ``factor`` in place (integers in float64, truncated, as Horovod)."""
+        if x.is_floating_point() or x.is_complex():
+            x.mul_(factor)
+        else:
+            x.copy_(x.to(torch.float64).mul_(factor))  # the cast back truncates toward zero
 
     def pack(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Copy ``xs`` into the reused fusion buffer of their dtype and device; return that part."""

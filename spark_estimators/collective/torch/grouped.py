@@ -20,7 +20,7 @@ from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.engine import Handle
 from spark_estimators.collective.torch.arrays import _TORCH, as_tensor, in_waited_ops, waited
 from spark_estimators.collective.torch.compression import Compression, Compressor
-from spark_estimators.collective.torch.exchange import reducescatter_backward
+from spark_estimators.collective.torch.exchange import reducescatter_backward, reducescatter_op
 from spark_estimators.collective.torch.ops import grouped_allreduce_async
 from spark_estimators.errors import ConfigurationError
 
@@ -104,7 +104,7 @@ def grouped_reducescatter_async(
 ) -> Handle:
     """Start a reducescatter of every tensor of ``tensors``; see :func:`grouped_reducescatter`."""
     ts = _tensors(tensors, "grouped_reducescatter_async")
-    resolved, blocking = resolve_op(op), in_waited_ops()
+    resolved, blocking = reducescatter_op(op), in_waited_ops()
     futures = [
         _ops.reducescatter(
             _TORCH,
@@ -164,7 +164,7 @@ def grouped_reducescatter(
     """
     compressed = [compression.compress(t) for t in tensors]
     sent = [c for c, _ in compressed]
-    resolved = resolve_op(op)
+    resolved = reducescatter_op(op)
     if torch.is_grad_enabled() and any(c.requires_grad for c in sent):
         outs = list(
             _GroupedReducescatterFunction.apply(

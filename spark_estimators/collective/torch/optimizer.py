@@ -50,6 +50,7 @@ from spark_estimators.collective.torch.arrays import (
     waited_ops,
 )
 from spark_estimators.collective.torch.compression import Compression, Compressor
+from spark_estimators.collective.torch.grouped import sparse_allreduce_async
 from spark_estimators.collective.torch.ops import grouped_allreduce_async_
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
@@ -112,9 +113,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         fusion_threshold: int,
         process_set: Any = None,
         local_only: bool = False,
+        sparse_as_dense: bool = False,
     ) -> None:
         params = _trainable(self.param_groups)
         self._se_local = local_only
+        self._se_sparse_as_dense = sparse_as_dense
         self._se_names = _parameter_names(named_parameters, params)
         self._se_compression = compression
         self._se_passes = backward_passes_per_step
@@ -134,7 +137,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._se_delay = {id(p): backward_passes_per_step for p in params}
         self._se_ready = [0] * len(self._se_buckets)
         self._se_next = 0
-        self._se_inflight: list[tuple[int, Handle, list[tuple[torch.Tensor, Any]]]] = []
+        # (parameters, handle, what was sent for each) per launched bucket; sparse gradients
+        # (without sparse_as_dense) travel apart, one sparse_allreduce_async each.
+        self._se_inflight: list[tuple[list[torch.Tensor], Handle, list[tuple[torch.Tensor, Any]]]]
+        self._se_inflight = []
+        self._se_sparse_inflight: list[tuple[torch.Tensor, Handle]] = []
         self._se_should_sync = True
         self._se_synchronized = False
         self._se_hooks = (
@@ -164,10 +171,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _se_launch(self, b: int) -> None:
         bucket = self._se_buckets[b]
+        dense: list[torch.Tensor] = []
+        compressed: list[tuple[torch.Tensor, Any]] = []
         for p in bucket:
             if p.grad is None:  # not used this step here; other ranks may have a gradient
                 p.grad = torch.zeros_like(p)
-        compressed = [self._se_compression.compress(p.grad.detach()) for p in bucket]  # type: ignore[union-attr]
+            grad = p.grad.detach()
+            if grad.is_sparse and not self._se_sparse_as_dense:
+                # Horovod: a sparse gradient is allgathered (indices and values), not reduced.
+                sparse_handle = sparse_allreduce_async(
+                    grad,
+                    name=f"DistributedOptimizer.sparse[{self._se_names[id(p)]}]",
+                    op=self._se_op,
+                    process_set=self._se_process_set,
+                )
+                self._se_sparse_inflight.append((p, sparse_handle))
+                continue
+            dense.append(p)
+            compressed.append(
+                self._se_compression.compress(grad.to_dense() if grad.is_sparse else grad)
+            )
+        self._se_next = b + 1
+        if not dense:
+            return
+        bucket = dense
         if self._se_op is ReduceOp.AVERAGE:
             pre, post = 1.0 / self._se_predivide, self._se_predivide
         else:
@@ -182,8 +209,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             postscale_factor=post,
             process_set=self._se_process_set,
         )
-        self._se_inflight.append((b, handle, compressed))
-        self._se_next = b + 1
+        self._se_inflight.append((bucket, handle, compressed))
 
     # -- public API --------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -199,14 +225,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             while self._se_next < len(self._se_buckets):
                 self._se_launch(self._se_next)
         inflight, self._se_inflight = self._se_inflight, []
+        sparse, self._se_sparse_inflight = self._se_sparse_inflight, []
         try:
-            for b, handle, compressed in inflight:
+            for params, handle, compressed in inflight:
                 handle.wait()
-                for p, (sent, ctx) in zip(self._se_buckets[b], compressed):
+                for p, (sent, ctx) in zip(params, compressed):
                     grad = p.grad
                     assert grad is not None
-                    if sent.data_ptr() != grad.data_ptr():  # compressed: a copy was sent
+                    if grad.is_sparse:  # sparse_as_dense: reduced dense, handed back sparse
+                        p.grad = self._se_compression.decompress(sent, ctx).to_sparse()
+                    elif sent.data_ptr() != grad.data_ptr():  # compressed: a copy was sent
                         grad.copy_(self._se_compression.decompress(sent, ctx))
+            for p, handle in sparse:
+                p.grad = handle.wait().coalesce()
         finally:
             for key in self._se_delay:
                 self._se_delay[key] = self._se_passes
@@ -235,8 +266,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._se_synchronized = False
         return super().step(closure)
 
+    @property
+    def _parameter_names(self) -> dict[torch.Tensor, str]:
+        """Horovod's attribute: parameter -> the name its reduction carries."""
+        return {p: self._se_names[id(p)] for p in _trainable(self.param_groups)}
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._se_inflight or any(self._se_ready):
+        if self._se_inflight or self._se_sparse_inflight or any(self._se_ready):
             raise CollectiveError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(); gradient allreduces are in flight"
@@ -372,7 +408,9 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         Explicit fusion groups: a number of equal groups, or lists of parameters (each one
         fused allreduce). Replaces the threshold-based buckets.
     sparse_as_dense
-        Accepted for Horovod compatibility (gradients are always dense).
+        Sparse gradients (``nn.Embedding(sparse=True)``) are reduced as dense tensors and
+        handed back sparse; without it (default) each is allgathered with
+        :func:`~spark_estimators.collective.torch.sparse_allreduce_async`, as in Horovod.
     process_set
         Average the gradients among this ``ProcessSet``'s members only (default: every rank).
         On a rank outside the set, ``step()`` applies the local gradients (Horovod's
@@ -450,5 +488,6 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
         _settings.fusion_threshold(fusion_threshold),
         process_set,
         local_only,
+        bool(sparse_as_dense),
     )
     return wrapped
