@@ -19,6 +19,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 N = 1024  # float32 elements per tensor: 4 KiB
 COUNT = 20
+MANY = 100
 LONG_CYCLE = {ev.HOROVOD_CYCLE_TIME: "600000"}  # 10 minutes: only a waiter ends the wait
 
 
@@ -126,6 +127,16 @@ def _fusion_suite() -> dict:
         values = [hvd.synchronize(h)[0].item() for h in hs]
         return values, hvd.join()
 
+    def many(size):
+        """More ops than the vector's first slot count (64): the slots grow for the next step."""
+        ts = [torch.full((size,), float(i)) * (r + 1) for i in range(MANY)]
+        for h in [hvd.allreduce_async_(t, op=hvd.Sum) for t in ts]:
+            hvd.synchronize(h)
+        return [float(t.sum()) / size for t in ts]
+
+    for step in range(2):
+        case(f"many_inline{step}", lambda: many(4))  # 1.6 KiB: inline
+        case(f"many_backend{step}", lambda: many(1000))  # 400 KiB: above the inline limit
     case("joined_backend", lambda: joined(16 * N))  # 640 KiB: above the inline limit
     case("joined_inline", lambda: joined(8))  # 320 bytes: always inline
     hvd.shutdown()
@@ -160,6 +171,19 @@ def test_only_compatible_ops_are_fused(fused):
         assert out["mixed_rounds"] == 4, r
         assert out["numpy"] == [[float(2 * i + 1)] * 7 for i in range(6)], r
         assert out["numpy_rounds"] == 1, r
+
+
+def test_batches_longer_than_the_slots(fused):
+    sums = [3.0 * i for i in range(MANY)]
+    for r, out in enumerate(fused):
+        for step in range(2):
+            assert out[f"many_inline{step}"] == sums, (r, step)
+            assert out[f"many_backend{step}"] == sums, (r, step)
+        # First step: 64 slots, so 64 + 36; then the vectors list all 100.
+        assert out["many_inline0_rounds"] == 2, r
+        assert [out[f"many_{k}_rounds"] for k in ("backend0", "inline1", "backend1")] == [1] * 3
+        assert out["many_inline0_calls"] == out["many_inline1_calls"] == 0, r
+        assert out["many_backend0_calls"] == out["many_backend1_calls"] == 1, r
 
 
 def test_out_of_place_async_leaves_inputs(fused):

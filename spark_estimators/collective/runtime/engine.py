@@ -3,8 +3,9 @@
 Why a thread: asynchronous ops (``allreduce_async_`` from gradient hooks) must run while the
 caller keeps computing, and running every op in submission order keeps the order of ops
 identical on all ranks, which collectives need. A *blocking* op submitted while nothing is
-queued or running is executed directly in the caller's thread (under the same execution lock),
-which saves two thread hand-offs; otherwise it queues behind the ops submitted before it.
+queued is executed directly in the caller's thread (under the same execution lock), which saves
+two thread hand-offs; otherwise it queues behind the ops submitted before it. Likewise a thread
+that waits for a queued op (``synchronize``) runs the queue up to that op itself.
 
 Negotiation (how mismatches become errors instead of hangs): before each op the ranks allgather
 a small int64 vector: op kind, a hash of the op's signature (name, dtype, shapes, reduction,
@@ -52,8 +53,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import logging
-import queue
 import re
 import threading
 import time
@@ -107,7 +108,7 @@ class Agreement:
     payloads: np.ndarray | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Fusion:
     """How an allreduce request is fused with the ones queued behind it.
 
@@ -145,7 +146,8 @@ class Request:
     inline: Callable[[], np.ndarray] | None = None
     #: For allreduces that may be fused with their neighbours in the queue.
     fusion: Fusion | None = None
-    future: Future[Any] = field(default_factory=Future)
+    #: Set by :meth:`Engine.submit` (which returns it).
+    future: Future[Any] = field(init=False, repr=False)
     #: ``perf_counter_ns()`` when it entered the engine's queue (0: run without queueing).
     queued_ns: int = 0
     _hash: int | None = field(default=None, repr=False)
@@ -154,8 +156,23 @@ class Request:
     def signature_hash(self) -> int:
         """:func:`signature_hash` of the signature (computed once)."""
         if self._hash is None:
-            self._hash = signature_hash(self.signature)
+            try:
+                self._hash = _hash_cache.get(self.signature)
+            except TypeError:  # an unhashable signature: no caching
+                self._hash = signature_hash(self.signature)
+            if self._hash is None:
+                self._hash = signature_hash(self.signature)
+                if len(_hash_cache) < _HASH_CACHE_SIZE:
+                    _hash_cache[self.signature] = self._hash
         return self._hash
+
+
+# Training loops repeat the same ops step after step: hash each signature once.
+_hash_cache: dict[tuple[Any, ...], int] = {}
+_HASH_CACHE_SIZE = 65536
+
+
+_PENDING, _RUNNING, _FINISHED = "PENDING", "RUNNING", "FINISHED"  # as Future names them
 
 
 def signature_hash(signature: tuple[Any, ...]) -> int:
@@ -173,29 +190,121 @@ class _Recoverable(SparkEstimatorsError):
 
 
 class _OpFuture(Future[Any]):
-    """A request's future that tells the engine when someone waits for it or polls it.
+    """The future of a submitted op: a light :class:`~concurrent.futures.Future`.
 
-    A waiter ends the engine's cycle wait at once: nothing more is coming from this thread
+    Waiting for a queued op runs it (and the ops queued before it) in the waiting thread when
+    no other thread is running ops: the waiter would only sleep until the engine thread is done,
+    and on a busy machine each of those thread hand-offs costs more than a small op. Otherwise
+    the waiter ends the engine's cycle wait at once: nothing more is coming from this thread
     until the result is there, so holding the queued ops back would only add latency.
+
+    Unlike a plain ``Future`` it has no lock of its own: the engine settles a whole fused batch
+    and then wakes the waiting threads once (per-op locks and wake-ups cost more than the
+    reduction of a small tensor). A submitted op cannot be cancelled (the other ranks count on
+    it), so ``cancel()`` returns False.
     """
 
-    def __init__(self, engine: Engine) -> None:
-        super().__init__()
+    def __init__(self, engine: Engine) -> None:  # no Future.__init__: no per-op Condition
         self._engine = engine
+        self._state = _PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._callbacks: list[Callable[[Future[Any]], object]] = []
+
+    def done(self) -> bool:
+        """True once the op has finished (result or error)."""
+        return self._state == _FINISHED
+
+    def running(self) -> bool:
+        """True while the op runs."""
+        return self._state == _RUNNING
+
+    def cancelled(self) -> bool:
+        """Always False: submitted ops are not cancelled."""
+        return False
+
+    def cancel(self) -> bool:
+        """Refuse: the other ranks count on every submitted op."""
+        return False
+
+    def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
+        """Call ``fn(self)`` when the op finishes (at once if it has)."""
+        # No lock: list append/remove/pop are atomic, and exactly one side takes ``fn`` out.
+        self._callbacks.append(fn)
+        if self._state == _FINISHED:
+            try:
+                self._callbacks.remove(fn)
+            except ValueError:
+                return  # _finish took it
+            fn(self)
+
+    def set_running_or_notify_cancel(self) -> bool:
+        """Mark the op running (the engine calls it)."""
+        self._state = _RUNNING
+        return True
+
+    def set_result(self, result: Any) -> None:
+        """Settle with ``result``; the engine wakes the waiters once per batch."""
+        self._result = result
+        self._finish()
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        """Settle with an error; the engine wakes the waiters once per batch."""
+        self._exception = exception
+        self._finish()
+
+    def _finish(self) -> None:
+        self._state = _FINISHED
+        while self._callbacks:
+            try:
+                fn = self._callbacks.pop(0)
+            except IndexError:
+                break
+            try:
+                fn(self)
+            except Exception:
+                logger.exception("a done callback of a collective op failed")
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._state == _FINISHED:
+            return
+        if timeout is None:
+            self._engine._run_until(self)
+            if self._state == _FINISHED:
+                return
+        engine = self._engine
+        engine._waiting(1)
+        try:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            with engine._done_cv:
+                while self._state != _FINISHED:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise TimeoutError(f"collective op not finished within {timeout} s")
+                    engine._done_cv.wait(left)
+        finally:
+            engine._waiting(-1)
 
     def result(self, timeout: float | None = None) -> Any:
-        if self.done():
-            return super().result(timeout)
-        self._engine._waiting(1)
-        try:
-            return super().result(timeout)
-        finally:
-            self._engine._waiting(-1)
+        """Wait for the op and return its result (raises its error)."""
+        self._wait(timeout)
+        if self._exception is not None:
+            raise self._exception
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the op and return its error, or None."""
+        self._wait(timeout)
+        return self._exception
 
     def flush(self) -> None:
         """Ask the engine to run what is queued now instead of at the end of its cycle."""
-        if not self.done():
+        if self._state != _FINISHED:
             self._engine.flush()
+
+    def __repr__(self) -> str:
+        state = {_PENDING: "pending", _RUNNING: "running", _FINISHED: "finished"}[self._state]
+        return f"<_OpFuture {state}>"
 
 
 class Handle:
@@ -245,19 +354,24 @@ class Engine:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self._queue: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name="se-collective", daemon=True)
         self._round = 0
         self._broken: CollectiveError | None = None
         self._closed = False
         self._names_lock = threading.Lock()
         self._counters: dict[str, int] = {}
-        # Held while an op runs (engine thread or caller); with _pending it keeps the order.
+        # Held while ops run (engine thread or caller). Submitted ops wait in _backlog, in
+        # submission order; only the holder of _exec_lock takes them out, from the front.
         self._exec_lock = threading.Lock()
-        self._pending_lock = threading.Lock()
-        self._pending = 0  # submitted to the queue and not finished
-        # Threads blocked on a result, and the signal that ends the engine's cycle wait early.
+        self._cv = threading.Condition()
+        # Notified after every settled batch (see _OpFuture).
+        self._done_cv = threading.Condition(threading.Lock())
+        self._backlog: deque[Request] = deque()
+        # Threads blocked on a result, polls (flush() calls) so far and the last one the engine
+        # saw (all under _cv), and the signal that ends the engine's cycle wait early.
         self._waiters = 0
+        self._flushes = 0
+        self._flushes_seen = 0
         self._urgent = threading.Event()
         self._negotiation = neg.Negotiation(settings.inline_limit(backend.size))
         #: Seconds a fusable op may wait in the queue for more to fuse with (the cycle time).
@@ -307,38 +421,49 @@ class Engine:
                 f"{request.kind.name.lower()} {request.name!r}: the collective layer was shut "
                 "down; call init() again first"
             )
-        if blocking and self._exec_lock.acquire(blocking=False):
-            try:
-                with self._pending_lock:
-                    idle = self._pending == 0
-                if idle:
+        request.future = _OpFuture(self)
+        if blocking and not self._backlog:
+            # Waiting for the lock is no worse than waiting for the engine thread to run it.
+            with self._exec_lock:
+                if not self._backlog:  # only this lock's holder takes requests out
                     self._run([request])
                     return request.future
-            finally:
-                self._exec_lock.release()
-        request.future = _OpFuture(self)
         request.queued_ns = time.perf_counter_ns()
-        with self._pending_lock:
-            self._pending += 1
-        self._queue.put(request)
+        with self._cv:
+            self._backlog.append(request)
+            self._cv.notify()
         return request.future
 
     def flush(self) -> None:
         """End the current cycle wait: negotiate what is queued now."""
+        with self._cv:
+            self._flushes += 1
         self._urgent.set()
 
     def _waiting(self, delta: int) -> None:
-        with self._pending_lock:
+        with self._cv:
             self._waiters += delta
         if delta > 0:
             self._urgent.set()
+
+    def _run_until(self, future: Future[Any]) -> None:
+        """Run queued ops in this thread, in order, until ``future`` is done.
+
+        When another thread is running ops, this one waits for the lock (no worse than waiting
+        for the future) and then finds the future done or runs the next ops itself.
+        """
+        while not future.done():
+            with self._exec_lock:
+                if future.done() or self._run_next() == 0:
+                    return
 
     def stop(self, timeout: float | None = None) -> bool:
         """Stop the thread after the queued ops; False when it did not stop within ``timeout``."""
         if self._closed:
             return True
         self._closed = True
-        self._queue.put(None)
+        with self._cv:
+            self._cv.notify_all()
         self._urgent.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -346,49 +471,59 @@ class Engine:
 
     # -- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
-        pending: deque[Request] = deque()
-        stopping = False
         while True:
-            if not pending:
-                if stopping:
+            with self._cv:
+                while not self._backlog and not self._closed:
+                    self._cv.wait()
+                if not self._backlog:
                     return
-                request = self._queue.get()
-                if request is None:
-                    return
-                pending.append(request)
-            stopping = self._gather(pending, stopping)
-            done = 1
+            waited_for = self._cycle_wait()
+            with self._cv:
+                head = self._backlog[0] if self._backlog else None
+            if head is None or (waited_for is not None and head is not waited_for):
+                continue  # a waiter ran it meanwhile: the new head gets its own cycle
             with self._exec_lock:
-                try:
-                    done = self._run(self._batch(pending))
-                finally:
-                    for _ in range(done):
-                        pending.popleft()
-                    with self._pending_lock:
-                        self._pending -= done
+                self._run_next()
 
-    def _drain(self, pending: deque[Request]) -> bool:
-        """Move what is queued now into ``pending``; True when the stop marker came."""
+    def _run_next(self) -> int:
+        """Run the next batch of the backlog (the caller holds ``_exec_lock``); how many ran."""
+        with self._cv:
+            if not self._backlog:
+                return 0
+            batch = self._batch(self._backlog)
+        done = 1
+        try:
+            done = self._run(batch)
+        finally:
+            with self._cv:
+                for _ in range(done):
+                    self._backlog.popleft()
+        return done
+
+    def _cycle_wait(self) -> Request | None:
+        """While the head's batch could still grow, wait until no op came for a cycle time.
+
+        Returns the head it waited for (None when it did not wait).
+        """
+        if self.cycle_time <= 0:
+            return None
+        waited_for = None
         while True:
-            try:
-                request = self._queue.get_nowait()
-            except queue.Empty:
-                return False
-            if request is None:
-                return True
-            pending.append(request)
-
-    def _gather(self, pending: deque[Request], stopping: bool) -> bool:
-        """Collect queued requests, waiting out the head's cycle when its batch could grow."""
-        stopping = self._drain(pending) or stopping
-        if not stopping and self.cycle_time > 0 and self._waiters == 0 and self._can_grow(pending):
-            deadline = pending[0].queued_ns / 1e9 + self.cycle_time
-            remaining = deadline - time.perf_counter()
-            if remaining > 0:
-                self._urgent.wait(remaining)
-            stopping = self._drain(pending) or stopping
-        self._urgent.clear()
-        return stopping
+            with self._cv:
+                if not self._backlog or not self._can_grow(self._backlog):
+                    return waited_for
+                head, last = self._backlog[0], self._backlog[-1]
+                # Clear first, then look: a waiter or poll arriving after the look sets it.
+                self._urgent.clear()
+                hurry = self._waiters > 0 or self._flushes != self._flushes_seen or self._closed
+                self._flushes_seen = self._flushes
+            if waited_for is not None and head is not waited_for:
+                return waited_for  # a waiter ran it meanwhile
+            remaining = last.queued_ns / 1e9 + self.cycle_time - time.perf_counter()
+            if hurry or remaining <= 0:
+                return waited_for
+            waited_for = head
+            self._urgent.wait(remaining)
 
     def _batch(self, pending: deque[Request]) -> list[Request]:
         """The head and the queued requests right behind it that it may be fused with."""
@@ -398,13 +533,13 @@ class Engine:
         if fusion is None or self.fusion_threshold <= 0:
             return batch
         total = fusion.nbytes
-        for i in range(1, len(pending)):
-            other = pending[i].fusion
-            if other is None or other.key != fusion.key or len(batch) >= neg.MAX_SLOTS:
+        for request in itertools.islice(pending, 1, neg.MAX_SLOTS):
+            other = request.fusion
+            if other is None or other.key != fusion.key:
                 break
             if total + other.nbytes > self.fusion_threshold:
                 break
-            batch.append(pending[i])
+            batch.append(request)
             total += other.nbytes
         return batch
 
@@ -459,6 +594,8 @@ class Engine:
                 settled.future.set_exception(error)
             else:
                 settled.future.set_result(results[i])
+        with self._done_cv:  # one wake-up for the whole batch
+            self._done_cv.notify_all()
         return len(ran)
 
     def _negotiate_batch(self, batch: list[Request], times: list[int]) -> tuple[int, Agreement]:

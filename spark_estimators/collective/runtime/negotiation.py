@@ -87,14 +87,18 @@ class Negotiation:
         self.slots = MIN_SLOTS
         self._room_wants: deque[int] = deque(maxlen=ROOM_WINDOW)
         self._slot_wants: deque[int] = deque(maxlen=ROOM_WINDOW)
+        # The slot count of the vectors of the round in flight: update() may change
+        # ``slots`` before plan() and payloads() read that round's vectors.
+        self._sent_slots = self.slots
 
     @property
     def payload_offset(self) -> int:
-        """Index of the payload's first int64 in the vector."""
-        return HEADER_LEN + 2 * self.slots
+        """Index of the payload's first int64 in the vectors of the round in flight."""
+        return HEADER_LEN + 2 * self._sent_slots
 
     def empty(self) -> np.ndarray:
-        """A vector with no request (what a joined rank sends)."""
+        """A vector with no request (what a joined rank sends); starts a round."""
+        self._sent_slots = self.slots
         vector = np.zeros(self.payload_offset + self.room // 8, dtype=np.int64)
         vector[LIMIT] = self.limit
         return vector
@@ -144,7 +148,7 @@ class Negotiation:
         if not same.all():
             count = int(np.argmin(same))
         inline = count > 0 and int(rows[:, INLINE].min()) >= count
-        start = HEADER_LEN + self.slots
+        start = HEADER_LEN + self._sent_slots
         numel = int(rows[0, start : start + count].sum())
         return Plan(count=count, inline=inline, numel=numel)
 

@@ -25,7 +25,7 @@ import numpy as np
 from spark_estimators.collective.backends.base import DTYPES, FLOATING_DTYPES, Buffer, ReduceOp
 from spark_estimators.collective.runtime import adasum as _adasum
 from spark_estimators.collective.runtime import engine as eng
-from spark_estimators.collective.runtime.arrays import ArrayOps, scale_array, write_result
+from spark_estimators.collective.runtime.arrays import ArrayOps, write_result
 from spark_estimators.collective.runtime.engine import Agreement, Fusion, Kind, Request
 from spark_estimators.collective.runtime.negotiation import itemsize
 from spark_estimators.collective.runtime.process_sets import global_root
@@ -46,17 +46,16 @@ def _check_scaling(op: ReduceOp, dtype: str, prescale: float, postscale: float, 
             f"op={op.name.title()} on {name!r} is not defined for complex tensors ({dtype}); "
             "use op=Sum or op=Average"
         )
-    if dtype != "bool":
-        # Integers average and scale as in Horovod: in float64, truncated toward zero.
+    if dtype in FLOATING_DTYPES:
         return
     if op is ReduceOp.AVERAGE:
         raise ConfigurationError(
-            f"op=Average on {name!r} needs a numeric dtype, got {dtype}; use op=Sum (logical "
-            "or), op=Min (and) or op=Max (or)"
+            f"op=Average on {name!r} needs a floating dtype, got {dtype}; use op=Sum for integer "
+            "tensors and divide yourself"
         )
     if prescale != 1.0 or postscale != 1.0:
         raise ConfigurationError(
-            f"prescale_factor/postscale_factor on {name!r} need a numeric dtype, got {dtype}"
+            f"prescale_factor/postscale_factor on {name!r} need a floating dtype, got {dtype}"
         )
 
 
@@ -94,12 +93,7 @@ def allreduce(
     if op is ReduceOp.ADASUM:
         return _adasum.submit(engine, ops, inputs, outputs, display, name, shapes, prescale,
                               postscale, blocking)  # fmt: skip
-    native = (
-        op is ReduceOp.AVERAGE
-        and backend.native_average
-        and prescale == postscale == 1.0
-        and dtype in FLOATING_DTYPES  # integers: sum, then scale and truncate as Horovod does
-    )
+    native = op is ReduceOp.AVERAGE and backend.native_average and prescale == postscale == 1.0
     wire_op = ReduceOp.SUM if op is ReduceOp.AVERAGE and not native else op
     post = postscale / backend.size if op is ReduceOp.AVERAGE and not native else postscale
     signature = (Kind.ALLREDUCE.name, name, dtype, device, shapes, op.name, prescale, postscale)
@@ -112,7 +106,7 @@ def allreduce(
             np.asarray(ops.flat_view(inputs[0]) if one else ops.pack(inputs)), copy=True
         )
         if prescale != 1.0:
-            scale_array(data, prescale)
+            np.multiply(data, data.dtype.type(prescale), out=data)
         return data.view(np.uint8)
 
     # The engine sends it inline when it fits the negotiation's current room.
@@ -164,7 +158,7 @@ def allreduce(
     )
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _FusedPart:
     """One allreduce request's share of a fused reduction (see :func:`_run_fused`)."""
 
@@ -194,10 +188,7 @@ def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Any]:
         reduced = _reduce_rows(
             agreement.payloads, first.dtype, total, first.wire_op, backend.size, first.post
         )
-        offset = 0
-        for p in parts:
-            write_result(ops, reduced[offset : offset + p.numel], p.inputs, p.outputs)
-            offset += p.numel
+        ops.unpack(ops.adopt(reduced, first.inputs[0]), outputs)
     else:
         flat = ops.pack([x for p in parts for x in p.inputs])
         if first.prescale != 1.0:
