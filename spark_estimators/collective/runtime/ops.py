@@ -25,7 +25,7 @@ import numpy as np
 from spark_estimators.collective.backends.base import DTYPES, FLOATING_DTYPES, Buffer, ReduceOp
 from spark_estimators.collective.runtime import adasum as _adasum
 from spark_estimators.collective.runtime import engine as eng
-from spark_estimators.collective.runtime.arrays import ArrayOps, write_result
+from spark_estimators.collective.runtime.arrays import ArrayOps, scale_array, write_result
 from spark_estimators.collective.runtime.engine import Agreement, Fusion, Kind, Request
 from spark_estimators.collective.runtime.negotiation import itemsize
 from spark_estimators.collective.runtime.process_sets import global_root
@@ -46,16 +46,17 @@ def _check_scaling(op: ReduceOp, dtype: str, prescale: float, postscale: float, 
             f"op={op.name.title()} on {name!r} is not defined for complex tensors ({dtype}); "
             "use op=Sum or op=Average"
         )
-    if dtype in FLOATING_DTYPES:
+    if dtype != "bool":
+        # Integers average and scale as in Horovod: in float64, truncated toward zero.
         return
     if op is ReduceOp.AVERAGE:
         raise ConfigurationError(
-            f"op=Average on {name!r} needs a floating dtype, got {dtype}; use op=Sum for integer "
-            "tensors and divide yourself"
+            f"op=Average on {name!r} needs a numeric dtype, got {dtype}; use op=Sum (logical "
+            "or), op=Min (and) or op=Max (or)"
         )
     if prescale != 1.0 or postscale != 1.0:
         raise ConfigurationError(
-            f"prescale_factor/postscale_factor on {name!r} need a floating dtype, got {dtype}"
+            f"prescale_factor/postscale_factor on {name!r} need a numeric dtype, got {dtype}"
         )
 
 
@@ -93,7 +94,12 @@ def allreduce(
     if op is ReduceOp.ADASUM:
         return _adasum.submit(engine, ops, inputs, outputs, display, name, shapes, prescale,
                               postscale, blocking)  # fmt: skip
-    native = op is ReduceOp.AVERAGE and backend.native_average and prescale == postscale == 1.0
+    native = (
+        op is ReduceOp.AVERAGE
+        and backend.native_average
+        and prescale == postscale == 1.0
+        and dtype in FLOATING_DTYPES  # integers: sum, then scale and truncate as Horovod does
+    )
     wire_op = ReduceOp.SUM if op is ReduceOp.AVERAGE and not native else op
     post = postscale / backend.size if op is ReduceOp.AVERAGE and not native else postscale
     signature = (Kind.ALLREDUCE.name, name, dtype, device, shapes, op.name, prescale, postscale)
@@ -106,7 +112,7 @@ def allreduce(
             np.asarray(ops.flat_view(inputs[0]) if one else ops.pack(inputs)), copy=True
         )
         if prescale != 1.0:
-            np.multiply(data, data.dtype.type(prescale), out=data)
+            scale_array(data, prescale)
         return data.view(np.uint8)
 
     # The engine sends it inline when it fits the negotiation's current room.
