@@ -19,6 +19,12 @@ outside the storage, also stops someone who can rewrite the metadata. Decisions:
   :class:`~spark_estimators.errors.UnverifiedModelWarning`, unless a key is configured: then it is
   refused, as is any stage without an HMAC (stripping the HMAC must not bypass the key);
 - a signed stage loaded without a key is checked against its SHA-256 only, with a warning.
+
+``write().overwrite().save(path)`` removes an existing ``path`` itself, through the same
+filesystem layer (fsspec) that writes ``stage.pkl``, instead of pyspark's
+``MLWriter._handleOverwrite``, which calls into the JVM session and so fails on a Spark Connect
+client (issue 25). It refuses to remove a filesystem root or the working directory (or one of
+its parents).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from pyspark.ml.util import (
 
 from spark_estimators import envvars
 from spark_estimators._base.versions import installed_pyspark, parse_version
-from spark_estimators.errors import ModelIntegrityError, UnverifiedModelWarning
+from spark_estimators.errors import ConfigurationError, ModelIntegrityError, UnverifiedModelWarning
 
 NOT_SAVED = ("store", "backend")
 BLOB_NAME = "stage.pkl"
@@ -154,6 +160,35 @@ def _metadata_context(io: MLWriter | MLReader) -> Any:
     return io.sparkSession.sparkContext
 
 
+def remove_for_overwrite(path: str) -> None:
+    """Delete ``path`` (a saved stage's directory) before it is written again, if it exists.
+
+    Raises
+    ------
+    ConfigurationError
+        ``path`` is a filesystem root, or the working directory or one of its parents.
+    """
+    import fsspec
+
+    fs, target = fsspec.core.url_to_fs(path)
+    stripped = str(target).rstrip("/")
+    is_local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    if is_local:
+        stripped = os.path.abspath(stripped or "/")
+        cwd = os.path.abspath(os.getcwd())
+        dangerous = stripped == "/" or cwd == stripped or cwd.startswith(stripped + os.sep)
+    else:
+        dangerous = "/" not in stripped.strip("/")  # a bucket or filesystem root
+    if dangerous:
+        raise ConfigurationError(
+            f"refusing to overwrite {path!r}: it is a filesystem root or holds the working "
+            "directory; save the stage into a directory of its own, e.g. "
+            f"{path.rstrip('/') + '/my_model'!r}"
+        )
+    if fs.exists(target):
+        fs.rm(target, recursive=True)
+
+
 class StageWriter(MLWriter):
     """Writes a stage; the stage may define ``_extra_state() -> dict`` for non-param state."""
 
@@ -161,6 +196,10 @@ class StageWriter(MLWriter):
         super().__init__()
         self.instance = instance
         self._key = key
+
+    def _handleOverwrite(self, path: str) -> None:
+        """``overwrite()``: remove ``path`` through fsspec (pyspark's way needs a JVM session)."""
+        remove_for_overwrite(path)
 
     def saveImpl(self, path: str) -> None:
         """Write the JSON metadata and ``stage.pkl`` (other params, the model) with its digest."""

@@ -5,7 +5,9 @@ How it works
 1. Checks in the driver, before any job: columns exist (the message lists the available ones),
    types are supported (strings must be indexed first), ``validation`` is a fraction in [0, 1) or a
    bool/numeric column.
-2. Cache key = the analyzed plan's semantic hash + ``df.inputFiles()`` with sizes and modification
+2. Cache key = the analyzed plan's semantic hash (for plans through ML transformers, whose
+   ScalaUDFs hash by closure identity, a fingerprint of the plan's content instead:
+   :mod:`spark_estimators.data.cache_key`) + ``df.inputFiles()`` with sizes and modification
    times + the preparation params that change the content (columns, validation, seed,
    ``compress_sparse``, ``drop_invalid_rows``) + the store paths. The dataset index is the key's
    first 16 hex digits. If ``{train}.{idx}.metadata.json`` exists, nothing is written and its
