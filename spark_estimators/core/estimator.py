@@ -408,6 +408,9 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
             "val_reader_num_workers": self.getValReaderNumWorkers(),
             "shuffle_buffer_size": self.getShuffleBufferSize(),
             "average_running_stats": self.getAverageRunningStats(),
+            "reader_pool_type": self.getReaderPoolType(),
+            "transformation_edit_fields": self.getTransformationEditFields(),
+            "transformation_removed_fields": self.getTransformationRemovedFields(),
             **start_fields(info),
         }
 

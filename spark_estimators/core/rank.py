@@ -107,6 +107,9 @@ def reader_options(spec: Any, split: str, transformation_fn: Any) -> Any:
         transformation_fn=transformation_fn,
         num_workers=spec.train_reader_num_workers if train else spec.val_reader_num_workers,
         reader=spec.reader,
+        pool_type=spec.reader_pool_type,
+        transform_edit_fields=spec.transformation_edit_fields,
+        transform_removed_fields=spec.transformation_removed_fields,
     )
 
 

@@ -42,3 +42,7 @@ class TrainSpec:
     shuffle_buffer_size: int | None = None  # None: the reader's default; 0: no shuffling
     # Average normalisation running statistics over the ranks when training ends.
     average_running_stats: bool = False
+    # reader='petastorm' only: petastorm's pool and the TransformSpec schema changes.
+    reader_pool_type: str = "thread"
+    transformation_edit_fields: list[Any] | None = None
+    transformation_removed_fields: list[str] | None = None

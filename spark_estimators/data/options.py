@@ -48,6 +48,12 @@ class ReaderOptions:
         slices decoded at once on their own threads (Arrow decodes without the GIL).
     reader
         ``"arrow"`` (ours) or ``"petastorm"``.
+    pool_type, transform_edit_fields, transform_removed_fields
+        petastorm only (horovod's ``reader_pool_type``, ``transformation_edit_fields``,
+        ``transformation_removed_fields``): petastorm's worker pool (``"thread"``, ``"process"``,
+        ``"dummy"``) and the ``TransformSpec`` schema changes of ``transformation_fn``. The default
+        reader decodes on its own threads and lets ``transformation_fn`` add or drop columns
+        freely, so it takes only ``pool_type="thread"`` and no fields.
 
     Examples
     --------
@@ -68,6 +74,9 @@ class ReaderOptions:
     prefetch: int = 2
     num_workers: int = 2
     reader: str = "arrow"
+    pool_type: str = "thread"
+    transform_edit_fields: tuple[Any, ...] | None = None
+    transform_removed_fields: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.columns is not None:
@@ -93,6 +102,14 @@ class ReaderOptions:
             )
         if self.reader not in READERS:
             raise ConfigurationError(f"reader={self.reader!r} is not one of {READERS!r}")
+        for name in ("transform_edit_fields", "transform_removed_fields"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(value))
+        if self.reader == "arrow":
+            check_arrow_reader_settings(
+                self.pool_type, self.transform_edit_fields, self.transform_removed_fields
+            )
 
     def replace(self, **changes: Any) -> ReaderOptions:
         """A copy with ``changes``; an unknown name is a :class:`ConfigurationError`."""
@@ -104,10 +121,34 @@ class ReaderOptions:
         return dataclasses.replace(self, **changes)
 
     def reader_kwargs(self) -> dict[str, Any]:
-        """The fields as keywords of :class:`~spark_estimators.data.reader.BatchReader`."""
+        """The fields as keywords of the reader class that ``reader`` names."""
         out = {f: getattr(self, f) for f in OPTION_NAMES}
         del out["reader"]
+        if self.reader == "arrow":
+            for name in PETASTORM_ONLY:
+                del out[name]
         return out
+
+
+PETASTORM_ONLY = ("pool_type", "transform_edit_fields", "transform_removed_fields")
+
+
+def check_arrow_reader_settings(pool_type: Any, edit_fields: Any, removed_fields: Any) -> None:
+    """Refuse petastorm-only reader options with the default reader, naming the alternative."""
+    if pool_type not in ("thread", None):
+        raise ConfigurationError(
+            f"pool_type={pool_type!r} (horovod's reader_pool_type) needs reader='petastorm'; the "
+            "default reader decodes on its own threads: set num_workers "
+            "(train_reader_num_workers) for its parallelism, or pass reader='petastorm'"
+        )
+    for name, value in (("edit_fields", edit_fields), ("removed_fields", removed_fields)):
+        if value:
+            raise ConfigurationError(
+                f"transform_{name}={value!r} (horovod's transformation_{name}) needs "
+                "reader='petastorm' (a petastorm TransformSpec schema); with the default reader "
+                "transformation_fn may add, change or drop columns freely: remove it, or pass "
+                "reader='petastorm'"
+            )
 
 
 class ReaderKeywords(TypedDict, total=False):
@@ -125,6 +166,9 @@ class ReaderKeywords(TypedDict, total=False):
     prefetch: int
     num_workers: int
     reader: str
+    pool_type: str
+    transform_edit_fields: Sequence[Any] | None
+    transform_removed_fields: Sequence[str] | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ReaderOptions))

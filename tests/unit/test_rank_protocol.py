@@ -92,6 +92,9 @@ def spec_like(**changes):
         train_reader_num_workers=3,
         val_reader_num_workers=1,
         reader="arrow",
+        reader_pool_type="thread",
+        transformation_edit_fields=None,
+        transformation_removed_fields=None,
     )
     fields.update(changes)
     return types.SimpleNamespace(**fields)

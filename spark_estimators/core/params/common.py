@@ -309,19 +309,28 @@ class TrainingParams(DeclaredParams):
 
 
 class HorovodCompatParams(DeclaredParams):
-    """horovod/petastorm keywords accepted only at their defaults (see :data:`UNSUPPORTED`)."""
+    """horovod/petastorm keywords: petastorm's with reader='petastorm', else only defaults.
+
+    See :data:`~spark_estimators.core.params.compat.UNSUPPORTED`.
+    """
 
     readerPoolType = make_param(
-        "readerPoolType", "horovod/petastorm worker pool: only 'thread' (the reader's threads)"
+        "readerPoolType",
+        "petastorm worker pool with reader='petastorm': 'thread', 'process' or 'dummy'; the "
+        "default reader takes only 'thread' (its own threads)",
     )
     mpStartMethod = make_param(
         "mpStartMethod", "horovod compatibility: only None (no multiprocessing pool is used)"
     )
     transformationEditFields = make_param(
-        "transformationEditFields", "petastorm TransformSpec fields; not needed (only None)"
+        "transformationEditFields",
+        "reader='petastorm': TransformSpec edit_fields of transformation_fn, tuples (name, numpy "
+        "dtype, shape, nullable); the default reader needs none (only None)",
     )
     transformationRemovedFields = make_param(
-        "transformationRemovedFields", "petastorm TransformSpec fields; not needed (only None)"
+        "transformationRemovedFields",
+        "reader='petastorm': TransformSpec removed_fields of transformation_fn; the default "
+        "reader needs none (only None)",
     )
     _defaults: ClassVar[dict[str, Any]] = {
         "readerPoolType": "thread",
@@ -329,6 +338,18 @@ class HorovodCompatParams(DeclaredParams):
         "transformationEditFields": None,
         "transformationRemovedFields": None,
     }
+
+    def getReaderPoolType(self) -> str:
+        """Gets the value of ``readerPoolType`` or its default value."""
+        return self.getOrDefault(self.readerPoolType) or "thread"
+
+    def getTransformationEditFields(self) -> list[Any] | None:
+        """Gets the value of ``transformationEditFields`` or its default value."""
+        return self.getOrDefault(self.transformationEditFields)
+
+    def getTransformationRemovedFields(self) -> list[str] | None:
+        """Gets the value of ``transformationRemovedFields`` or its default value."""
+        return self.getOrDefault(self.transformationRemovedFields)
 
 
 class EstimatorParams(

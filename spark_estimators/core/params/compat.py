@@ -94,8 +94,9 @@ UNSUPPORTED: dict[str, tuple[str, Any, str]] = {
     "readerPoolType": (
         "reader_pool_type",
         ("thread", None),
-        "the reader decodes with pyarrow's threads, not a petastorm pool; use "
-        "train_reader_num_workers / val_reader_num_workers to set its parallelism",
+        "the default reader decodes with pyarrow's threads, not a petastorm pool; use "
+        "train_reader_num_workers / val_reader_num_workers to set its parallelism, or "
+        "reader='petastorm' for petastorm's 'thread' / 'process' pool",
     ),
     "mpStartMethod": (
         "mp_start_method",
@@ -106,24 +107,38 @@ UNSUPPORTED: dict[str, tuple[str, Any, str]] = {
     "transformationEditFields": (
         "transformation_edit_fields",
         (None,),
-        "transformation_fn returns a pandas DataFrame whose columns may be added or removed "
-        "freely (no petastorm TransformSpec schema to edit); remove it",
+        "with the default reader transformation_fn returns a pandas DataFrame whose columns may "
+        "be added or removed freely (no petastorm TransformSpec schema to edit); remove it, or "
+        "pass reader='petastorm'",
     ),
     "transformationRemovedFields": (
         "transformation_removed_fields",
         (None,),
-        "transformation_fn may drop columns itself (no petastorm TransformSpec schema to "
-        "edit); remove it",
+        "with the default reader transformation_fn may drop columns itself (no petastorm "
+        "TransformSpec schema to edit); remove it, or pass reader='petastorm'",
     ),
 }
+
+
+# The horovod settings that belong to petastorm: taken as horovod documents them with
+# reader='petastorm' (data/petastorm_reader.py), refused above with the default reader.
+PETASTORM_PARAMS = ("readerPoolType", "transformationEditFields", "transformationRemovedFields")
+PETASTORM_POOL_TYPES = ("thread", "process", "dummy")
 
 
 def check_unsupported(est: Params) -> None:
     """Refuse horovod parameters that have no effect here, naming what to use instead."""
     table = dict(UNSUPPORTED)
     table.update(getattr(est, "_unsupported", {}))
+    petastorm = est.hasParam("reader") and est.getOrDefault("reader") == "petastorm"
+    if petastorm and est.hasParam("readerPoolType"):
+        pool = est.getOrDefault("readerPoolType")
+        if pool not in (*PETASTORM_POOL_TYPES, None):
+            raise ConfigurationError(
+                f"reader_pool_type={pool!r} is invalid: expected one of {PETASTORM_POOL_TYPES!r}"
+            )
     for name, (keyword, allowed, why) in table.items():
-        if not est.hasParam(name):
+        if not est.hasParam(name) or (petastorm and name in PETASTORM_PARAMS):
             continue
         value = est.getOrDefault(name)
         if not _unused(value, allowed):
