@@ -246,6 +246,11 @@ def _parser() -> argparse.ArgumentParser:
         help=f"MiB per fused bucket, sets {ev.FUSION_THRESHOLD}",
     )
     p.add_argument(
+        "--cycle-time-ms",
+        type=float,
+        help=f"milliseconds (fusion of async ops), sets {ev.CYCLE_TIME}",
+    )
+    p.add_argument(
         "--timeline-filename",
         "--timeline",
         help=f"write each rank's collective timeline (Chrome trace) here, sets {ev.TIMELINE}",
@@ -331,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra[ev.COLLECTIVE_TIMEOUT] = str(opts.collective_timeout)
     if opts.fusion_threshold_mb is not None:
         extra[ev.FUSION_THRESHOLD] = str(int(opts.fusion_threshold_mb * 1024 * 1024))
+    if opts.cycle_time_ms is not None:
+        extra[ev.CYCLE_TIME] = str(opts.cycle_time_ms)
     if opts.timeline_filename:
         extra[ev.TIMELINE] = opts.timeline_filename
     if opts.nics:

@@ -48,9 +48,9 @@ UNSUPPORTED: dict[str, str] = {
     ),
     "autotune": (
         "autotuning is not provided; set the fusion threshold with --fusion-threshold-mb "
-        "(SPARK_ESTIMATORS_FUSION_THRESHOLD) and look at the timeline"
+        "(SPARK_ESTIMATORS_FUSION_THRESHOLD) and the cycle time with --cycle-time-ms "
+        "(SPARK_ESTIMATORS_CYCLE_TIME), and look at the timeline"
     ),
-    "cycle_time_ms": "there is no background cycle: each op is negotiated when it is submitted",
     "cache_capacity": "there is no response cache (negotiation is one small allgather)",
     "hierarchical_allreduce": "reductions use the backend's own algorithm",
     "min_np": "elastic training is spark_estimators.run_elastic(fn, min_np=..., max_np=...)",
@@ -160,7 +160,6 @@ _UNSUPPORTED_FLAGS = {
     ("--min-np",): "min_np",
     ("--max-np",): "max_np",
     ("--host-discovery-script",): "host_discovery_script",
-    ("--cycle-time-ms",): "cycle_time_ms",
     ("--cache-capacity",): "cache_capacity",
 }
 _UNSUPPORTED_SWITCHES = {

@@ -95,16 +95,17 @@ def test_cli_sets_the_rank_environment_and_prefixes_output(tmp_path):
 def test_cli_passes_knobs_and_runs_modules(tmp_path):
     (tmp_path / "knobs.py").write_text(
         "import os\n"
-        f"print(os.environ[{ev.COLLECTIVE_TIMEOUT!r}], os.environ[{ev.FUSION_THRESHOLD!r}])\n"
+        f"print(os.environ[{ev.COLLECTIVE_TIMEOUT!r}], os.environ[{ev.FUSION_THRESHOLD!r}], "
+        f"os.environ[{ev.CYCLE_TIME!r}])\n"
     )
     proc = subprocess.run(
         [sys.executable, "-m", "spark_estimators.launch", "-np", "2", "--collective-timeout",
-         "7", "--fusion-threshold-mb", "2", "-m", "knobs"],
+         "7", "--fusion-threshold-mb", "2", "--cycle-time-ms", "3.5", "-m", "knobs"],
         capture_output=True, text=True, timeout=60, cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert sorted(proc.stdout.splitlines()) == ["[0]7.0 2097152", "[1]7.0 2097152"]
+    assert sorted(proc.stdout.splitlines()) == ["[0]7.0 2097152 3.5", "[1]7.0 2097152 3.5"]
 
 
 def test_cli_timeline_filename_reaches_the_ranks(tmp_path):
@@ -142,7 +143,7 @@ def test_cli_takes_horovodruns_flags(tmp_path):
         (["--min-np", "1"], "--min-np is not supported: elastic training is "),
         (["-H", "a:2,b:2"], "-H is not supported: Spark places the ranks"),
         (["--mpi-args=-x A"], "--mpi-args is not supported: there is no mpirun"),
-        (["--cycle-time-ms", "5"], "--cycle-time-ms is not supported: there is no background"),
+        (["--cache-capacity", "5"], "--cache-capacity is not supported: there is no response"),
     ],
 )
 def test_cli_refuses_horovodrun_flags_without_an_equivalent(flags, message):

@@ -60,8 +60,8 @@ def init(
     timeline
         Write this rank's timeline (Chrome trace JSON of every op and its negotiation) to this
         path, ``.rank<N>`` added before the extension (or ``{rank}`` replaced); default
-        ``SPARK_ESTIMATORS_TIMELINE``, else ``HOROVOD_TIMELINE``. See
-        :mod:`spark_estimators.collective.api.timeline`.
+        ``SPARK_ESTIMATORS_TIMELINE``, else ``HOROVOD_TIMELINE`` (``DYNAMIC``: none now, start
+        one later with ``start_timeline``). See :mod:`spark_estimators.collective.api.timeline`.
 
     Raises
     ------

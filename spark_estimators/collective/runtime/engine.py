@@ -28,10 +28,12 @@ vectors of the same length, which the allgather needs; a mismatched op is still 
 header before any data is used.
 
 Fusion (Horovod's tensor fusion and cycle time): asynchronous allreduces queue up while the
-caller keeps submitting. The engine thread takes the oldest queued op and, if it is an allreduce
-that can be fused, waits until ``cycle_time`` has passed since it was submitted
-(``SPARK_ESTIMATORS_CYCLE_TIME`` / ``HOROVOD_CYCLE_TIME``, milliseconds, default 1), or less
-as soon as someone waits for a result (``synchronize``, ``wait``, a blocking op) or polls one.
+caller keeps submitting. While the oldest queued op is an allreduce whose batch could still
+grow, the engine thread waits until no new op has come for ``cycle_time``
+(``SPARK_ESTIMATORS_CYCLE_TIME`` / ``HOROVOD_CYCLE_TIME``, milliseconds, default 1, Horovod's
+default), or less as soon as someone waits for a result (``synchronize``, ``wait``, a blocking
+op) or polls one. (Horovod's thread wakes every cycle; waiting for a quiet cycle instead keeps a
+burst of per-parameter submissions, which takes longer than a cycle in Python, in one round.)
 Then it negotiates the head op together with the allreduces queued right behind it that share
 its dtype, device, reduction and scaling, up to the fusion threshold
 (``SPARK_ESTIMATORS_FUSION_THRESHOLD`` / ``HOROVOD_FUSION_THRESHOLD``, bytes, default 128 MiB;
