@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -276,6 +277,27 @@ def _values_section(hvd, torch, rank: int) -> dict:
     return out
 
 
+FACTOR = float(np.random.RandomState(1234).uniform())  # horovod's scaling tests' factor
+SCALED_DTYPES = ["float16", "float32", "int32", "int64"]
+
+
+def _scaling_base(n: int):
+    import torch
+
+    return torch.empty(n).random_(-100, 100, generator=torch.Generator().manual_seed(1234))
+
+
+def _scaling_section(hvd, torch, rank: int) -> dict:
+    """horovod's allreduce prescale/postscale/average tests, inline (17) and through Gloo (1000)."""
+    out: dict = {}
+    for n, dtype in itertools.product((17, 1000), SCALED_DTYPES):
+        t = _scaling_base(n).to(getattr(torch, dtype))
+        out[n, dtype, "pre"] = hvd.allreduce(t, op=hvd.Sum, prescale_factor=FACTOR).numpy()
+        out[n, dtype, "post"] = hvd.allreduce(t, op=hvd.Sum, postscale_factor=FACTOR).numpy()
+        out[n, dtype, "avg"] = hvd.allreduce(t * (rank + 1), op=hvd.Average).numpy()
+    return out
+
+
 SPARSE_INPUTS = [[[1, 2, 4, 5], [4, 3, 2, 9]], [[1, 3, 4], [4, 7, 9]]]  # horovod's, per rank
 
 
@@ -297,6 +319,15 @@ def _sparse_section(hvd, torch, rank: int) -> dict:
             "grad_is_sparse": model.weight.grad.is_sparse,
             "names": sorted(dist._parameter_names.values()),
         }
+    # horovod's test_synchronize_step_warning: step() after synchronize() warns, in its words
+    model = torch.nn.Linear(1, 1)
+    dist = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.zeros(1, 1)).sum().backward()
+    dist.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.step()
+    out["step_warning"] = [str(w.message) for w in caught]
     # horovod raises its HorovodInternalError (a RuntimeError) for a reducescatter with Adasum
     try:
         hvd.reducescatter(torch.ones(4), op=hvd.Adasum)
@@ -322,6 +353,7 @@ def _suite() -> dict:
         ("grads", _grad_section),
         ("values", _values_section),
         ("sparse", _sparse_section),
+        ("scaling", _scaling_section),
         ("optimizer", lambda hvd, torch, rank: _optimizer_section(hvd, torch, rank, first)),
         ("dtypes", _dtype_section),
     ):
@@ -550,3 +582,30 @@ def test_reducescatter_with_adasum_raises_horovods_error_class(ranks):
     for section in _section(ranks, "sparse"):
         is_internal, message = section["rs_adasum"]
         assert is_internal and "op=Adasum is not supported by reducescatter" in message
+
+
+def test_step_after_synchronize_warns_in_horovods_words(ranks):
+    for section in _section(ranks, "sparse"):
+        (message,) = section["step_warning"]
+        assert "optimizer.step() called without optimizer.skip_synchronize()" in message
+
+
+@pytest.mark.parametrize("n", [17, 1000])
+@pytest.mark.parametrize("dtype", SCALED_DTYPES)
+def test_scaling_and_average_as_in_horovod(ranks, n, dtype):
+    """Horovod scales integers in float64 (truncating), float16 in float32, the rest as is."""
+    import torch
+
+    tdt = getattr(torch, dtype)
+    math_dtype = {"float16": torch.float32, "int32": torch.float64, "int64": torch.float64}
+    work = math_dtype.get(dtype, tdt)
+    x = _scaling_base(n).to(tdt).to(work)
+    factor = torch.tensor(FACTOR, dtype=torch.float64).to(work)
+    pre = ((factor * x).to(tdt).to(work) * SIZE).to(tdt)  # each rank scales, then the sum
+    post = ((SIZE * x) * factor).to(tdt)
+    average = (x * 3 / 2).to(tdt)  # ranks hold x and 2x
+    for r, section in enumerate(_section(ranks, "scaling")):
+        for what, expected in (("pre", pre), ("post", post), ("avg", average)):
+            np.testing.assert_array_equal(
+                section[n, dtype, what], expected.numpy(), err_msg=f"rank {r} {what}"
+            )

@@ -57,10 +57,12 @@ def scale_array(x: np.ndarray, factor: float) -> None:
     """Multiply ``x`` by ``factor`` in place.
 
     Integer arrays are scaled in float64 and truncated toward zero, as Horovod scales integer
-    tensors (``op=Average``, ``prescale_factor``, ``postscale_factor``).
+    tensors (``op=Average``, ``prescale_factor``, ``postscale_factor``); float16 in float32.
     """
     if x.dtype.kind in "iu":
         x[...] = (x * factor).astype(x.dtype)
+    elif x.dtype == np.float16:  # in float32, rounded once (as torch and Horovod on CPU)
+        x[...] = (x.astype(np.float32) * np.float32(factor)).astype(np.float16)
     else:
         np.multiply(x, x.dtype.type(factor), out=x)
 

@@ -226,7 +226,7 @@ def _reduce_rows(
         if op is ReduceOp.AVERAGE:
             out = (out / size).astype(rows.dtype)
     if post != 1.0:
-        out = (out * post).astype(rows.dtype)
+        scale_array(out, post)
     return np.ascontiguousarray(out)
 
 

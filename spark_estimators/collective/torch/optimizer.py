@@ -258,8 +258,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._se_should_sync:
             if self._se_synchronized:
                 warnings.warn(
-                    "optimizer.step() called after optimizer.synchronize() without "
-                    "optimizer.skip_synchronize(): the gradients are reduced twice",
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(): the gradients are reduced twice; wrap step() in "
+                    "`with optimizer.skip_synchronize():`",
                     stacklevel=2,
                 )
             self.synchronize()
