@@ -289,7 +289,7 @@ def test_petastorm_reader_keeps_the_equal_steps_contract(store, rows, size, batc
     pytest.importorskip("petastorm", reason="petastorm runs in its own pinned environment only")
     meta = write_dataset(store, rows, files=4, row_group=7)
     # The dummy pool reads in order, so one epoch covers every row (the thread and process pools
-    # may return a row group late, into the next epoch: tests/petastorm).
+    # may return a row group late, into the next epoch: tests/petastorm_env).
     epoch = read_epoch(store, meta, size, batch_size, reader="petastorm", seed=2, pool_type="dummy")
     reads = Counter()
     # petastorm shards by row group: the steps come from the largest shard, equal on every rank.
