@@ -13,7 +13,9 @@ Design: every rank runs Keras's own ``model.fit`` on its shard (read by our read
 of every step with one fused allreduce inside ``Optimizer.apply``. So users get real Keras
 semantics: compile-time metrics, their callbacks (``EarlyStopping``, ``ModelCheckpoint``,
 ``ReduceLROnPlateau``, ``LearningRateScheduler``, custom ones) and ``History``, with correct
-averaged gradients; ranks stay bitwise identical. ``MultiWorkerMirroredStrategy`` was rejected:
+averaged gradients; the ranks' trainable weights stay bitwise identical (BatchNormalization's
+moving statistics are per rank; ``average_running_stats`` averages them at the end).
+``MultiWorkerMirroredStrategy`` was rejected:
 Keras 3 ``fit`` under it is broken upstream and ``tf_keras`` is not in our stack. The callback
 order that keeps ranks in agreement is documented in :mod:`spark_estimators.keras.remote`.
 
