@@ -361,7 +361,7 @@ class Engine:
         self._broken: CollectiveError | None = None
         self._closed = False
         self._names_lock = threading.Lock()
-        self._counters: dict[str, int] = {}
+        self._counters: dict[str, itertools.count[int]] = {}
         # Held while ops run (engine thread or caller). Submitted ops wait in _backlog, in
         # submission order; only the holder of _exec_lock takes them out, from the front.
         self._exec_lock = threading.Lock()
@@ -406,10 +406,11 @@ class Engine:
 
     def auto_name(self, op: str) -> str:
         """Horovod-style generated name for an unnamed op (``allreduce.noname.3``)."""
-        with self._names_lock:
-            n = self._counters.get(op, 0)
-            self._counters[op] = n + 1
-        return f"{op}.noname.{n}"
+        counter = self._counters.get(op)
+        if counter is None:
+            with self._names_lock:
+                counter = self._counters.setdefault(op, itertools.count())
+        return f"{op}.noname.{next(counter)}"  # next() on a count is atomic
 
     def submit(self, request: Request, blocking: bool = False) -> Future[Any]:
         """Queue ``request``; returns its future.

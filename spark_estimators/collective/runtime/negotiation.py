@@ -72,7 +72,13 @@ class Plan:
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name (numpy has no bfloat16)."""
-    return 2 if dtype == "bfloat16" else int(np.dtype(dtype).itemsize)
+    size = _ITEMSIZES.get(dtype)
+    if size is None:
+        size = _ITEMSIZES[dtype] = 2 if dtype == "bfloat16" else int(np.dtype(dtype).itemsize)
+    return size
+
+
+_ITEMSIZES: dict[str, int] = {}
 
 
 class Negotiation:

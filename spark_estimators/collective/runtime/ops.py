@@ -88,8 +88,12 @@ def allreduce(
             )
     prescale, postscale = float(prescale_factor), float(postscale_factor)
     _check_scaling(op, dtype, prescale, postscale, display)
-    shapes = tuple(ops.shape(x) for x in inputs)
-    numel = sum(_numel(s) for s in shapes)
+    if len(inputs) == 1:
+        shapes: tuple[tuple[int, ...], ...] = (ops.shape(inputs[0]),)
+        numel = _numel(shapes[0])
+    else:
+        shapes = tuple(ops.shape(x) for x in inputs)
+        numel = sum(_numel(s) for s in shapes)
     backend = engine.backend
     if op is ReduceOp.ADASUM:
         return _adasum.submit(engine, ops, inputs, outputs, display, name, shapes, prescale,
@@ -102,9 +106,10 @@ def allreduce(
     )
     wire_op = ReduceOp.SUM if op is ReduceOp.AVERAGE and not native else op
     post = postscale / backend.size if op is ReduceOp.AVERAGE and not native else postscale
-    signature = (Kind.ALLREDUCE.name, name, dtype, device, shapes, op.name, prescale, postscale)
+    op_name = op.name  # an enum's .name is a property: read it once (a hot path)
+    signature = (_ALLREDUCE, name, dtype, device, shapes, op_name, prescale, postscale)
     described = shapes[0] if len(shapes) == 1 else f"{len(shapes)} tensors {list(shapes)}"
-    description = f"{display!r} {dtype} on {device}, shape {described}, op={op.name}"
+    description = f"{display!r} {dtype} on {device}, shape {described}, op={op_name}"
 
     def payload() -> np.ndarray:
         one = len(inputs) == 1 and ops.is_contiguous(inputs[0])
@@ -206,6 +211,7 @@ def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Any]:
     return [p.outputs for p in parts]
 
 
+_ALLREDUCE = Kind.ALLREDUCE.name
 _NUMPY_DTYPES = frozenset(d for d in DTYPES if d != "bfloat16")
 
 

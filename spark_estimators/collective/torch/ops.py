@@ -52,6 +52,10 @@ def _grouped_allreduce_async(
     finish: Any,
     process_set: Any = None,
 ) -> Handle:
+    if len(inputs) == 1:  # allreduce_async_ per tensor (a hot path): nothing to group
+        one = _ops.allreduce(_TORCH, inputs, outputs, op, name, prescale_factor, postscale_factor,
+                             blocking=in_waited_ops(), process_set=process_set)  # fmt: skip
+        return Handle([one], name or "grouped_allreduce", finish)
     futures: list[Future[Any]] = []
     groups = dtype_device_groups(inputs)
     for g, idx in enumerate(groups):
