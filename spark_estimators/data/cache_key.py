@@ -5,21 +5,26 @@ times (so rewritten source files are not served stale), the preparation params t
 content and the store paths (see :mod:`spark_estimators.data.prepare`).
 
 The plan's fingerprint (:func:`plan_fingerprint`) is its semantic hash, except where that hash
-changes between two DataFrames built the same way, which is the case for every plan through an ML
-transformer: VectorAssembler, StringIndexerModel, StandardScalerModel, ... compute their column
-with a ScalaUDF, and a ScalaUDF's hash is its closure object's identity, new at every
-``transform``. Such plans get a fingerprint of their content instead (issue 25):
+changes between two DataFrames built the same way (issue 25):
+
+- every plan through an ML transformer: VectorAssembler, StringIndexerModel,
+  StandardScalerModel, ... compute their column with a ScalaUDF, and a ScalaUDF's hash is its
+  closure object's identity, new at every ``transform``;
+- every plan that reads files, in another driver process: a file relation's hash includes its
+  file format's JVM identity hash, so a new driver never found the dataset an earlier one wrote.
+
+Such plans get a fingerprint of their content instead:
 
 - classic sessions: the canonicalized analyzed plan as JSON (complete, never truncated; the JVM's
   id removed, so another driver process gets the same), each ScalaUDF's function by the sha256
   of its Java serialization (so a scaler fitted on other data, or an indexer with other labels,
   differs), and each leaf (a file relation by format, options, root paths and schemas; others
   by semantic hash: local data by content, an RDD-backed leaf by the RDD's id, so such plans are
-  not reused). A plan with
-  another opaque part (an expression the JSON cannot show, e.g. a Python UDF or a subquery)
-  keeps the semantic hash.
-- Spark Connect: the plan the client sends (its protobuf) without its plan ids and stage uids:
-  a transformer's name and params, the input's paths and options, local data by content. A
+  not reused). A plan with another opaque part (an expression the JSON cannot show, e.g. a
+  Python UDF or a subquery) keeps the semantic hash.
+- Spark Connect (plans with an ML transformer or a file source): the plan the client sends (its
+  protobuf) without its plan ids and stage uids: a transformer's name and params, the input's
+  format, paths and options, local data by content. A
   fitted model is referenced by its server-side id, so a refitted model misses (a new dataset),
   never hits wrongly. Plans that name tables, views or SQL keep the server's semantic hash, since
   the name alone does not say what it reads.
@@ -69,12 +74,12 @@ def compute_cache_key(df: Any, params: dict[str, Any], store: StoreBase) -> str:
 def plan_fingerprint(df: Any) -> Any:
     """What identifies ``df``'s plan: its semantic hash, or its content (see the module doc).
 
-    An int (the semantic hash, as before issue 25, so datasets prepared then are still found)
-    or a dict for plans through ML transformers.
+    An int (the semantic hash) for plans it is stable for (``spark.range``, local data), or a
+    dict for plans through ML transformers or reading files (see the module docstring).
     """
     try:
         if getattr(df, "_jdf", None) is not None:
-            content = _classic_udf_plan(df)
+            content = _classic_content_plan(df)
         else:
             content = _connect_ml_plan(df)
     except Exception as exc:  # noqa: BLE001 - any surprise: the semantic hash is always safe
@@ -83,11 +88,13 @@ def plan_fingerprint(df: Any) -> Any:
     return content if content is not None else int(df.semanticHash())
 
 
-def _classic_udf_plan(df: Any) -> dict[str, Any] | None:
+def _classic_content_plan(df: Any) -> dict[str, Any] | None:
     plan = df._jdf.queryExecution().analyzed().canonicalized()
     text = str(plan.toJSON())
-    if f'"{_SCALA_UDF}"' not in text:
-        return None  # no ScalaUDF: the semantic hash is stable
+    leaves = plan.collectLeaves()
+    leaf_list = [leaves.apply(i) for i in range(leaves.size())]
+    if f'"{_SCALA_UDF}"' not in text and not any(map(_is_file_relation, leaf_list)):
+        return None  # neither a ScalaUDF nor a file relation: the semantic hash is stable
     nodes = json.loads(text)
     for node in nodes:
         if node.get("num-children", 0) and _opaque(node):
@@ -97,12 +104,18 @@ def _classic_udf_plan(df: Any) -> dict[str, Any] | None:
         hashlib.sha256(bytes(jvm.org.apache.spark.util.Utils.serialize(udf.function()))).hexdigest()
         for udf in _scala_udfs(plan)
     ]
-    leaves = plan.collectLeaves()
     return {
         "plan_json": hashlib.sha256(_JVM_ID_RE.sub("", text).encode()).hexdigest(),
         "udf_functions": functions,
-        "leaves": [_leaf_fingerprint(leaves.apply(i)) for i in range(leaves.size())],
+        "leaves": [_leaf_fingerprint(leaf) for leaf in leaf_list],
     }
+
+
+def _is_file_relation(leaf: Any) -> bool:
+    return bool(
+        leaf.getClass().getName().endswith(".LogicalRelation")
+        and leaf.relation().getClass().getName().endswith(".HadoopFsRelation")
+    )
 
 
 def _leaf_fingerprint(leaf: Any) -> Any:
@@ -113,17 +126,16 @@ def _leaf_fingerprint(leaf: Any) -> Any:
     (which files and their sizes and times are in the key already). Other leaves by their
     semantic hash: local data by content, an RDD by its id (never reused wrongly).
     """
-    if leaf.getClass().getName().endswith(".LogicalRelation"):
+    if _is_file_relation(leaf):
         relation = leaf.relation()
-        if relation.getClass().getName().endswith(".HadoopFsRelation"):
-            return [
-                str(relation.fileFormat().getClass().getName()),
-                str(relation.options().toString()),
-                str(relation.location().rootPaths().toString()),
-                str(relation.dataSchema().json()),
-                str(relation.partitionSchema().json()),
-                str(relation.bucketSpec().toString()),
-            ]
+        return [
+            str(relation.fileFormat().getClass().getName()),
+            str(relation.options().toString()),
+            str(relation.location().rootPaths().toString()),
+            str(relation.dataSchema().json()),
+            str(relation.partitionSchema().json()),
+            str(relation.bucketSpec().toString()),
+        ]
     return int(leaf.semanticHash())
 
 
@@ -172,8 +184,8 @@ def _connect_ml_plan(df: Any) -> dict[str, Any] | None:
     if plan is None or session is None:
         return None
     proto = plan.to_proto(session.client)
-    if not _has_field(proto, "ml_relation"):
-        return None  # no ML transformer: the semantic hash is stable
+    if not (_has_field(proto, "ml_relation") or _has_field(proto, "data_source")):
+        return None  # neither an ML transformer nor files: the server's hash is stable
     if any(_has_field(proto, name) for name in _NAMED_RELATIONS):
         return None
     _strip_ids(proto)

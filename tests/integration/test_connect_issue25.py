@@ -44,5 +44,7 @@ def test_equal_pipelines_reuse_the_prepared_dataset(result):
     first, second = cache["semantic_hashes"]
     assert first != second  # the premise: the server's hash differs for equal pipelines
     assert cache["again"] == cache["first"] != cache["other"]
-    assert sorted(cache["datasets"]) == sorted({cache["first"], cache["other"]})
+    plain, again = cache["plain"]
+    assert plain == again  # a plain file read too
+    assert sorted(cache["datasets"]) == sorted({cache["first"], cache["other"], plain})
     assert cache["rows"] == 40

@@ -87,22 +87,29 @@ def test_rdd_backed_data_through_a_transformer_is_never_served_stale(spark):
     assert plan_fingerprint(build(1.0)) != plan_fingerprint(build(5.0))
 
 
+def plain(spark, path):
+    return spark.read.parquet(path).filter("a >= 0").select("a", "b", "y")
+
+
 def test_a_new_driver_process_computes_the_same_fingerprint(spark, tmp_path):
+    # A file relation's semanticHash differs in every driver process (its format's JVM identity
+    # hash): prepared data was never found by a new driver, with or without transformers.
     source = str(tmp_path / "source")
     write_source(spark, source)
-    here = plan_fingerprint(assembled(spark, source))
-    assert isinstance(here, dict)
+    here = [plan_fingerprint(assembled(spark, source)), plan_fingerprint(plain(spark, source))]
+    assert all(isinstance(fp, dict) for fp in here)
     script = textwrap.dedent(
         f"""
         import json, sys
         from pyspark.sql import SparkSession
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_prepare_cache_pipelines import assembled
+        from test_prepare_cache_pipelines import assembled, plain
         from spark_estimators.data.cache_key import plan_fingerprint
         spark = (SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
                  .config("spark.driver.host", "127.0.0.1").getOrCreate())
         try:
-            print("FP " + json.dumps(plan_fingerprint(assembled(spark, {source!r}))))
+            fps = [plan_fingerprint(f(spark, {source!r})) for f in (assembled, plain)]
+            print("FP " + json.dumps(fps))
         finally:
             spark.stop()
         """
@@ -113,3 +120,6 @@ def test_a_new_driver_process_computes_the_same_fingerprint(spark, tmp_path):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FP ")]
     assert lines, proc.stderr[-3000:]
     assert json.loads(lines[0][3:]) == here
+    # and a changed plan on the same files is another fingerprint
+    other = spark.read.parquet(source).filter("a >= 1").select("a", "b", "y")
+    assert plan_fingerprint(other) != here[1]

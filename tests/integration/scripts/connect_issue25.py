@@ -55,7 +55,12 @@ def cache_step(spark, tmp: str) -> dict:
     first = prepare_data(2, store, assembled(["a", "b"]), ["features"], ["y"])
     again = prepare_data(2, store, assembled(["a", "b"]), ["features"], ["y"])
     other = prepare_data(2, store, assembled(["a", "c"]), ["features"], ["y"])
+    plain = [
+        prepare_data(2, store, spark.read.parquet(source).filter("a > 3"), ["a"], ["y"])
+        for _ in range(2)
+    ]
     return {
+        "plain": [meta.dataset_idx for meta in plain],
         "semantic_hashes": [assembled(["a", "b"]).semanticHash() for _ in range(2)],
         "first": first.dataset_idx,
         "again": again.dataset_idx,
