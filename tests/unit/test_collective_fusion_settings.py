@@ -104,3 +104,15 @@ def test_slots_and_room_grow_from_the_gathered_wishes_and_agree():
     assert [s.room for s in sides] == [512, 512]  # 64 x 8 bytes: the fixed room already fits
     # The plan still reads the round that was sent with 64 slots.
     assert sides[0].plan(vectors, [0, 1]).count == neg.MIN_SLOTS
+    # Rounds of single ops (blocking allreduces, metrics) do not shrink the slots...
+    for _ in range(2 * neg.ROOM_WINDOW):
+        single = np.stack([side.vector([_request((2,))]) for side in sides])
+        for side in sides:
+            side.update(single)
+    assert [s.slots for s in sides] == [100, 100]
+    # ... rounds that fuse fewer ops do, after a window of them.
+    for _ in range(neg.ROOM_WINDOW):
+        pair = np.stack([side.vector([_request((2,)), _request((2,))]) for side in sides])
+        for side in sides:
+            side.update(pair)
+    assert [s.slots for s in sides] == [neg.MIN_SLOTS] * 2

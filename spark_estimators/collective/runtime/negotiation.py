@@ -26,7 +26,8 @@ The sizes of the slots and the payload are the same on every rank (the allgather
 lengths): each round's vectors carry every rank's wishes, and every rank computes the next sizes
 from them alone. The payload room follows the largest inline-able batch of the last
 ``ROOM_WINDOW`` rounds (at least ``INLINE_BYTES``, at most the inline limit); the slot count
-follows the longest batch of those rounds (``MIN_SLOTS`` .. ``MAX_SLOTS``).
+follows the longest batch of the last ``ROOM_WINDOW`` rounds that had more than one op to fuse
+(``MIN_SLOTS`` .. ``MAX_SLOTS``), so blocking ops between two training steps do not shrink it.
 """
 
 from __future__ import annotations
@@ -164,5 +165,7 @@ class Negotiation:
         wants = [int(w) for w in vectors[:, WANT] if 0 < w <= limit]
         self._room_wants.append(max(wants, default=0))
         self.room = max(INLINE_BYTES, -(-max(self._room_wants) // 8) * 8)
-        self._slot_wants.append(int(vectors[:, SLOTS_WANT].max()))
-        self.slots = min(MAX_SLOTS, max(MIN_SLOTS, max(self._slot_wants)))
+        wanted = int(vectors[:, SLOTS_WANT].max())
+        if wanted > 1:  # rounds of single ops (blocking ones, metrics) leave the slots as they are
+            self._slot_wants.append(wanted)
+            self.slots = min(MAX_SLOTS, max(MIN_SLOTS, max(self._slot_wants)))
