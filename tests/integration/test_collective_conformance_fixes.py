@@ -328,6 +328,13 @@ def _sparse_section(hvd, torch, rank: int) -> dict:
         warnings.simplefilter("always")
         dist.step()
     out["step_warning"] = [str(w.message) for w in caught]
+    # horovod's test_horovod_grouped_allreduce_cpu_gpu_error: tensors on two devices are refused
+    # before anything is sent ("meta" stands in for a GPU here)
+    try:
+        hvd.grouped_allreduce([torch.ones(2), torch.ones(2, device="meta")])
+        out["two_devices"] = None
+    except RuntimeError as exc:
+        out["two_devices"] = (isinstance(exc, hvd.HorovodInternalError), str(exc))
     # horovod raises its HorovodInternalError (a RuntimeError) for a reducescatter with Adasum
     try:
         hvd.reducescatter(torch.ones(4), op=hvd.Adasum)
@@ -609,3 +616,9 @@ def test_scaling_and_average_as_in_horovod(ranks, n, dtype):
             np.testing.assert_array_equal(
                 section[n, dtype, what], expected.numpy(), err_msg=f"rank {r} {what}"
             )
+
+
+def test_grouped_allreduce_refuses_tensors_on_two_devices(ranks):
+    for section in _section(ranks, "sparse"):
+        is_internal, message = section["two_devices"]
+        assert is_internal and "mixes CPU and GPU tensors" in message

@@ -111,7 +111,11 @@ class TorchOps:
 
     def scale_(self, x: torch.Tensor, factor: float) -> None:
         """Multiply ``x`` by ``factor`` in place (integers in float64, truncated, as Horovod)."""
-        if x.is_floating_point() or x.is_complex():
+        if x.is_cuda and x.dtype == torch.float16:
+            # Horovod's GPU kernels take the factor in the tensor's dtype (its test_torch.py
+            # scaling tests check it); on CPU torch computes in float32, as Horovod does there.
+            x.mul_(torch.tensor(factor, dtype=x.dtype, device=x.device))
+        elif x.is_floating_point() or x.is_complex():
             x.mul_(factor)
         else:
             x.copy_(x.to(torch.float64).mul_(factor))  # the cast back truncates toward zero

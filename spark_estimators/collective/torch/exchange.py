@@ -139,6 +139,21 @@ def broadcast(
     return broadcast_async(tensor, root_rank, name, process_set).wait()  # type: ignore[no-any-return]
 
 
+def _split_list(splits: Any) -> list[int] | None:
+    """``splits`` (a list, or a tensor on any device) as a list of ints."""
+    if splits is None:
+        return None
+    if isinstance(splits, torch.Tensor):
+        splits = splits.detach().cpu()
+    return [int(s) for s in np.asarray(splits).reshape(-1)]
+
+
+def _received_splits(received: Any, splits: Any) -> torch.Tensor:
+    """Rows received from each rank, int32, on ``splits``' device (CPU for a list), as Horovod."""
+    out = torch.from_numpy(np.asarray(received, dtype=np.int32))
+    return out.to(splits.device) if isinstance(splits, torch.Tensor) else out
+
+
 def alltoall_async(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
@@ -147,14 +162,14 @@ def alltoall_async(
 ) -> Handle:
     """Start an alltoall; see :func:`alltoall`."""
     t = as_tensor(tensor, "alltoall_async")
-    split_list = None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
+    split_list = _split_list(splits)
     future = _ops.alltoall(_TORCH, t, split_list, name, in_waited_ops(), process_set)
 
     def finish(results: list[Any]) -> Any:
         out, received = results[0]
         if splits is None:
             return out
-        return out, torch.from_numpy(np.asarray(received, dtype=np.int32))
+        return out, _received_splits(received, splits)
 
     return Handle([future], name or "alltoall", finish)
 
@@ -165,14 +180,14 @@ class _AlltoallFunction(torch.autograd.Function):
     def forward(
         ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any
     ) -> Any:
-        split_list = None if splits is None else [int(s) for s in np.asarray(splits).reshape(-1)]
+        split_list = _split_list(splits)
         future = _ops.alltoall(_TORCH, tensor.detach(), split_list, name, True, process_set)
         out, received = future.result()
         # Horovod: the gradient goes back with the received splits (also after an even split).
         ctx.received, ctx.process_set = [int(n) for n in received], process_set
         if splits is None:
             return out
-        received_splits = torch.from_numpy(np.asarray(received, dtype=np.int32))
+        received_splits = _received_splits(received, splits)
         ctx.mark_non_differentiable(received_splits)
         return out, received_splits
 

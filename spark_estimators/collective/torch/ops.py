@@ -29,6 +29,7 @@ from spark_estimators.collective.torch.arrays import (  # noqa: F401  waited_ops
     waited_ops,
 )
 from spark_estimators.collective.torch.compression import Compression, Compressor
+from spark_estimators.errors import CollectiveError
 
 
 def synchronize(handle: Handle) -> Any:
@@ -52,6 +53,12 @@ def _grouped_allreduce_async(
     finish: Any,
     process_set: Any = None,
 ) -> Handle:
+    if len({t.device.type for t in inputs}) > 1:
+        # Horovod refuses this too (its test_horovod_grouped_allreduce_cpu_gpu_error).
+        raise CollectiveError(
+            f"grouped allreduce {name or ''!r} mixes CPU and GPU tensors; move them to one device "
+            "or call grouped_allreduce once per device"
+        )
     if len(inputs) == 1:  # allreduce_async_ per tensor (a hot path): nothing to group
         one = _ops.allreduce(_TORCH, inputs, outputs, op, name, prescale_factor, postscale_factor,
                              blocking=in_waited_ops(), process_set=process_set)  # fmt: skip
