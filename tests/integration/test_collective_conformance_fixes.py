@@ -269,6 +269,10 @@ def _values_section(hvd, torch, rank: int) -> dict:
     out["grouped_reducescatter"] = [s.numpy() for s in scattered]
     handle = hvd.grouped_reducescatter_async([torch.arange(4.0) * (rank + 1)])
     out["grouped_reducescatter_async"] = hvd.synchronize(handle)[0].numpy()
+    import spark_estimators.collective as core  # the numpy API goes through the same backend
+
+    out["numpy_int16"] = core.allgather(np.full(2, rank + 1, np.int16))
+    out["numpy_uint16_sum"] = core.allreduce(np.full(300, 60000, np.uint16), op=core.Sum)
     sparse = torch.sparse_coo_tensor([[rank, 2]], [1.0 + rank, 10.0], (4,))
     handle = hvd.sparse_allreduce_async(sparse, name="sparse", op=hvd.Average)
     out["sparse"] = handle().to_dense().numpy()
@@ -622,3 +626,11 @@ def test_grouped_allreduce_refuses_tensors_on_two_devices(ranks):
     for section in _section(ranks, "sparse"):
         is_internal, message = section["two_devices"]
         assert is_internal and "mixes CPU and GPU tensors" in message
+
+
+def test_numpy_api_takes_the_dtypes_gloo_lacks(ranks):
+    for values in _section(ranks, "values"):
+        np.testing.assert_array_equal(values["numpy_int16"], np.array([1, 1, 2, 2], np.int16))
+        assert values["numpy_int16"].dtype == np.int16
+        # 600 bytes: past the inline room, so through Gloo; 120000 wraps around to 54464
+        np.testing.assert_array_equal(values["numpy_uint16_sum"], np.full(300, 54464, np.uint16))
