@@ -112,7 +112,8 @@ class _Epoch:
                     outputs, matched = losses.transform_outputs(model(*inputs), labels)
                     loss = self.loss_fn(outputs, matched, weights)
                     if train:
-                        loss.backward()
+                        # horovod's estimator divides by k: the k passes' gradients are a mean.
+                        (loss / k if k > 1 else loss).backward()
                         if (step + 1) % k == 0:
                             self.optimizer.step()
                             self.optimizer.zero_grad()

@@ -33,7 +33,7 @@ def _model():
 
 def test_more_passes_per_step_than_steps_per_epoch(spark, tmp_path):
     # Equal rows: every pass has the same gradient whichever rows a rank holds or repeats, so
-    # the result is exact: one optimizer step per epoch with the sum of 3 passes.
+    # the result is exact: one optimizer step per epoch with the mean of 3 passes' gradients.
     df = spark.createDataFrame([(Vectors.dense(X), Y)] * 4, ["features", "y"])
     model = _model()
     est = TorchEstimator(
@@ -58,9 +58,9 @@ def test_more_passes_per_step_than_steps_per_epoch(spark, tmp_path):
     losses = []
     for _ in range(EPOCHS):
         opt.zero_grad()
-        for _ in range(3):  # local accumulation, not divided by 3 (horovod's sum)
+        for _ in range(3):  # local accumulation of loss / 3, as horovod's estimator
             loss = torch.nn.functional.mse_loss(reference(x), y)
-            loss.backward()
+            (loss / 3).backward()
         losses.append(float(loss.detach()))
         opt.step()
     got = fitted.getModel().state_dict()
@@ -99,7 +99,7 @@ def test_steps_not_a_multiple_of_the_passes_round_up(spark, tmp_path):
     for _ in range(3):
         opt.zero_grad()
         for _ in range(2):
-            torch.nn.functional.mse_loss(reference(x), y).backward()
+            (torch.nn.functional.mse_loss(reference(x), y) / 2).backward()
         opt.step()
     got = fitted.getModel().state_dict()
     for name, want in reference.state_dict().items():
