@@ -486,7 +486,10 @@ class Engine:
             if head is None or (waited_for is not None and head is not waited_for):
                 continue  # a waiter ran it meanwhile: the new head gets its own cycle
             with self._exec_lock:
-                self._run_next()
+                with self._cv:
+                    current = self._backlog[0] if self._backlog else None
+                if current is head:  # else a waiter ran it while this thread waited for the lock
+                    self._run_next()
 
     def _run_next(self) -> int:
         """Run the next batch of the backlog (the caller holds ``_exec_lock``); how many ran."""
