@@ -53,7 +53,7 @@ def _grouped_allreduce_async(
     finish: Any,
     process_set: Any = None,
 ) -> Handle:
-    if len({t.device.type for t in inputs}) > 1:
+    if len(inputs) > 1 and len({t.device.type for t in inputs}) > 1:
         # Horovod refuses this too (its test_horovod_grouped_allreduce_cpu_gpu_error).
         raise CollectiveError(
             f"grouped allreduce {name or ''!r} mixes CPU and GPU tensors; move them to one device "
