@@ -59,7 +59,8 @@ COLLECTIVE_TIMEOUT = PREFIX + "COLLECTIVE_TIMEOUT"
 RUN_LOCK_TIMEOUT = PREFIX + "RUN_LOCK_TIMEOUT"
 HOST_HASH_SALT = PREFIX + "HOST_HASH_SALT"
 FUSION_THRESHOLD = PREFIX + "FUSION_THRESHOLD"
-#: Milliseconds a queued async allreduce may wait for more ops to fuse with (Horovod's cycle).
+#: Horovod's cycle time: queued async allreduces are fused and run once no new op has come for
+#: this many milliseconds (or at once when a thread waits for one); see runtime/engine.py.
 CYCLE_TIME = PREFIX + "CYCLE_TIME"
 INLINE_LIMIT = PREFIX + "INLINE_LIMIT"
 MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"

@@ -185,7 +185,7 @@ def fusion_threshold(threshold: int | None = None) -> int:
 
 
 def cycle_time(milliseconds: float | None = None) -> float:
-    """Milliseconds a queued async allreduce may wait for more ops to fuse with.
+    """Milliseconds without a new op after which queued async allreduces are fused and run.
 
     The argument, else ``SPARK_ESTIMATORS_CYCLE_TIME``, else Horovod's ``HOROVOD_CYCLE_TIME``,
     else 1 (Horovod's default). 0 fuses only what is already queued when the engine looks. The
