@@ -123,3 +123,11 @@ def test_sparse_allreduce_async_refuses_a_dense_tensor():
 
     with pytest.raises(ConfigurationError, match="sparse COO"):
         hvd.sparse_allreduce_async(torch.ones(2), name="dense")
+
+
+def test_horovods_mpi_ops_import_path_has_every_name():
+    import spark_estimators.collective.torch as hvd
+    from spark_estimators.collective.torch import mpi_ops
+
+    assert mpi_ops.synchronize is hvd.synchronize  # horovod's test_adasum_pytorch imports it so
+    assert set(HOROVOD_TORCH_NAMES) - {"elastic"} <= set(mpi_ops.__all__) | {"elastic"}
