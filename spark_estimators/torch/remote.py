@@ -23,7 +23,9 @@ from spark_estimators.core import checkpoint
 from spark_estimators.core import rank as protocol
 from spark_estimators.core.batches import BatchConverter, epoch_batches
 from spark_estimators.core.spec import TrainSpec
+from spark_estimators.errors import ConfigurationError
 from spark_estimators.torch import losses, serialization
+from spark_estimators.torch.callbacks import scale_learning_rates
 from spark_estimators.torch.running_stats import average_running_stats
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -108,6 +110,7 @@ class _Epoch:
                     args = (losses.transform_outputs, self.loss_fn, inputs, labels, weights)
                     out, loss = user.train_minibatch_fn(model, self.optimizer, *args)
                     outputs = losses.as_list(out)
+                    _call(user.callbacks, "on_train_batch_end", step, {})
                 else:
                     outputs, matched = losses.transform_outputs(model(*inputs), labels)
                     loss = self.loss_fn(outputs, matched, weights)
@@ -117,6 +120,7 @@ class _Epoch:
                         if (step + 1) % k == 0:
                             self.optimizer.step()
                             self.optimizer.zero_grad()
+                            _call(user.callbacks, "on_train_batch_end", step, {})
             if train:
                 self.first_batch()
             with torch.no_grad():
@@ -128,14 +132,27 @@ class _Epoch:
         return protocol.average_over_ranks(sums)
 
 
+def _callback_state(cb: Any) -> Any:
+    state_dict = getattr(cb, "state_dict", None)
+    return state_dict() if callable(state_dict) else None
+
+
 def _save_checkpoint(
-    spec: TorchTrainSpec, model: Any, optimizer: Any, epoch: int, history: list[Any], size: int
+    spec: TorchTrainSpec,
+    model: Any,
+    optimizer: Any,
+    callbacks: list[Any],
+    epoch: int,
+    history: list[Any],
+    size: int,
 ) -> None:
     import torch
 
     ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
     buf = io.BytesIO()
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    # Callbacks with state (a LearningRateScheduler's schedule) go on where they stopped.
+    state["callbacks"] = [_callback_state(cb) for cb in callbacks]
     torch.save({**state, "epoch": epoch, "size": size, "history": history}, buf)
     spec.store.write_bytes_atomic(ckpt, buf.getvalue())
     # Written second: an info file always names a complete checkpoint.
@@ -144,7 +161,7 @@ def _save_checkpoint(
 
 
 def _restore(
-    spec: TorchTrainSpec, model: Any, optimizer: Any, device: Any, size: int
+    spec: TorchTrainSpec, model: Any, optimizer: Any, callbacks: list[Any], device: Any, size: int
 ) -> tuple[int, list[dict[str, Any]]]:
     """Rank 0 on hot-start: load ``checkpoint.pt``; returns (start epoch, history)."""
     ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
@@ -153,14 +170,18 @@ def _restore(
     )
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    saved = state.get("callbacks") or []
+    if len(saved) == len(callbacks):
+        for cb, cb_state in zip(callbacks, saved, strict=True):
+            if cb_state is not None and hasattr(cb, "load_state_dict"):
+                cb.load_state_dict(cb_state)
     start_epoch, history = spec.start_epoch, list(spec.history)
     if int(state.get("epoch", -1)) >= start_epoch and "history" in state:
         # Rank 0 died between writing checkpoint.pt and checkpoint.json: the weights are a newer
         # epoch's than the info file says; go on after that epoch, not repeat it.
         start_epoch, history = int(state["epoch"]) + 1, list(state["history"])
     factor = protocol.lr_rescale(spec.scale_lr, int(state.get("size", size)), size)
-    for group in optimizer.param_groups:
-        group["lr"] = group["lr"] * factor
+    scale_learning_rates(optimizer, callbacks, factor)
     return start_epoch, history
 
 
@@ -184,15 +205,22 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
         torch.manual_seed(spec.seed)
     user: UserObjects = cloudpickle.loads(spec.user_blob)
     model, optimizer = serialization.unpack(user.model, user.optimizer)
+    for cb in user.callbacks:
+        if getattr(cb, "optimizer", optimizer) is not optimizer:
+            raise ConfigurationError(
+                f"callback {type(cb).__name__} steps another optimizer than the estimator's "
+                "(with a TorchScript model the optimizer is rebuilt on the rank): schedule the "
+                "learning rate with a LearningRateScheduler on the optimizer given as optimizer="
+                " and a plain torch.nn.Module model"
+            )
     model = model.to(device)
     loss_fn = losses.LossFn(user.losses, spec.loss_weights, weighted=bool(spec.sample_weight_col))
     if spec.scale_lr:
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * size
+        scale_learning_rates(optimizer, user.callbacks, float(size))
     history, start_epoch = list(spec.history), spec.start_epoch
     if spec.start_epoch > 0:
         if rank == 0:
-            start_epoch, history = _restore(spec, model, optimizer, device, size)
+            start_epoch, history = _restore(spec, model, optimizer, user.callbacks, device, size)
         start_epoch = int(hvd.broadcast_object(start_epoch, root_rank=0, name="start_epoch"))
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -228,7 +256,7 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
             _call(user.callbacks, "on_epoch_end", epoch, logs)
             if rank == 0:
                 assert board is not None
-                _save_checkpoint(spec, model, optimizer, epoch, history, size)
+                _save_checkpoint(spec, model, optimizer, user.callbacks, epoch, history, size)
                 board.log(epoch, logs)
                 protocol.send_event("epoch", logs)
             stop = any(bool(getattr(cb, "stop_training", False)) for cb in user.callbacks)
