@@ -41,6 +41,20 @@ logger = logging.getLogger(__name__)
 TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
+def _alive(store: Any) -> bool:
+    """Whether a kept store still reaches its server."""
+    try:
+        store.add("spark_estimators/alive", 0)
+    except Exception:  # any failure means: make a new one
+        return False
+    return True
+
+
+# The process's rendezvous stores and how many inits used each: (addr, port, size, rank) ->
+# [store, inits] (see TorchDistributedBackend._rendezvous_store).
+_STORES: dict[tuple[str, int, int, int], list[Any]] = {}
+
+
 def _torch_op(op: ReduceOp) -> Any:
     import torch.distributed as dist
 
@@ -151,10 +165,45 @@ class TorchDistributedBackend(Backend):
             logger.debug("reusing the existing torch.distributed default group")
             return
         timeout = datetime.timedelta(seconds=self.timeout)
-        topo = self.topology
+        store = self._rendezvous_store()
+        kwargs: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device
+        try:
+            dist.init_process_group(
+                self.dist_backend,
+                store=store,
+                rank=self.rank,
+                world_size=self.size,
+                timeout=timeout,
+                **kwargs,
+            )
+        except (RuntimeError, ValueError) as exc:
+            raise CollectiveError(
+                f"rank {self.rank}: torch.distributed.init_process_group("
+                f"{self.dist_backend!r}) failed: {exc}"
+            ) from exc
+        self._owns_group = True
+
+    def _rendezvous_store(self) -> Any:
+        """The store of this init: the process's one TCP store, under a prefix per init.
+
+        The store (rank 0 serves it at the advertised port) is made once per process and kept:
+        ``shutdown()`` then ``init()`` (horovod's tests do it around every test) meets the other
+        ranks on it again under the next prefix. A new server on the same port failed with
+        EADDRINUSE whenever the old one was still referenced (a traceback keeping a test's
+        optimizer alive was enough). Every rank counts its inits, so the prefixes agree.
+        """
+        import torch.distributed as dist
+
         if self.size == 1:
-            store: Any = dist.HashStore()
-        else:
+            return dist.HashStore()
+        topo = self.topology
+        key = (topo.master_addr, topo.master_port, self.size, self.rank)
+        cached = _STORES.get(key)
+        if cached is not None and not _alive(cached[0]):
+            cached = None  # the server went away (a relaunched rank 0 serves a new one)
+        if cached is None:
             # Under torchrun the agent already serves the store: every rank is a client.
             agent_store = os.environ.get(TORCHELASTIC_USE_AGENT_STORE, "").lower() == "true"
             try:
@@ -174,24 +223,11 @@ class TorchDistributedBackend(Backend):
                     "that the address is reachable, or raise SPARK_ESTIMATORS_START_TIMEOUT",
                     expected=self.size,
                 ) from exc
-        kwargs: dict[str, Any] = {}
-        if self.device.type == "cuda":
-            kwargs["device_id"] = self.device
-        try:
-            dist.init_process_group(
-                self.dist_backend,
-                store=store,
-                rank=self.rank,
-                world_size=self.size,
-                timeout=timeout,
-                **kwargs,
-            )
-        except (RuntimeError, ValueError) as exc:
-            raise CollectiveError(
-                f"rank {self.rank}: torch.distributed.init_process_group("
-                f"{self.dist_backend!r}) failed: {exc}"
-            ) from exc
-        self._owns_group = True
+            cached = _STORES[key] = [store, 0]
+        cached[1] += 1
+        if cached[1] == 1:
+            return cached[0]  # the first init keeps torch's own key layout
+        return dist.PrefixStore(f"spark_estimators/init{cached[1]}", cached[0])
 
     def subgroup(self, ranks: Sequence[int]) -> Backend | None:
         """A backend over a ``torch.distributed.new_group`` of ``ranks``; None on non-members."""
