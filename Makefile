@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all test-spark35 test-conformance lint bench install clean wheel
+.PHONY: demo test test-all test-spark35 test-petastorm test-conformance lint bench install clean wheel
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,22 @@ CONFORMANCE_MARKERS ?= not slow
 test-conformance: $(STAMP)
 	$(PY) -m pytest tests/conformance -m "$(CONFORMANCE_MARKERS)" $(PYTEST_ARGS); rc=$$?; \
 		if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# reader="petastorm" in its pinned environment (requirements-petastorm.txt: petastorm 0.13.1 needs
+# pyspark 4.0.x, pyarrow 14, numpy<2): the reader's settings and estimators fitting through it.
+VENVPS := .venv-petastorm
+PYPS := $(VENVPS)/bin/python
+
+$(VENVPS)/.installed: pyproject.toml requirements-petastorm.txt
+	test -x $(PYPS) || $(PYTHON) -m venv $(VENVPS)
+	$(PYPS) -m pip install -q -r requirements-petastorm.txt
+	$(PYPS) -m pip install -q --no-deps petastorm==0.13.1
+	$(PYPS) -m pip install -q --no-deps -e .
+	touch $@
+
+test-petastorm: $(VENVPS)/.installed
+	$(PYPS) -m pytest -p no:cacheprovider -m "not slow" -W "ignore::FutureWarning" \
+		tests/petastorm_env tests/unit/test_data_reader.py $(PYTEST_ARGS)
 
 # The pyspark 3.5 floor (classic sessions): the tested set with pyspark swapped for 3.5, in its own
 # venv, and the subset docs/concepts.md names ("What is tested where"). About 5 minutes.
@@ -63,4 +79,4 @@ wheel: $(STAMP)
 	$(PY) -m pip wheel --no-deps -w dist .
 
 clean:
-	rm -rf $(VENV) $(VENV35) dist build *.egg-info
+	rm -rf $(VENV) $(VENV35) $(VENVPS) dist build *.egg-info
