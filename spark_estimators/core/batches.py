@@ -14,7 +14,9 @@ lightning  ``[batch]``         ``[batch]``       torch (CPU)
 keras      ``[batch, 1]``      ``[batch, 1]``    numpy
 =========  ==================  ================  ===========
 
-A sample weight column is float32 ``[batch]``. :func:`epoch_batches` runs one epoch of a reader
+Columns in ``index_cols`` (class labels and embedding indices that the driver found floating,
+e.g. from ``StringIndexer``) become int64 in every framework. A sample weight column is float32
+``[batch]``. :func:`epoch_batches` runs one epoch of a reader
 through a converter: with our Arrow reader the converter runs once per decoded block in the
 reader's prefetch thread (:class:`~spark_estimators.data.reader.BlockFormat`) and batches are
 slices of converted blocks, so the training thread only slices; readers without blocks
@@ -54,6 +56,9 @@ class BatchConverter:
         Whether a scalar column becomes ``[batch, 1]`` (else ``[batch]``).
     to_torch : bool
         Hand out CPU torch tensors (``torch.from_numpy``, no copy) instead of numpy arrays.
+    index_cols : sequence of str
+        Feature or label columns cast to int64 class indices, also when floating (their values
+        must be whole numbers; see :func:`~spark_estimators.core.tensors.as_index_array`).
 
     Examples
     --------
@@ -71,6 +76,7 @@ class BatchConverter:
     scalar_features_as_column: bool = True
     scalar_labels_as_column: bool = False
     to_torch: bool = True
+    index_cols: Sequence[str] = ()
 
     @classmethod
     def for_spec(cls, spec: Any, **layout: bool) -> BatchConverter:
@@ -81,6 +87,7 @@ class BatchConverter:
             spec.sample_weight_col,
             spec.input_shapes,
             spec.label_shapes,
+            index_cols=tuple(getattr(spec, "index_cols", None) or ()),
             **layout,
         )
 
@@ -92,7 +99,9 @@ class BatchConverter:
             (self.label_cols, self.label_shapes, self.scalar_labels_as_column),
         ):
             for col, arr in zip(
-                cols, tensors.model_inputs(batch, cols, shapes, as_column), strict=True
+                cols,
+                tensors.model_inputs(batch, cols, shapes, as_column, self.index_cols),
+                strict=True,
             ):
                 out[col] = tensors.for_torch(arr)
         if self.sample_weight_col:

@@ -46,3 +46,5 @@ class TrainSpec:
     reader_pool_type: str = "thread"
     transformation_edit_fields: list[Any] | None = None
     transformation_removed_fields: list[str] | None = None
+    # Feature/label columns the ranks cast to int64 class indices (decided in the driver).
+    index_cols: list[str] = field(default_factory=list)

@@ -14,11 +14,15 @@ Conventions (documented for users in docs/concepts.md):
   reshapes them); as in Horovod, a label with as many values as the model's output is reshaped
   to the output's shape before the loss, so ``[batch, 1]`` outputs and scalar labels match.
   Integer labels stay int64.
+- Class indices (``index_cols``): a column the model needs as integer class indices (a
+  ``StringIndexer`` label for ``CrossEntropyLoss``, an index column that feeds an
+  ``nn.Embedding``) becomes int64 even when it is floating; its values must be whole numbers.
+  Which columns those are is decided in the driver (:mod:`spark_estimators.torch.indices`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +35,23 @@ def as_model_array(values: np.ndarray) -> np.ndarray:
     if values.dtype.kind in "iub":
         return values.astype(np.int64, copy=False)
     raise TypeError(f"cannot feed a column of dtype {values.dtype} to a model")
+
+
+def as_index_array(values: np.ndarray, col: str) -> np.ndarray:
+    """Cast class indices to int64; floating values must be whole numbers (0.0, 1.0, ...).
+
+    Raises ValueError naming ``col`` for a fractional or NaN value (the driver checks the data
+    before training, so this guards data changed behind its back).
+    """
+    if values.dtype.kind == "f":
+        fractional = values != np.floor(values)  # NaN and inf too
+        if fractional.any():
+            raise ValueError(
+                f"column {col!r} is used as integer class indices but holds "
+                f"{values[fractional].reshape(-1)[0]!r}, which is not a whole number"
+            )
+        return values.astype(np.int64)
+    return as_model_array(values)
 
 
 def for_torch(values: np.ndarray) -> np.ndarray:
@@ -101,12 +122,18 @@ def model_inputs(
     cols: Sequence[str],
     shapes: Sequence[Any] | None,
     scalar_as_column: bool = True,
+    index_cols: Collection[str] = (),
 ) -> list[np.ndarray]:
-    """The model's input arrays for ``cols``, each shaped by its entry of ``shapes``."""
+    """The model's input arrays for ``cols``, each shaped by its entry of ``shapes``.
+
+    Columns in ``index_cols`` become int64 class indices (:func:`as_index_array`).
+    """
     out = []
     for i, col in enumerate(cols):
         shape = None if shapes is None else shapes[i]
-        out.append(shape_column(as_model_array(np.asarray(arrays[col])), shape, scalar_as_column))
+        values = np.asarray(arrays[col])
+        cast = as_index_array(values, col) if col in index_cols else as_model_array(values)
+        out.append(shape_column(cast, shape, scalar_as_column))
     return out
 
 

@@ -14,6 +14,11 @@ Callbacks are objects with any of ``on_train_begin(logs)``, ``on_epoch_begin(epo
 ``on_epoch_end(epoch, logs)`` and ``on_train_end(logs)``; they run on every rank with metrics
 already averaged over the ranks, and setting ``callback.stop_training = True`` stops every rank
 after that epoch (see :class:`spark_estimators.torch.EarlyStopping`).
+
+Class indices: a floating label column of a classification loss (``CrossEntropyLoss``,
+``NLLLoss``, ...) and a floating feature column that feeds an ``nn.Embedding``/``EmbeddingBag``
+(``StringIndexer`` output) are cast to int64 on the ranks and in ``transform``; the driver picks
+them and refuses fractional values before training (:mod:`spark_estimators.torch.indices`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from spark_estimators.core.params import (
     document_constructor,
 )
 from spark_estimators.errors import ConfigurationError
-from spark_estimators.torch import serialization
+from spark_estimators.torch import indices, serialization
 from spark_estimators.torch.model import TorchModel
 from spark_estimators.torch.remote import (
     TorchTrainSpec,
@@ -157,20 +162,42 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
         ]
         remote_store = store.to_remote() if hasattr(store, "to_remote") else store
         info = read_info(store, run_id, "torch")
+        index_cols = self._index_cols(meta, store, losses)
         return TorchTrainSpec(
             **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
+            index_cols=[c.name for c in index_cols],
             loss_weights=self.getLossWeights(),
             backward_passes_per_step=self.getBackwardPassesPerStep(),
             compression=self._compression_name(),
             scale_lr=self.getScaleLr(),
         )
 
+    def _index_cols(self, meta: Any, store: Any, losses: list[Any]) -> list[indices.IndexColumn]:
+        """Floating columns fed as int64 class indices; checked to hold whole numbers.
+
+        Kept for :meth:`_create_model` of the same fit (the model's ``indexCols``).
+        """
+        columns = dict(meta.columns)
+        found = indices.label_index_cols(losses, self.getLabelCols(), columns)
+        found += indices.embedding_index_cols(
+            self.getModel(), self.getFeatureCols(), columns, self.getInputShapes()
+        )
+        indices.check_whole_numbers(store, meta, found)
+        self._last_index_cols = found
+        return found
+
     def _remote_trainer(self) -> Any:
         return train
 
     def _create_model(self, results: list[Any], meta: Any, run_id: str) -> TorchModel:
         model = self._trained_module(results)
-        return self._wrap_model(TorchModel, model, results, run_id)
+        features = set(self.getFeatureCols())
+        found = getattr(self, "_last_index_cols", [])
+        index_cols = [c.name for c in found if c.name in features]
+        fitted = self._wrap_model(TorchModel, model, results, run_id)
+        if index_cols:
+            fitted.setIndexCols(index_cols)
+        return fitted
 
 
 document_constructor(

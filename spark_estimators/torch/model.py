@@ -4,13 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from pyspark.ml.param import Param, Params, TypeConverters
+
 from spark_estimators.core import tensors
 from spark_estimators.core.model import Predictor, SparkModel
 from spark_estimators.torch.serialization import model_from_bytes, model_to_bytes
 
 
 class TorchPredictor(Predictor):
-    """Loads a pickled ``torch.nn.Module`` once per Python worker and predicts numpy batches."""
+    """Loads a pickled ``torch.nn.Module`` once per Python worker and predicts numpy batches.
+
+    ``index_inputs`` maps input positions to column names fed as int64 class indices (the
+    ``indexCols`` a fit chose: columns that feed an ``nn.Embedding``).
+    """
+
+    def __init__(self, index_inputs: dict[int, str] | None = None) -> None:
+        self.index_inputs = dict(index_inputs or {})
 
     def load(self, blob: bytes) -> Any:
         """The torch model from its bytes (TorchScript or pickled), in eval mode on this device."""
@@ -31,8 +40,12 @@ class TorchPredictor(Predictor):
 
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
+        arrays = [
+            tensors.as_index_array(a, self.index_inputs[i]) if i in self.index_inputs else a
+            for i, a in enumerate(inputs)
+        ]
         with torch.no_grad():
-            out = model(*[torch.from_numpy(tensors.for_torch(a)).to(device) for a in inputs])
+            out = model(*[torch.from_numpy(tensors.for_torch(a)).to(device) for a in arrays])
         outs = list(out) if isinstance(out, list | tuple) else [out]
         return [o.detach().cpu().double().numpy() for o in outs]
 
@@ -48,7 +61,26 @@ class TorchModel(SparkModel):
     Loading unpickles the module, which can run code: load only models you trust. ``load``
     checks the SHA-256 (and, with ``key=`` or ``SPARK_ESTIMATORS_MODEL_KEY``, the HMAC) recorded
     at save before unpickling and raises ``ModelIntegrityError`` on a mismatch (docs/security.md).
+
+    ``indexCols`` names the feature columns fed as int64 class indices (set by the fit for
+    floating columns that feed an ``nn.Embedding``, e.g. ``StringIndexer`` output).
     """
+
+    indexCols: Param[Any] = Param(
+        Params._dummy(),
+        "indexCols",
+        "feature columns cast to int64 class indices before the model (floating columns that "
+        "feed an nn.Embedding/EmbeddingBag; set by TorchEstimator.fit)",
+        typeConverter=TypeConverters.toListString,
+    )
+
+    def getIndexCols(self) -> list[str]:
+        """The feature columns fed as int64 class indices (``[]`` when none)."""
+        return list(self.getOrDefault(self.indexCols)) if self.isDefined(self.indexCols) else []
+
+    def setIndexCols(self, value: list[str]) -> TorchModel:
+        """Sets the value of ``indexCols``."""
+        return self._set(indexCols=value)
 
     def _model_to_bytes(self) -> bytes:
         return model_to_bytes(self._model)  # TorchScript modules through torch.jit.save
@@ -59,4 +91,6 @@ class TorchModel(SparkModel):
         return model
 
     def _predictor(self) -> Predictor:
-        return TorchPredictor()
+        index_cols = set(self.getIndexCols())
+        features = self.getFeatureCols()
+        return TorchPredictor({i: c for i, c in enumerate(features) if c in index_cols})
