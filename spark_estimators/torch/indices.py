@@ -166,7 +166,7 @@ def check_whole_numbers(store: Any, meta: Any, cols: Sequence[IndexColumn]) -> N
     """Refuse index columns with fractional or NaN values, reading the prepared files in Spark.
 
     One task per few files reads only ``cols`` (through the store's filesystem, as the ranks do);
-    without an active SparkSession the driver reads them itself.
+    without a SparkContext (no session, or a Spark Connect client) the driver reads them itself.
     """
     if not cols:
         return
@@ -179,10 +179,13 @@ def check_whole_numbers(store: Any, meta: Any, cols: Sequence[IndexColumn]) -> N
     from pyspark.sql import SparkSession
 
     spark = SparkSession.getActiveSession()
-    if spark is None:
+    try:
+        sc = None if spark is None else spark.sparkContext
+    except Exception:  # noqa: BLE001 - a Spark Connect client has no SparkContext
+        sc = None
+    if sc is None:
         results = [count(p) for p in paths]
     else:
-        sc = spark.sparkContext
         parts = max(1, min(len(paths), sc.defaultParallelism))
         sc.setJobDescription(f"spark_estimators: check class-index columns {names!r}")
         try:
