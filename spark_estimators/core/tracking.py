@@ -26,6 +26,7 @@ import logging
 import re
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -132,7 +133,7 @@ class MlflowTracker:
         """The trained framework model with its signature, under the artifact path ``model``."""
         import mlflow
 
-        inputs = _example_inputs(est, meta, store)
+        inputs = _example_inputs(est, meta, store, getattr(model, "getIndexCols", list)())
         framework = getattr(est, "_framework", "")
         net = model.getModel()
         with _in_run(mlflow, self.mlflow_run_id):
@@ -234,8 +235,11 @@ def signature(
     return ModelSignature(inputs=schema(input_names, inputs), outputs=schema(output_names, outputs))
 
 
-def _example_inputs(est: Any, meta: Any, store: Any) -> list[Any]:
-    """A few prepared training rows as the model's inputs (what training fed it)."""
+def _example_inputs(est: Any, meta: Any, store: Any, index_cols: Sequence[str] = ()) -> list[Any]:
+    """A few prepared training rows as the model's inputs (what training fed it).
+
+    ``index_cols``: the feature columns the model takes as int64 class indices (TorchModel's).
+    """
     from spark_estimators.core import tensors
     from spark_estimators.data import make_batch_reader
 
@@ -250,4 +254,6 @@ def _example_inputs(est: Any, meta: Any, store: Any) -> list[Any]:
         shuffle=False,
         prefetch=0,
     )
-    return tensors.model_inputs(reader.peek(), est.getFeatureCols(), est.getInputShapes())
+    return tensors.model_inputs(
+        reader.peek(), est.getFeatureCols(), est.getInputShapes(), index_cols=index_cols
+    )

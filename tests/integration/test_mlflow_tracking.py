@@ -167,3 +167,48 @@ def test_lightning_fit_logs_its_metrics_and_module(tracking, df, tmp_path):
     x = torch.tensor([[1.0, 2.0]])
     with torch.no_grad():
         np.testing.assert_allclose(loaded(x).numpy(), fitted.getModel()(x).numpy(), rtol=1e-6)
+
+
+class EmbedThenLinear(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(4, 3)
+        self.out = torch.nn.Linear(3, 1)
+
+    def forward(self, idx):
+        return self.out(self.emb(idx.squeeze(-1)))
+
+
+def test_embedding_model_fed_an_indexed_column_is_logged_with_int64_inputs(
+    spark, tracking, tmp_path
+):
+    # A StringIndexer-style double column feeding nn.Embedding: the logged example must be the
+    # int64 indices training fed, else logging the model fails (it was a warning, no model).
+    rows = [(float(i % 4), float(i % 4) * 0.5) for i in range(64)]
+    data = spark.createDataFrame(rows, ["color_idx", "y"])
+    torch.manual_seed(0)
+    net = EmbedThenLinear()
+    est = TorchEstimator(
+        num_proc=2,
+        store=LocalStore(str(tmp_path / "store")),
+        model=net,
+        optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["color_idx"],
+        label_cols=["y"],
+        batch_size=8,
+        epochs=2,
+        verbose=0,
+    )
+    with mlflow.start_run() as run:
+        fitted = est.fit(data)
+    assert fitted.getIndexCols() == ["color_idx"]
+    (logged_model,) = mlflow.search_logged_models(
+        filter_string=f"source_run_id = '{run.info.run_id}'", output_format="list"
+    )
+    info = mlflow.models.get_model_info(logged_model.model_uri)
+    assert [str(s.type) for s in info.signature.inputs.inputs] == ["int64"]
+    loaded = mlflow.pytorch.load_model(logged_model.model_uri)
+    idx = torch.tensor([[0], [3]])
+    with torch.no_grad():
+        np.testing.assert_allclose(loaded(idx).numpy(), fitted.getModel()(idx).numpy(), rtol=1e-6)
