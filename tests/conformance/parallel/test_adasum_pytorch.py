@@ -16,7 +16,7 @@
 import torch
 import spark_estimators.collective.torch as hvd
 import numpy as np
-from spark_estimators.collective.torch import synchronize
+from spark_estimators.collective.torch.mpi_ops import synchronize
 import math
 import platform
 import unittest

@@ -99,7 +99,6 @@ class TorchTests(unittest.TestCase):
         if not torch.cuda.is_available():
             skip_or_fail_gpu_test(self, "No GPUs available")
 
-    @pytest.mark.xfail(strict=False, reason="reported (beyond issue 25 items 1-13): hvd.init() returns on rank 0 before rank 1 is done with the rendezvous store, so an immediate hvd.shutdown(); hvd.init() breaks rank 1 (DistNetworkError: Failed to recv); a race, so not strict")
     def test_horovod_reinit(self):
         """Test that Horovod can init -> shutdown -> init successfully."""
         mpi_rank, _ = mpi_env_rank_and_size()
@@ -120,7 +119,6 @@ class TorchTests(unittest.TestCase):
         assert rank == rank2
         assert size == size2
 
-    @pytest.mark.xfail(strict=False, reason="reported (beyond issue 25 items 1-13): hvd.init() returns on rank 0 before rank 1 is done with the rendezvous store, so an immediate hvd.shutdown(); hvd.init() breaks rank 1 (DistNetworkError: Failed to recv); a race, so not strict")
     def test_horovod_is_initialized(self):
         """Test that is_initialized returned by hvd.is_initialized() is correct."""
         hvd.init()
