@@ -125,3 +125,74 @@ def test_lightning_estimator_refuses_a_plain_module_with_optimizer_and_loss():
             feature_cols=["features"],
             label_cols=["y"],
         )
+
+
+def _ops_out_of_submission_order():
+    import torch
+
+    import spark_estimators.collective.torch as hvd
+    from spark_estimators.errors import CollectiveError
+
+    hvd.init()
+    rank = hvd.rank()
+    # horovod matched queued ops by name, in any order; here every rank negotiates its ops in
+    # submission order, and a different order fails on every rank instead of waiting.
+    names = ["a", "b"] if rank == 0 else ["b", "a"]
+    handles = [hvd.allreduce_async(torch.ones(3), name=n) for n in names]
+    errors = []
+    for h in handles:
+        try:
+            hvd.synchronize(h)
+        except CollectiveError as exc:
+            errors.append(str(exc).splitlines()[0])
+    # Nothing was exchanged by the mismatched ops: the group is still usable.
+    total = float(hvd.allreduce(torch.ones(1) * (rank + 1), op=hvd.Sum, name="after")[0])
+    hvd.shutdown()
+    return errors, total
+
+
+@pytest.mark.timeout(180)
+def test_ops_are_negotiated_in_submission_order():
+    # horovod's *_duplicate_name_error tests queue an async op on rank 0 only and meet rank 1 at
+    # a barrier first: that needs matching by name. Here: the same order on every rank.
+    from spark_estimators.launch import run_local
+
+    results = run_local(_ops_out_of_submission_order, num_proc=2, backend="gloo")
+    for errors, total in results:
+        assert errors and all("mismatched collective op" in e for e in errors)
+        assert total == 3.0
+
+
+def _fresh_optimizer_state_broadcast():
+    import torch
+
+    import spark_estimators.collective.torch as hvd
+
+    hvd.init()
+    torch.manual_seed(hvd.rank())
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    out = {
+        "grads": [p.grad is None for p in model.parameters()],
+        "unchanged": all(torch.equal(a, p) for a, p in zip(before, model.parameters())),
+        "weights": [p.detach().tolist() for p in model.parameters()],
+    }
+    hvd.shutdown()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_broadcast_optimizer_state_takes_no_initialising_step():
+    # horovod's test_broadcast_state_no_grad expects the zero gradients of horovod's
+    # state-initialising optimizer.step(); we take no step: weights are not moved (weight decay
+    # would move them) and gradients stay None until the first backward.
+    from spark_estimators.launch import run_local
+
+    results = run_local(_fresh_optimizer_state_broadcast, num_proc=2, backend="gloo")
+    for res in results:
+        assert res["grads"] == [True, True] and res["unchanged"]
+    assert results[0]["weights"] == results[1]["weights"]

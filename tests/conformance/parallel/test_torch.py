@@ -684,7 +684,7 @@ class TorchTests(unittest.TestCase):
         except (torch.FatalError, RuntimeError):
             pass
 
-    @pytest.mark.xfail(strict=True, reason="reported (beyond issue 25 items 1-13): a second in-flight async op with the same name is accepted (horovod raises ValueError at once); the ranks then disagree at the next barrier")
+    @pytest.mark.xfail(strict=True, reason="documented difference: ops are negotiated in submission order on every rank (horovod matched queued ops by name, so rank 0 could leave an op pending across a barrier); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
     def test_horovod_allreduce_duplicate_name_error(self):
         """Test that the allreduce raises an error if there are
         two concurrent operations with the same name."""
@@ -1301,7 +1301,7 @@ class TorchTests(unittest.TestCase):
         except (torch.FatalError, RuntimeError):
             pass
 
-    @pytest.mark.xfail(strict=True, reason="reported (beyond issue 25 items 1-13): a second in-flight async op with the same name is accepted (horovod raises ValueError at once); the ranks then disagree at the next barrier")
+    @pytest.mark.xfail(strict=True, reason="documented difference: ops are negotiated in submission order on every rank (horovod matched queued ops by name, so rank 0 could leave an op pending across a barrier); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
     def test_horovod_allgather_duplicate_name_error(self):
         """Test that the allgather raises an error if there are
         two concurrent operations with the same name."""
@@ -1757,7 +1757,7 @@ class TorchTests(unittest.TestCase):
         except (torch.FatalError, RuntimeError):
             pass
 
-    @pytest.mark.xfail(strict=True, reason="reported (beyond issue 25 items 1-13): a second in-flight async op with the same name is accepted (horovod raises ValueError at once); the ranks then disagree at the next barrier")
+    @pytest.mark.xfail(strict=True, reason="documented difference: ops are negotiated in submission order on every rank (horovod matched queued ops by name, so rank 0 could leave an op pending across a barrier); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
     def test_horovod_broadcast_duplicate_name_error(self):
         """Test that the broadcast raises an error if there are
         two concurrent operations with the same name."""
@@ -2519,7 +2519,7 @@ class TorchTests(unittest.TestCase):
             loss.backward()
             optimizer.step()
 
-    @pytest.mark.xfail(strict=True, reason="reported (beyond issue 25 items 1-13): broadcast_optimizer_state leaves p.grad None on parameters that require grad; horovod leaves the zero gradients of its state-initialising step")
+    @pytest.mark.xfail(strict=True, reason="documented difference: broadcast_optimizer_state takes no state-initialising optimizer step (horovod's moves weights under weight decay and counts an Adam step), so gradients stay None; see test_documented_differences.py::test_broadcast_optimizer_state_takes_no_initialising_step")
     def test_broadcast_state_no_grad(self):
         class ModelNoGrad(nn.Module):
             def __init__(self, a, b):
@@ -3901,7 +3901,7 @@ class TorchTests(unittest.TestCase):
             pass
 
 
-    @pytest.mark.xfail(strict=True, reason="reported (beyond issue 25 items 1-13): a second in-flight async op with the same name is accepted (horovod raises ValueError at once); the ranks then disagree at the next barrier")
+    @pytest.mark.xfail(strict=True, reason="documented difference: ops are negotiated in submission order on every rank (horovod matched queued ops by name, so rank 0 could leave an op pending across a barrier); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
     def test_horovod_reducescatter_duplicate_name_error(self):
         """Test that the reducescatter raises an error if there are
         two concurrent operations with the same name."""
