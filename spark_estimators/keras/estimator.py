@@ -31,8 +31,14 @@ with the ``run_id`` of an earlier run resumes after its last epoch (``epochs`` i
 ``checkpoints/`` and ``logs/``; ``checkpoint_callback`` (a ``ModelCheckpoint``) decides which
 weights come back: with ``save_best_only=True`` the returned model is the best epoch's.
 
-``custom_objects`` (custom layers, losses, metrics) are shipped to the ranks and to ``transform``
-and used wherever the model is loaded.
+Custom objects: what the model, ``loss`` and ``metrics`` need is found the way Keras finds it
+(registered objects under ``"package>name"`` and their plain name, the functions and objects
+passed as ``loss``/``metrics``, classes and functions of modules the driver has imported; see
+:mod:`spark_estimators.keras.serialization`) and shipped by value with ``custom_objects`` (which
+win on a clash) to the ranks, which register the ``"package>name"`` ones again, and to
+``transform``; they are used wherever the model is loaded. A fit never loses its trained model
+to a loss or metric that cannot be saved or loaded: the model comes back uncompiled, with a
+warning (:func:`~spark_estimators.keras.model.warn_uncompiled`).
 
 Input shapes: without ``input_shapes`` the shapes of the model's inputs are used, as horovod's
 KerasEstimator does (``model.inputs[i]`` shapes ``feature_cols[i]``): a 784-long vector column
@@ -56,7 +62,12 @@ from spark_estimators.core.params import (
     make_param,
 )
 from spark_estimators.errors import ConfigurationError
-from spark_estimators.keras.model import KerasModel, dumps_custom_objects
+from spark_estimators.keras.model import (
+    KerasModel,
+    dumps_custom_objects,
+    load_keras_model,
+    warn_uncompiled,
+)
 
 
 class KerasEstimator(SparkEstimator, SupervisedParams):
@@ -116,6 +127,13 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
     def getCustomObjects(self) -> dict[str, Any]:
         """Gets the value of ``customObjects`` or its default value."""
         return dict(self.getOrDefault("customObjects") or {})
+
+    def _custom_objects_for(self, model_bytes: bytes | None) -> dict[str, Any]:
+        """``custom_objects`` plus what the model, loss and metrics need (Keras's lookup)."""
+        from spark_estimators.keras.serialization import find_custom_objects
+
+        found = find_custom_objects(model_bytes, self.getLoss(), self.getMetrics())
+        return {**found, **self.getCustomObjects()}
 
     def getCheckpointCallback(self) -> Any:
         """Gets the value of ``checkpointCallback`` or its default value."""
@@ -260,7 +278,6 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
             optimizer_recipe,
         )
 
-        custom = self.getCustomObjects()
         user = KerasUserObjects(
             optimizer_recipe=optimizer_recipe(self._optimizer()),
             loss=self.getLoss(),
@@ -271,18 +288,20 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         )
         roots = [
             user.optimizer_recipe[0],
-            *listify(user.loss),
-            *listify(user.metrics),
+            *_pickling_roots(user.loss),
+            *_pickling_roots(user.metrics),
             *user.callbacks,
             user.transformation_fn,
         ]
         try:
-            model_bytes = model_to_bytes(self.getModel())
+            # Without its compile state: the ranks compile with loss= and metrics=.
+            model_bytes = model_to_bytes(self.getModel(), compile_state=False)
         except Exception as exc:
             raise ConfigurationError(
                 f"the model cannot be saved in the .keras format ({type(exc).__name__}: {exc}); "
                 "custom layers need get_config() (and custom_objects=...)"
             ) from exc
+        custom = self._custom_objects_for(model_bytes)
         remote_store = store.to_remote() if hasattr(store, "to_remote") else store
         info = read_info(store, run_id, "keras")
         return KerasTrainSpec(
@@ -301,14 +320,29 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         return train
 
     def _create_model(self, results: list[Any], meta: Any, run_id: str) -> KerasModel:
-        from spark_estimators.keras.remote import model_from_bytes
-
         fingerprints = self._check_fingerprints(results)
-        custom = self.getCustomObjects()
-        model = model_from_bytes(results[0]["model"], custom, compile=True)
+        custom = self._custom_objects_for(results[0]["model"])
+        if results[0].get("compile_state_error"):
+            warn_uncompiled(results[0]["compile_state_error"])
+        # Never loses the trained model: uncompiled (with the warning) when its loss or metrics
+        # cannot be loaded.
+        model = load_keras_model(results[0]["model"], custom)
         keras_model = self._wrap_model(KerasModel, model, results, run_id, custom_objects=custom)
         keras_model._rank_fingerprints = fingerprints
         return keras_model
+
+
+def _pickling_roots(value: Any) -> list[Any]:
+    """The objects of a ``loss``/``metrics`` value, whose modules travel by value.
+
+    Nested lists and dicts are flattened; a ``functools.partial`` adds its function.
+    """
+    if isinstance(value, dict):
+        return [root for item in value.values() for root in _pickling_roots(item)]
+    if isinstance(value, list | tuple):
+        return [root for item in value for root in _pickling_roots(item)]
+    func = getattr(value, "func", None)
+    return [value] if func is None else [value, *_pickling_roots(func)]
 
 
 def _declared_inputs(model: Any) -> list[Any] | None:

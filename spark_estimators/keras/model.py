@@ -4,7 +4,8 @@
 (Arrow batches through ``mapInArrow``, the model loaded once per Python worker); each batch of
 ``transformBatchSize`` rows goes through ``model.predict_on_batch``. The model travels as
 ``.keras`` bytes plus the ``custom_objects`` (pickled by value, so classes defined in a notebook
-or test file load on executors too).
+or test file load on executors too): the user's own and those the estimator found
+(:func:`~spark_estimators.keras.serialization.find_custom_objects`).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ def dumps_custom_objects(custom_objects: dict[str, Any] | None) -> bytes:
 def load_keras_model(data: bytes, custom_objects: dict[str, Any] | None) -> Any:
     """``.keras`` bytes -> a Keras model, compiled when its loss and metrics can be loaded.
 
-    A compiled model needs every custom loss/metric in ``custom_objects``; when one is missing
-    the model is loaded uncompiled (``predict`` works) and a warning says what to add.
+    Keras finds a custom loss/metric when it is registered or in ``custom_objects`` (the
+    estimator adds the ones passed as ``loss``/``metrics``); when one cannot be found or
+    rebuilt, the model is loaded uncompiled (``predict`` works) with a warning
+    (:func:`warn_uncompiled`).
     """
     import keras
 
@@ -44,12 +47,22 @@ def load_keras_model(data: bytes, custom_objects: dict[str, Any] | None) -> Any:
         try:
             return model_from_bytes(data, custom_objects, compile=True)
         except (TypeError, ValueError) as exc:
-            logger.warning(
-                "loaded the trained model without its compile state (%s); pass the custom "
-                "losses/metrics in custom_objects to get a compiled model",
-                exc,
-            )
+            warn_uncompiled(f"{type(exc).__name__}: {exc}")
             return model_from_bytes(data, custom_objects, compile=False)
+
+
+def warn_uncompiled(reason: str) -> None:
+    """The warning for a trained model that comes back without its compile state."""
+    if len(reason) > 400:
+        reason = reason[:400] + "..."
+    logger.warning(
+        "the trained model is returned without its compile state (%s): a custom loss or metric "
+        "must be a function or a class with get_config() (not a functools.partial or a plain "
+        "callable object) that Keras can find: registered with "
+        "keras.saving.register_keras_serializable, passed as loss=/metrics=, or in "
+        "custom_objects. predict() works; compile() the model again to evaluate or train it",
+        reason,
+    )
 
 
 class KerasPredictor(Predictor):

@@ -1,12 +1,15 @@
 """What every rank runs for ``KerasEstimator.fit`` (executor side; module-level, no closures).
 
 Per rank: quiet TensorFlow and size its thread pools to this rank's share of the cores, init the
-collective group, rebuild the user's model (``.keras`` bytes, ``custom_objects`` in scope) and
-optimizer, scale the learning rate by the number of ranks (Horovod's rule; ``scale_lr=False``
-keeps it), wrap the optimizer in :func:`~spark_estimators.collective.keras.DistributedOptimizer`,
-compile with the user's loss, metrics and loss weights (``jit_compile=False``), restore the last
-checkpoint on hot-start, and run the real ``model.fit`` on the sharded reader as ``tf.data``
-(every rank runs the same number of steps). Callback order, which is what makes the ranks agree:
+collective group, rebuild the user's model (``.keras`` bytes, ``custom_objects`` in scope, their
+``"package>name"`` registrations made again) and optimizer, scale the learning rate by the
+number of ranks (Horovod's rule; ``scale_lr=False`` keeps it), wrap the optimizer in
+:func:`~spark_estimators.collective.keras.DistributedOptimizer`, compile with the user's loss,
+metrics and loss weights (``jit_compile=False``), restore the last checkpoint on hot-start, and
+run the real ``model.fit`` on the sharded reader as ``tf.data`` (every rank runs the same number
+of steps). A loss or metric that cannot be saved is left out of every archive the rank writes,
+so the model comes back uncompiled instead of the run failing.
+Callback order, which is what makes the ranks agree:
 
 1. ``BroadcastGlobalVariablesCallback(0)``: rank 0's model and optimizer state everywhere;
 2. ``MetricAverageCallback``: each epoch's logs become the mean over the ranks;
@@ -49,10 +52,12 @@ from spark_estimators.core.spec import TrainSpec  # noqa: E402
 from spark_estimators.keras import callbacks as rank_callbacks  # noqa: E402
 from spark_estimators.keras.callbacks import CHECKPOINT_FILE, checkpoint_path  # noqa: E402
 from spark_estimators.keras.serialization import (  # noqa: E402
+    drop_unsaveable_compile_state,
     model_from_bytes,
     model_to_bytes,
     optimizer_from_recipe,
     optimizer_recipe,
+    register_shipped_objects,
     scale_learning_rate,
 )
 
@@ -181,10 +186,13 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
     if spec.seed is not None:
         keras.utils.set_random_seed(spec.seed)
     custom_objects = cloudpickle.loads(spec.custom_objects_blob) or {}
+    register_shipped_objects(custom_objects)
     with keras.saving.custom_object_scope(custom_objects):
         user: KerasUserObjects = cloudpickle.loads(spec.user_blob)
         model = model_from_bytes(spec.model_bytes, custom_objects, compile=False)
         _compile(model, user, spec, size)
+    # A loss/metric that cannot be saved must not fail the checkpoints and the result.
+    compile_state_error = drop_unsaveable_compile_state(model)
     if spec.start_epoch > 0 and rank == 0:
         # The other ranks get it from the broadcast of BroadcastGlobalVariablesCallback.
         rank_callbacks.restore_checkpoint(model, spec, size)
@@ -230,7 +238,8 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
             shutil.rmtree(local_dir, ignore_errors=True)
     shapes, payload = None, {}
     if rank == 0:
-        shapes, payload = _output_shapes(model, feed, spec), {"model": model_to_bytes(model)}
+        shapes = _output_shapes(model, feed, spec)
+        payload = {"model": model_to_bytes(model), "compile_state_error": compile_state_error}
     hvd.shutdown()
     return protocol.rank_result(rank, fingerprint, history, shapes, **payload)
 

@@ -2,12 +2,26 @@
 
 The model travels as ``.keras`` archive bytes; the optimizer as a ``(class, config)`` recipe that
 every rank rebuilds with fresh state (:func:`optimizer_from_recipe`).
+
+Custom objects: the driver finds what the model, its loss and its metrics need the way Keras
+finds them (:func:`find_custom_objects`): objects registered with
+``keras.saving.register_keras_serializable`` (under their ``"package>name"`` key and their
+plain name), the functions, classes and objects passed as ``loss``/``metrics``, and classes or
+functions named by the model's config that are defined in a module the driver has imported
+(a notebook's ``__main__``, a script, a test file). They travel by value with the user's own
+``custom_objects`` (which win on a clash); each rank registers the ``"package>name"`` ones
+again (:func:`register_shipped_objects`), so the archives it writes name them as the driver did.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shutil
+import sys
+import types
+import zipfile
 from typing import Any
 
 import keras
@@ -15,16 +29,40 @@ import keras
 from spark_estimators.task.scratch import make_temp_dir
 
 
-def model_to_bytes(model: Any) -> bytes:
-    """The model as ``.keras`` archive bytes."""
+def model_to_bytes(model: Any, compile_state: bool = True) -> bytes:
+    """The model as ``.keras`` archive bytes (``compile_state=False``: without loss/metrics)."""
     tmp = make_temp_dir("se-keras-")
+    shadowed = not compile_state and "get_compile_config" not in vars(model)
+    if shadowed:
+        model.get_compile_config = _no_compile_config
     try:
         path = os.path.join(tmp, "model.keras")
         model.save(path)
         with open(path, "rb") as f:
             return f.read()
     finally:
+        if shadowed:
+            del model.get_compile_config
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _no_compile_config() -> None:
+    return None
+
+
+def drop_unsaveable_compile_state(model: Any) -> str | None:
+    """Make a compiled model save without its compile state when that cannot be saved.
+
+    A loss or metric Keras cannot serialize (a ``functools.partial``, a callable object
+    without ``get_config``) would fail every ``model.save`` after training; instead the model
+    saves without it and comes back uncompiled. Returns why, or None when nothing was dropped.
+    """
+    try:
+        model.get_compile_config()
+    except (TypeError, ValueError) as exc:
+        model.get_compile_config = _no_compile_config
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def model_from_bytes(
@@ -41,6 +79,107 @@ def model_from_bytes(
         )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def find_custom_objects(model_bytes: bytes | None, *objects: Any) -> dict[str, Any]:
+    """The custom objects needed to load ``model_bytes`` and ``objects`` (loss, metrics).
+
+    Keys are the names the ``.keras`` config looks up: ``"package>name"`` for a registered
+    object, also its plain name (a rank that saved it unregistered writes that one).
+    Keras's own objects are left out (Keras finds them itself).
+
+    >>> def my_loss(y_true, y_pred):
+    ...     return y_pred
+    >>> sorted(find_custom_objects(None, my_loss, ["mae"]))
+    ['my_loss']
+    """
+    found: dict[str, Any] = {}
+    for obj in objects:
+        _passed_objects(obj, found)
+    if model_bytes:
+        with zipfile.ZipFile(io.BytesIO(model_bytes)) as archive:
+            config = json.loads(archive.read("config.json"))
+        _config_objects(config, found)
+    return found
+
+
+def _is_keras_own(obj: Any) -> bool:
+    module = getattr(obj, "__module__", None) or ""
+    return module == "keras" or module.startswith("keras.")
+
+
+def _add(found: dict[str, Any], key: str, obj: Any) -> None:
+    if obj is None or _is_keras_own(obj):
+        return
+    keys = [key, key.split(">", 1)[-1]]
+    plain = getattr(obj, "__name__", None)
+    if isinstance(plain, str):
+        keys.append(plain)
+    for name in keys:
+        found.setdefault(name, obj)
+
+
+def _passed_objects(value: Any, found: dict[str, Any]) -> None:
+    """Custom objects among a ``loss``/``metrics`` value (nested lists and dicts)."""
+    if isinstance(value, dict):
+        for item in value.values():
+            _passed_objects(item, found)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _passed_objects(item, found)
+    elif isinstance(value, str):
+        _add(found, value, keras.saving.get_registered_object(value))
+    elif isinstance(value, types.FunctionType | type):
+        _add(found, keras.saving.get_registered_name(value), value)
+    elif hasattr(value, "get_config"):  # a Loss or Metric object: Keras loads it by its class
+        _add(found, keras.saving.get_registered_name(type(value)), type(value))
+
+
+def _config_objects(config: Any, found: dict[str, Any]) -> None:
+    """Custom classes and functions named in a ``.keras`` config (walked recursively)."""
+    if isinstance(config, list):
+        for item in config:
+            _config_objects(item, found)
+        return
+    if not isinstance(config, dict):
+        return
+    for item in config.values():
+        _config_objects(item, found)
+    module, class_name = config.get("module"), config.get("class_name")
+    if not isinstance(module, str) or not isinstance(class_name, str):
+        return
+    if module in ("keras", "builtins") or module.startswith("keras."):
+        return
+    if class_name == "function":
+        name = config.get("config")
+    else:
+        name = config.get("registered_name") or class_name
+    if not isinstance(name, str) or name in found:
+        return
+    obj = keras.saving.get_registered_object(name)
+    if obj is None:
+        # Unregistered: the class or function as its defining module (already imported here,
+        # never imported by us) holds it.
+        candidate = vars(sys.modules[module]).get(name) if module in sys.modules else None
+        if getattr(candidate, "__module__", None) == module and callable(candidate):
+            obj = candidate
+    _add(found, name, obj)
+
+
+def register_shipped_objects(custom_objects: dict[str, Any]) -> None:
+    """Register ``"package>name"`` entries of shipped custom objects (on a rank).
+
+    Their registration does not travel with them (the decorator ran in the driver); after this
+    the rank saves them under their registered names again. Names that are taken are left.
+    """
+    for key, obj in custom_objects.items():
+        if ">" not in key or keras.saving.get_registered_object(key) is not None:
+            continue
+        package, name = key.split(">", 1)
+        try:
+            keras.saving.register_keras_serializable(package=package, name=name)(obj)
+        except ValueError:  # a class without get_config(): it loads through custom_objects
+            continue
 
 
 def optimizer_recipe(optimizer: Any) -> tuple[type, dict[str, Any]]:
