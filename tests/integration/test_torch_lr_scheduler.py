@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from pyspark.ml.linalg import Vectors  # noqa: E402
 
 from spark_estimators.store import LocalStore  # noqa: E402
-from spark_estimators.torch import LearningRateScheduler, TorchEstimator  # noqa: E402
+from spark_estimators.torch import LearningRateScheduler, TorchEstimator, TorchModel  # noqa: E402
 
 pytestmark = [pytest.mark.spark, pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -63,11 +63,19 @@ def step_lr(opt):
     return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
 
-def test_epoch_schedule_is_scaled_with_the_learning_rate(df, store):
-    history = estimator(store, step_lr).fit(df).getHistory()
+def test_epoch_schedule_is_scaled_with_the_learning_rate(df, store, tmp_path):
+    fitted = estimator(store, step_lr).fit(df)
+    history = fitted.getHistory()
     # lr 0.01 x 2 ranks, halved after every epoch.
     np.testing.assert_allclose(history["lr"], [0.02, 0.01, 0.005], rtol=1e-9)
     assert history["loss"][-1] < history["loss"][0]
+    # The fitted model predicts the same after save/load, and keeps the schedule's history.
+    fitted.write().overwrite().save(str(tmp_path / "model"))
+    loaded = TorchModel.load(str(tmp_path / "model"))
+    assert loaded.getHistory()["lr"] == history["lr"]
+    a = [r["y__output"] for r in fitted.transform(df).collect()]
+    b = [r["y__output"] for r in loaded.transform(df).collect()]
+    assert a == b
     unscaled = estimator(store, step_lr, scale_lr=False).fit(df).getHistory()
     np.testing.assert_allclose(unscaled["lr"], [0.01, 0.005, 0.0025], rtol=1e-9)
 

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from spark_estimators.store import LocalStore  # noqa: E402
-from spark_estimators.torch import TorchEstimator  # noqa: E402
+from spark_estimators.torch import TorchEstimator, TorchModel  # noqa: E402
 
 pytestmark = [pytest.mark.spark, pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -64,3 +64,7 @@ def test_sparse_embedding_trains_with_sparse_optimizers(df, tmp_path, optimizer,
     np.testing.assert_allclose(
         [r["y__output"] for r in out], learned[[r["idx"] for r in out]], rtol=1e-5
     )
+    path = str(tmp_path / "model")
+    fitted.write().overwrite().save(path)
+    again = TorchModel.load(path).transform(df).select("idx", "y__output").collect()
+    assert [(r["idx"], r["y__output"]) for r in again] == [(r["idx"], r["y__output"]) for r in out]
