@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_estimators.data._pipeline import Batch
+from spark_estimators.data._pipeline import Batch, concat, rows_of, take
 from spark_estimators.data.metadata import DatasetMetadata
 from spark_estimators.data.options import TransformFn
 from spark_estimators.data.shards import rank_and_size, steps_per_epoch
@@ -158,9 +158,9 @@ class PetastormBatchReader:
         with self._open(0, num_epochs=1, pool_type="dummy", shuffle=False) as reader:
             for block in self._blocks(reader):
                 parts.append(block)
-                if sum(_rows(p) for p in parts) >= self.batch_size:
+                if sum(rows_of(p) for p in parts) >= self.batch_size:
                     break
-        return _slice(_concat(parts), 0, self.batch_size)
+        return take(_joined(parts), 0, self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
         epoch = self.epoch
@@ -184,7 +184,7 @@ class PetastormBatchReader:
         with self._open(epoch, num_epochs=None, pool_type=self.pool_type) as reader:
             for block in self._blocks(reader):
                 yield block
-                seen += _rows(block)
+                seen += rows_of(block)
                 if seen >= self.shard_rows:
                     seen -= self.shard_rows
                     yield None  # the end of a pass
@@ -242,23 +242,23 @@ class PetastormBatchReader:
         for block in blocks:
             if block is not None:
                 pending.append(block)
-                held += _rows(block)
+                held += rows_of(block)
                 if held < target:
                     continue
             if not pending:
                 continue
-            fresh = _concat(pending)
+            fresh = _joined(pending)
             if shuffle:
-                fresh = _take(fresh, rng.permutation(held))
-            pool = fresh if carry is None else _concat([carry, fresh])
-            total = _rows(pool)
+                fresh = _gather(fresh, rng.permutation(held))
+            pool = fresh if carry is None else _joined([carry, fresh])
+            total = rows_of(pool)
             start = 0
             while start + bs <= total:
-                yield _slice(pool, start, start + bs)
+                yield take(pool, start, start + bs)
                 emitted, start = emitted + 1, start + bs
                 if emitted == self.steps_per_epoch:
                     return
-            carry = _slice(pool, start, total) if start < total else None
+            carry = take(pool, start, total) if start < total else None
             pending, held = [], 0
 
     def _cached_epoch(self, epoch: int) -> Iterator[Batch]:
@@ -266,8 +266,8 @@ class PetastormBatchReader:
         if self._cache is None:
             # One exact pass: the dummy pool reads in this thread, in order, to the end.
             with self._open(epoch, num_epochs=1, pool_type="dummy") as reader:
-                self._cache = _concat(list(self._blocks(reader)))
-        rows = _rows(self._cache)
+                self._cache = _joined(list(self._blocks(reader)))
+        rows = rows_of(self._cache)
         rng = np.random.default_rng([self.seed, epoch, self.rank])
         need = self.steps_per_epoch * self.batch_size
         # Every cached row once per pass; short shards wrap around to fill the last steps.
@@ -276,7 +276,7 @@ class PetastormBatchReader:
             [rng.permutation(rows) if self.shuffle else np.arange(rows) for _ in range(passes)]
         )[:need]
         for step in range(self.steps_per_epoch):
-            yield _take(self._cache, order[step * self.batch_size : (step + 1) * self.batch_size])
+            yield _gather(self._cache, order[step * self.batch_size : (step + 1) * self.batch_size])
 
     def _column(self, values: Any, name: str) -> np.ndarray:
         if values.dtype == object:  # petastorm hands list columns over as arrays of arrays
@@ -305,19 +305,10 @@ def _buffer_rows(size: int | None, batch_size: int, steps: int) -> int:
     return min(steps * batch_size, max(100_000, 4 * batch_size))
 
 
-def _rows(batch: Batch) -> int:
-    return len(next(iter(batch.values())))
+def _joined(blocks: Sequence[Batch]) -> Batch:
+    """``concat`` without the copy when there is one block."""
+    return blocks[0] if len(blocks) == 1 else concat(list(blocks))
 
 
-def _concat(blocks: Sequence[Batch]) -> Batch:
-    if len(blocks) == 1:
-        return blocks[0]
-    return {k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]}
-
-
-def _slice(batch: Batch, start: int, stop: int) -> Batch:
-    return {k: v[start:stop] for k, v in batch.items()}
-
-
-def _take(batch: Batch, index: np.ndarray) -> Batch:
+def _gather(batch: Batch, index: np.ndarray) -> Batch:
     return {k: np.take(v, index, axis=0) for k, v in batch.items()}

@@ -41,8 +41,8 @@ def average_running_stats(module: Any, allreduce_sum_: Callable[[Any], Any], siz
     """Replace every running statistic of ``module`` by its mean over the ranks, in place.
 
     ``allreduce_sum_`` sums one flat tensor over the ranks in place (every rank calls this
-    function, with the same module structure). All statistics travel in one allreduce per
-    dtype. Returns the number of tensors averaged.
+    function, with the same module structure). All statistics travel in one float64 allreduce.
+    Returns the number of tensors averaged.
 
     >>> import torch
     >>> m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
@@ -54,18 +54,14 @@ def average_running_stats(module: Any, allreduce_sum_: Callable[[Any], Any], siz
     buffers = running_stat_buffers(module)
     if size <= 1 or not buffers:
         return len(buffers)
-    by_dtype: dict[Any, list[Any]] = {}
-    for buf in buffers:
-        by_dtype.setdefault(buf.dtype, []).append(buf)
-    for dtype in sorted(by_dtype, key=str):
-        group = by_dtype[dtype]
-        with torch.no_grad():
-            flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in group])
-            allreduce_sum_(flat)
-            flat /= size
-            offset = 0
-            for buf in group:
-                n = buf.numel()
-                buf.copy_(flat[offset : offset + n].reshape(buf.shape).to(dtype))
-                offset += n
+    with torch.no_grad():
+        # float64 holds every float dtype exactly: one allreduce for all the statistics.
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in buffers])
+        allreduce_sum_(flat)
+        flat /= size
+        offset = 0
+        for buf in buffers:
+            n = buf.numel()
+            buf.copy_(flat[offset : offset + n].reshape(buf.shape))
+            offset += n
     return len(buffers)
