@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The demo needs only the torch set (no TensorFlow, Lightning, MPI): its own stamp in the same venv.
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-all test-spark35 test-petastorm test-conformance lint bench install clean wheel
@@ -15,7 +17,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e ".[torch]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(PY) -m spark_estimators.demo
 
 test: $(STAMP)
