@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Listener
 
-from spark_estimators.driver.rpc import RpcClient, RpcServer, new_secret
+from spark_estimators.driver.frames import new_secret
+from spark_estimators.driver.rpc import RpcClient, RpcServer
 
 BIG = b"x" * (16 << 20)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from spark_estimators.core.backend import Backend, SparkBackend
+from spark_estimators.elastic import run_elastic
 from spark_estimators.errors import (
     CollectiveError,
     ConfigurationError,
@@ -12,7 +13,7 @@ from spark_estimators.errors import (
     StoreError,
     TrainingFailedError,
 )
-from spark_estimators.runner import run, run_elastic
+from spark_estimators.runner import run
 from spark_estimators.store import Store
 
 __version__ = "0.1.0"

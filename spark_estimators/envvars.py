@@ -68,7 +68,7 @@ MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
 #: to load them; see core/persistence.py and docs/security.md.
 MODEL_KEY = PREFIX + "MODEL_KEY"
 LAZY_DYNAMO = PREFIX + "LAZY_DYNAMO"  # "0" turns off the rank's deferred torch._dynamo import
-#: Path of the collective timeline (per-rank Chrome trace); see collective/timeline.py.
+#: Path of the collective timeline (per-rank Chrome trace); see collective/api/timeline.py.
 #: ``DYNAMIC`` (as Horovod's) starts none at init: start_timeline(path) starts it later.
 TIMELINE = PREFIX + "TIMELINE"
 TIMELINE_DYNAMIC = "DYNAMIC"

@@ -35,7 +35,7 @@ from spark_estimators import run_options
 from spark_estimators._base.child import exit_now, start_lifeline
 from spark_estimators._base.processes import exit_words
 from spark_estimators.errors import ConfigurationError, RemoteError, TrainingFailedError
-from spark_estimators.local_ranks import (  # rank_envs: its old home
+from spark_estimators.local_ranks import (
     DEFAULT_GRACE_S,
     Supervisor,
     launcher_env,
@@ -44,7 +44,7 @@ from spark_estimators.local_ranks import (  # rank_envs: its old home
     rendezvous_port,
 )
 
-__all__ = ["main", "rank_envs", "run_local"]
+__all__ = ["main", "run_local"]
 
 _WORKER_FLAG = "--run-pickled-function"
 _BACKENDS = ("auto", "gloo", "nccl", "mpi")

@@ -6,7 +6,7 @@ something else here or nothing at all. The ones with an equivalent work:
 * ``nics`` (``--network-interface``): the network interfaces the ranks' collectives use; sets
   ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` in the rank processes.
 * ``timeline`` (``--timeline-filename``): each rank's collective timeline, see
-  :mod:`spark_estimators.collective.timeline` (sets ``SPARK_ESTIMATORS_TIMELINE``).
+  :mod:`spark_estimators.collective.api.timeline` (sets ``SPARK_ESTIMATORS_TIMELINE``).
 * ``min_np`` / ``max_np`` / ``np`` (``horovodrun``'s names) are aliases of ``run_elastic``'s
   ``min_num_proc`` / ``max_num_proc`` / ``num_proc``.
 

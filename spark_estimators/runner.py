@@ -34,10 +34,7 @@ from spark_estimators import run_options
 from spark_estimators._base.console_bar import SPARK_CONSOLE_BAR
 from spark_estimators._base.environ import validate_env
 from spark_estimators._base.output import OutputPrinter
-from spark_estimators._base.pickling import (  # noqa: F401  dumps_by_value: its old home
-    dumps_by_value,
-    pickle_payload,
-)
+from spark_estimators._base.pickling import pickle_payload
 from spark_estimators._base.session import (
     available_task_slots,
     cancel_job_group,
@@ -48,9 +45,8 @@ from spark_estimators._base.session import (
     spark_master,
     start_job_group,
 )
-from spark_estimators.driver.rpc import new_secret
+from spark_estimators.driver.frames import new_secret
 from spark_estimators.driver.service import DriverService, JobState, is_consequence
-from spark_estimators.elastic import run_elastic  # noqa: F401  (spark_estimators.run_elastic)
 from spark_estimators.errors import (
     ConfigurationError,
     RendezvousTimeoutError,

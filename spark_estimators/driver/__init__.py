@@ -1,6 +1,7 @@
 """The driver service: registration, rank assignment, rendezvous, results and failures."""
 
-from spark_estimators.driver.rpc import RpcClient, RpcServer, new_secret
+from spark_estimators.driver.frames import new_secret
+from spark_estimators.driver.rpc import RpcClient, RpcServer
 from spark_estimators.driver.service import DriverService, RankSettings, Registration, assign_ranks
 
 __all__ = [

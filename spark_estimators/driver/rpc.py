@@ -52,34 +52,18 @@ from spark_estimators.driver.frames import (
     _recv_exact,
     client_auth,
     handshake_mac,
-    max_frame_bytes,
-    new_secret,
     session_id,
 )
 from spark_estimators.envvars import env_float, env_int
 from spark_estimators.errors import RpcError
 
-__all__ = [  # the wire format's names are re-exported: this was their home
-    "AUTH_BYTES",
+__all__ = [
     "CONNECT_RETRY_S",
-    "HELLO_BYTES",
-    "MAC_BYTES",
-    "MAGIC",
-    "NONCE_BYTES",
-    "TO_CLIENT",
-    "TO_SERVER",
     "Connection",
-    "ConnectionClosed",
-    "DeadlineExceeded",
-    "FrameCodec",
     "RefusalLog",
     "RpcClient",
     "RpcLimits",
     "RpcServer",
-    "client_auth",
-    "max_frame_bytes",
-    "new_secret",
-    "session_id",
 ]
 
 logger = logging.getLogger(__name__)

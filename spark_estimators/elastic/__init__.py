@@ -1,7 +1,7 @@
 """Elastic training on Spark: ``run_elastic`` keeps a job going when workers fail or return.
 
 The driver side lives here (launcher, driver service, Spark task, rank process entry point);
-the training-side API is ``spark_estimators.collective.elastic`` (``State``, ``ObjectState``,
+the training-side API is ``spark_estimators.collective.api.elastic`` (``State``, ``ObjectState``,
 ``run``) and ``spark_estimators.collective.torch.elastic`` (``TorchState``).
 :func:`spark_estimators.run_elastic` is :func:`run_elastic` here.
 """

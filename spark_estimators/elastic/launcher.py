@@ -38,7 +38,7 @@ from spark_estimators._base.session import (
     spark_master,
     start_job_group,
 )
-from spark_estimators.driver.rpc import new_secret
+from spark_estimators.driver.frames import new_secret
 from spark_estimators.elastic.service import ElasticDriverService, ElasticPolicy, ElasticState
 from spark_estimators.errors import (
     ConfigurationError,
@@ -123,7 +123,7 @@ def run_elastic(
     """Run ``fn(*args, **kwargs)`` as an elastic job; return the final ranks' results.
 
     ``fn`` usually builds a ``TorchState`` / ``ObjectState`` and calls a function decorated
-    with ``hvd.elastic.run`` (see :mod:`spark_estimators.collective.elastic`).
+    with ``hvd.elastic.run`` (see :mod:`spark_estimators.collective.api.elastic`).
 
     Parameters
     ----------

@@ -4,7 +4,7 @@ Like :mod:`spark_estimators.task.child`, but the rank is not fixed: before the u
 runs and after every reset, :func:`rendezvous` asks the driver for this worker's place in the
 next round and rewrites the rank environment (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``, ours)
 in this process, so :func:`spark_estimators.collective.init` joins the new group. It installs the
-driver hooks of :mod:`spark_estimators.collective.elastic`.
+driver hooks of :mod:`spark_estimators.collective.api.elastic`.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def test_run_restores_resets_and_calls_reset_callbacks(monkeypatch):
     calls = {"reset": 0, "callback": 0, "broken": True}
     monkeypatch.setattr(elastic, "reset", lambda: calls.__setitem__("reset", calls["reset"] + 1))
     monkeypatch.setattr(elastic, "_group_broken", lambda: calls["broken"])
-    monkeypatch.setattr("spark_estimators.collective.is_initialized", lambda: True)
+    monkeypatch.setattr("spark_estimators.collective.api.lifecycle.is_initialized", lambda: True)
     state = _solo_state(elastic.ObjectState, step=0)
     state.register_reset_callbacks([lambda: calls.__setitem__("callback", calls["callback"] + 1)])
     attempts = []
@@ -82,7 +82,7 @@ def test_run_restores_resets_and_calls_reset_callbacks(monkeypatch):
 
 def test_run_reraises_collective_errors_that_did_not_break_the_group(monkeypatch):
     monkeypatch.setattr(elastic, "_group_broken", lambda: False)
-    monkeypatch.setattr("spark_estimators.collective.is_initialized", lambda: True)
+    monkeypatch.setattr("spark_estimators.collective.api.lifecycle.is_initialized", lambda: True)
 
     @elastic.run
     def train(state):

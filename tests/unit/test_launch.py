@@ -17,7 +17,8 @@ import pytest
 
 from spark_estimators import envvars as ev
 from spark_estimators.errors import TrainingFailedError
-from spark_estimators.launch import rank_envs, run_local
+from spark_estimators.launch import run_local
+from spark_estimators.local_ranks import rank_envs
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
 

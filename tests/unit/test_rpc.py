@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from spark_estimators.driver.rpc import (
+from spark_estimators.driver.frames import (
     _HEADER,
     HELLO_BYTES,
     MAC_BYTES,
@@ -20,13 +20,11 @@ from spark_estimators.driver.rpc import (
     TO_CLIENT,
     TO_SERVER,
     FrameCodec,
-    RpcClient,
-    RpcLimits,
-    RpcServer,
     client_auth,
     new_secret,
     session_id,
 )
+from spark_estimators.driver.rpc import RpcClient, RpcLimits, RpcServer
 from spark_estimators.errors import RpcError
 
 pytestmark = pytest.mark.timeout(60)

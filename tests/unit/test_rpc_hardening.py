@@ -23,7 +23,8 @@ from collections.abc import Callable
 import psutil
 import pytest
 
-from spark_estimators.driver.rpc import _HEADER, MAGIC, RpcClient, RpcServer, new_secret
+from spark_estimators.driver.frames import _HEADER, MAGIC, new_secret
+from spark_estimators.driver.rpc import RpcClient, RpcServer
 from spark_estimators.errors import RpcError
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.multiprocess]

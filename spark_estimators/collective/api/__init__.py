@@ -3,8 +3,8 @@
 This package's own names are what every flavour of ``hvd`` shares: the lifecycle and topology
 calls (:mod:`.lifecycle`), the reduction ops, process sets and the timeline switches.
 :mod:`spark_estimators.collective` adds the numpy ops (:mod:`.numpy_ops`); the torch and Keras
-adapters add their tensor ops. :mod:`.elastic` and :mod:`.timeline` are also reachable as
-``spark_estimators.collective.elastic`` / ``.timeline``.
+adapters add their tensor ops. The framework-free elastic state (:mod:`.elastic`) and the timeline's
+``merge`` (:mod:`.timeline`) are imported from their modules here.
 """
 
 from __future__ import annotations

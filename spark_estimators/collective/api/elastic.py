@@ -15,9 +15,9 @@ Reset callbacks (``state.register_reset_callbacks([...])``) run after every rese
 rescale the learning rate to the new ``size()``. Outside :func:`spark_estimators.run_elastic`
 (no driver), a reset re-initialises the group with the same environment.
 
->>> import spark_estimators.collective as hvd
->>> state = hvd.elastic.ObjectState(epoch=0)  # doctest: +SKIP
->>> @hvd.elastic.run
+>>> from spark_estimators.collective.api import elastic
+>>> state = elastic.ObjectState(epoch=0)  # doctest: +SKIP
+>>> @elastic.run
 ... def train(state):
 ...     while state.epoch < 5:
 ...         ...
@@ -33,6 +33,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from spark_estimators.collective.api import lifecycle as _lifecycle
+from spark_estimators.collective.api.numpy_ops import broadcast_object
+from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
@@ -69,15 +72,7 @@ class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
 
 
 def _broadcast_object(obj: Any, root_rank: int = 0) -> Any:
-    from spark_estimators import collective
-
-    return collective.broadcast_object(obj, root_rank=root_rank, name="elastic.state")
-
-
-def _rank() -> int:
-    from spark_estimators import collective
-
-    return collective.rank()
+    return broadcast_object(obj, root_rank=root_rank, name="elastic.state")
 
 
 class State:
@@ -98,7 +93,7 @@ class State:
         get_rank: Callable[[], int] | None = None,
     ) -> None:
         self._bcast_object = bcast_object or _broadcast_object
-        self._get_rank = get_rank or _rank
+        self._get_rank = get_rank or _lifecycle.rank
         self._reset_callbacks: list[Callable[[], None]] = []
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
@@ -174,20 +169,16 @@ class ObjectState(State):
 
 
 def _group_broken() -> bool:
-    from spark_estimators.collective.runtime import engine
-
-    current = engine.current()
+    current = _engine.current()
     return current is not None and current.broken is not None
 
 
 def reset() -> None:
     """Leave the collective group, meet the driver again and re-join with the new ranks."""
-    from spark_estimators import collective
-
-    collective.shutdown()
+    _lifecycle.shutdown()
     if _rendezvous_hook is not None:
         _rendezvous_hook()
-    collective.init()
+    _lifecycle.init()
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -199,10 +190,8 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
-        from spark_estimators import collective
-
-        if not collective.is_initialized():
-            collective.init()
+        if not _lifecycle.is_initialized():
+            _lifecycle.init()
         skip_sync = False
         while True:
             if not skip_sync:

@@ -19,14 +19,12 @@ import torch
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.engine import Handle
-from spark_estimators.collective.torch.arrays import (  # noqa: F401  waited_ops: its old home
+from spark_estimators.collective.torch.arrays import (
     _TORCH,
-    TorchOps,
     as_tensor,
     dtype_device_groups,
     in_waited_ops,
     waited,
-    waited_ops,
 )
 from spark_estimators.collective.torch.compression import Compression, Compressor
 from spark_estimators.errors import CollectiveError
