@@ -14,9 +14,9 @@ import math
 import uuid
 from typing import Any
 
-from pyspark import keyword_only
 from pyspark.ml import Estimator
 
+from spark_estimators.core import checks
 from spark_estimators.core.backend import Backend, SparkBackend
 from spark_estimators.core.checkpoint import CheckpointInfo, start_fields
 from spark_estimators.core.params import (
@@ -25,6 +25,7 @@ from spark_estimators.core.params import (
     KeywordParams,
     check_unsupported,
 )
+from spark_estimators.core.params.base import keyword_only
 from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.core.progress import EpochProgress
 from spark_estimators.core.relaunch import ElasticRelaunch
@@ -91,6 +92,7 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
             raise ConfigurationError(
                 f"{type(self).__name__} needs model=...: pass the model to train"
             )
+        checks.check_model_object(self.getModel())
         features, labels = self.getFeatureCols(), self.getLabelCols()
         if not features:
             raise _bad("feature_cols", features, "a non-empty list of column names")
@@ -204,12 +206,16 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
 
     # -- fit -------------------------------------------------------------------------------------
     def _fit(self, df: Any) -> Any:
+        checks.check_dataframe(df, type(self).__name__)
         self._validate_params(list(df.columns))
         from spark_estimators.data import prepare_data
 
         store = self._store()
         self._preflight(store)
-        with self._hold_run(store):
+        with (
+            self._hold_run(store),
+            checks.explain_null_vectors(df, self.getFeatureCols() + self.getLabelCols()),
+        ):
             meta = prepare_data(
                 self._num_proc(),
                 store,
@@ -219,6 +225,7 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
                 validation=self.getValidation(),
                 sample_weight_col=self.getSampleWeightCol(),
                 compress_sparse=self.getCompressSparseCols(),
+                drop_invalid_rows=self.getOrDefault("dropInvalidRows"),
                 partitions_per_process=self.getPartitionsPerProcess(),
                 verbose=self.getVerbose(),
                 check_columns=self._check_data_shapes,
@@ -384,8 +391,16 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
         """
         from spark_estimators._base.pickling import dumps_by_value
 
+        try:
+            blob = dumps_by_value(user, roots=[r for r in roots if r not in (None, False)])
+        except Exception as exc:
+            raise checks.unpicklable_error(getattr(user, "__dict__", {"user": user}), exc) from exc
+        num_proc = self._num_proc()
+        batch = checks.cap_batch_size(self.getBatchSize(), meta.train_rows, num_proc)
+        val_batch = self.getValBatchSize() or self.getBatchSize()
+        val_batch = checks.cap_batch_size(val_batch, meta.val_rows, num_proc, "val_batch_size")
         return {
-            "user_blob": dumps_by_value(user, roots=[r for r in roots if r not in (None, False)]),
+            "user_blob": blob,
             "store": remote_store,
             "meta": meta,
             "run_id": run_id,
@@ -394,8 +409,8 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
             "sample_weight_col": self.getSampleWeightCol(),
             "input_shapes": self.getInputShapes(),
             "label_shapes": self.getLabelShapes(),
-            "batch_size": self.getBatchSize(),
-            "val_batch_size": self.getValBatchSize() or self.getBatchSize(),
+            "batch_size": batch,
+            "val_batch_size": val_batch,
             "epochs": self.getEpochs(),
             "train_steps_per_epoch": self.getTrainStepsPerEpoch(),
             "validation_steps_per_epoch": self.getValidationStepsPerEpoch(),

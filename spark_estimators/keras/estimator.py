@@ -52,8 +52,6 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pyspark import keyword_only
-
 from spark_estimators.core.estimator import SparkEstimator, listify
 from spark_estimators.core.params import (
     HOROVOD_DATA_MODULE_KEYWORDS,
@@ -61,6 +59,7 @@ from spark_estimators.core.params import (
     document_constructor,
     make_param,
 )
+from spark_estimators.core.params.base import keyword_only
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.keras.model import (
     KerasModel,

@@ -23,12 +23,11 @@ import difflib
 import inspect
 from typing import Any, ClassVar
 
-from pyspark import keyword_only
 from pyspark.ml.param import TypeConverters
 
 from spark_estimators.core.estimator import SparkEstimator, listify
 from spark_estimators.core.params import document_constructor, make_param
-from spark_estimators.core.params.base import to_int_or_none
+from spark_estimators.core.params.base import keyword_only, to_int_or_none
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.lightning.callbacks import FRAMEWORK
 from spark_estimators.lightning.model import LightningModel

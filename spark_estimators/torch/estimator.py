@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from pyspark import keyword_only
-
 from spark_estimators.core.checkpoint import read_info
 from spark_estimators.core.estimator import SparkEstimator, listify
 from spark_estimators.core.params import (
@@ -36,6 +34,7 @@ from spark_estimators.core.params import (
     SupervisedParams,
     document_constructor,
 )
+from spark_estimators.core.params.base import keyword_only
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.torch import indices, serialization
 from spark_estimators.torch.model import TorchModel

@@ -12,11 +12,43 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import textwrap
+from collections.abc import Callable
 from typing import Any, ClassVar
 
+import pyspark
 from pyspark.ml.param import Param, Params, TypeConverters
+
+
+def keyword_only(init: Callable[..., None]) -> Callable[..., None]:
+    """``pyspark.keyword_only`` whose refusal of positional arguments names them and the fix.
+
+    pyspark's says only "Method __init__ forces keyword arguments."; this one says which
+    positional values were given and how to pass them, e.g.
+    ``TorchEstimator(model=net, optimizer=opt, loss=loss_fn)``.
+    """
+    inner = pyspark.keyword_only(init)
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        if args:
+            cls = type(self).__name__
+            given = ", ".join(f"{type(a).__name__} {_short_repr(a)}" for a in args)
+            raise TypeError(
+                f"{cls}() takes keyword arguments only, got {len(args)} positional "
+                f"({given}): name each one, e.g. {cls}(model=net, optimizer=opt, "
+                "loss=loss_fn, feature_cols=[...], label_cols=[...])"
+            )
+        inner(self, **kwargs)
+
+    return wrapper
+
+
+def _short_repr(value: Any, limit: int = 60) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def make_param(name: str, doc: str, conv: Any = TypeConverters.identity) -> Param:
@@ -105,6 +137,7 @@ ALIASES: dict[str, str] = {
     "reader_pool_type": "readerPoolType",
     "mp_start_method": "mpStartMethod",
     "compress_sparse_cols": "compressSparseCols",
+    "drop_invalid_rows": "dropInvalidRows",
     "transformation_edit_fields": "transformationEditFields",
     "transformation_removed_fields": "transformationRemovedFields",
     "data_module": "dataModule",

@@ -167,7 +167,14 @@ class DataParams(DeclaredParams):
         "store mostly-zero vector columns sparsely in the prepared data",
         TypeConverters.toBoolean,
     )
+    dropInvalidRows = make_param(
+        "dropInvalidRows",
+        "drop rows with a null or NaN feature or label value when preparing the data (default "
+        "False: such rows fail the fit, naming the column and count)",
+        TypeConverters.toBoolean,
+    )
     _defaults: ClassVar[dict[str, Any]] = {
+        "dropInvalidRows": False,
         "sampleWeightCol": None,
         "labelShapes": None,
         "validation": None,

@@ -1,0 +1,175 @@
+"""Driver-side checks of what a user passes to ``fit``, each failing with the value and the fix.
+
+They run before any Spark job (the input's type, a model class instead of a model, an object
+that cannot travel to the ranks), or translate a Spark failure into the error a user can act on
+(null vectors, which Spark reports as a raw JVM error from ``vector_to_array``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from spark_estimators.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "check_dataframe",
+    "check_model_object",
+    "cap_batch_size",
+    "explain_null_vectors",
+    "null_vector_error",
+    "unpicklable_error",
+]
+
+_MAX_DEPTH = 8
+
+
+def check_dataframe(df: Any, estimator: str) -> None:
+    """Refuse anything but a Spark DataFrame (classic or Connect), naming how to make one."""
+    module = type(df).__module__ or ""
+    if module.startswith("pyspark.") and hasattr(df, "schema"):
+        return
+    kind = f"{module}.{type(df).__qualname__}" if module else type(df).__qualname__
+    if module.startswith("pandas"):
+        fix = "convert it first: est.fit(spark.createDataFrame(pdf))"
+    elif module.startswith("pyspark.pandas"):
+        fix = "convert it first: est.fit(psdf.to_spark())"
+    else:
+        fix = "pass a Spark DataFrame (spark.read..., spark.createDataFrame(...))"
+    raise ConfigurationError(f"{estimator}.fit got a {kind}, not a pyspark.sql.DataFrame: {fix}")
+
+
+def check_model_object(model: Any) -> None:
+    """A class passed as ``model=`` (``model=Net``) instead of an instance (``model=Net()``)."""
+    if isinstance(model, type):
+        name = model.__name__
+        raise ConfigurationError(
+            f"model={name} is a class, not a model: pass an instance, model={name}(...), and "
+            "build the optimizer on that instance's parameters"
+        )
+
+
+def cap_batch_size(batch_size: int, rows: int, num_proc: int, name: str = "batch_size") -> int:
+    """``batch_size``, or the rows of one rank's shard when the batch would hold more.
+
+    A batch larger than a rank's shard would be filled by wrapping around the shard's rows again
+    and again (``batch_size=10**9`` on 256 rows never finishes): such a batch is the whole shard.
+    """
+    if rows <= 0 or num_proc <= 0:
+        return batch_size
+    per_rank = -(-rows // num_proc)
+    if batch_size <= per_rank:
+        return batch_size
+    logger.info(
+        "%s=%d is larger than a rank's share of the data (%d rows / %d ranks = %d): each batch "
+        "is the rank's whole shard, %d rows",
+        name,
+        batch_size,
+        rows,
+        num_proc,
+        per_rank,
+        per_rank,
+    )
+    return per_rank
+
+
+@contextlib.contextmanager
+def explain_null_vectors(df: Any, columns: Sequence[str]) -> Iterator[None]:
+    """Re-raise Spark's null-vector failure inside the block as :func:`null_vector_error`'s."""
+    try:
+        yield
+    except Exception as exc:
+        clear = null_vector_error(exc, df, columns)
+        if clear is None:
+            raise
+        raise clear from exc
+
+
+def null_vector_error(exc: BaseException, df: Any, columns: Sequence[str]) -> Exception | None:
+    """The ConfigurationError for a Spark failure caused by null vectors, else None.
+
+    Spark's ``vector_to_array`` fails on a null vector with a JVM error; the columns are
+    counted only then (one Spark job, on the failure path only).
+    """
+    if "vector_to_array requires a non-null input" not in str(exc):
+        return None
+    from pyspark.sql import functions as F
+
+    try:
+        row = df.select([F.sum(F.col(c).isNull().cast("long")).alias(c) for c in columns]).first()
+        counts = {c: int(row[c] or 0) for c in columns}
+    except Exception:  # noqa: BLE001 - the count is a courtesy; the original error stays
+        counts = {}
+    found = {c: n for c, n in counts.items() if n}
+    detail = ", ".join(f"{c!r}: {n}" for c, n in found.items()) or repr(list(columns))
+    return ConfigurationError(
+        f"null vectors in rows of column(s) {detail} (rows per column); drop them first: "
+        f"df.na.drop(subset={list(found) or list(columns)!r})"
+    )
+
+
+def unpicklable_error(objects: dict[str, Any], exc: BaseException) -> ConfigurationError:
+    """Name the attribute path that cannot be pickled (``model.lock: _thread.lock``)."""
+    found = None
+    for name, obj in objects.items():
+        found = _find_unpicklable(obj, name, 0)
+        if found is not None:
+            break
+    if found is None:
+        return ConfigurationError(
+            f"the training objects cannot be pickled to send them to the ranks: {exc}"
+        )
+    path, value = found
+    kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    return ConfigurationError(
+        f"{path} cannot be pickled to send it to the ranks: {path}: {kind} ({exc}). Remove it "
+        "before fit, create it when first used on the rank, or give its class __getstate__/"
+        "__setstate__ that leave it out"
+    )
+
+
+def _dumps(obj: Any) -> bool:
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(obj)
+    except Exception:  # noqa: BLE001 - any failure means "not picklable"
+        return False
+    return True
+
+
+def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield f"{path}[{key!r}]", value
+        return
+    if isinstance(obj, list | tuple | set | frozenset):
+        for i, value in enumerate(obj):
+            yield f"{path}[{i}]", value
+        return
+    state = getattr(obj, "__dict__", None)
+    if not isinstance(state, dict):
+        return
+    for key, value in state.items():
+        if key in ("_modules", "_parameters", "_buffers") and isinstance(value, dict):
+            # torch.nn.Module: its sub-modules/parameters read as attributes (model.encoder)
+            for sub, item in value.items():
+                yield f"{path}.{sub}", item
+        else:
+            yield f"{path}.{key}", value
+
+
+def _find_unpicklable(obj: Any, path: str, depth: int) -> tuple[str, Any] | None:
+    """The deepest attribute path under ``obj`` that fails to pickle, or None if it pickles."""
+    if _dumps(obj):
+        return None
+    if depth < _MAX_DEPTH:
+        for child_path, child in _children(obj, path):
+            found = _find_unpicklable(child, child_path, depth + 1)
+            if found is not None:
+                return found
+    return path, obj
