@@ -91,11 +91,18 @@ def check_admission(spark: Any, num_proc: int, wait_s: float = 0.0) -> None:
 
 
 def _spark_job(
-    spark: Any, num_proc: int, task_fn: Any, job_id: str, box: dict[str, Any], svc: DriverService
+    spark: Any,
+    num_proc: int,
+    task_fn: Any,
+    job_id: str,
+    box: dict[str, Any],
+    svc: DriverService,
+    source_df: Any = None,
 ) -> None:
     try:
         start_job_group(spark, job_id, f"spark_estimators.run {num_proc} ranks")
-        df = spark.range(num_proc, numPartitions=num_proc)
+        # data="stream": the tasks map over the training data itself (one partition per rank).
+        df = spark.range(num_proc, numPartitions=num_proc) if source_df is None else source_df
         out = df.mapInArrow(task_fn, "index long, rank long, seconds double", barrier=True)
         box["rows"] = out.collect()
     except BaseException as exc:
@@ -131,6 +138,7 @@ def run(
     extra_mpi_args: str | None = None,
     executable: str | None = None,
     driver_host: str | None = None,
+    stream_input: Any = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark tasks; return the results by rank.
 
@@ -178,6 +186,12 @@ def run(
         Address the executors use to reach this process's driver service (default: env
         ``SPARK_ESTIMATORS_DRIVER_HOST``, else ``spark.driver.host`` for a classic session, or
         for a Spark Connect client this machine's address towards the Connect server).
+    stream_input
+        Used by the estimators' ``data="stream"``: a
+        :class:`~spark_estimators.data.stream.StreamInput` whose DataFrame (``num_proc``
+        partitions) the barrier stage maps over; each task spills its partition for its rank
+        (:mod:`spark_estimators.task.stream_spill`). ``start_timeout`` then counts from the first
+        task's registration, since the stage starts only after the DataFrame's shuffle.
 
     Returns
     -------
@@ -240,7 +254,9 @@ def run(
         from spark_estimators.driver.pmi import serve_mpi_job
 
         pmi = serve_mpi_job(svc, driver_host)
-    launcher = _Launch(spark, svc, num_proc, job_id, timeout, collective_backend, use_gpu, secret)
+    launcher = _Launch(
+        spark, svc, num_proc, job_id, timeout, collective_backend, use_gpu, secret, stream_input
+    )
     # The barrier stage's bar says nothing while ranks run ("(0 + n) / n" until they end) and
     # Spark draws it over the ranks' forwarded lines: muted for the job, restored after it.
     SPARK_CONSOLE_BAR.mute()
@@ -266,11 +282,18 @@ class _Launch:
         backend: str,
         use_gpu: bool | None,
         secret: bytes,
+        stream_input: Any = None,
     ):
         from spark_estimators.task.spark_task import TaskConfig, barrier_task
 
         self.spark, self.svc, self.num_proc, self.job_id = spark, svc, num_proc, job_id
         self.start_timeout = start_timeout
+        self.source_df, stream = None, None
+        if stream_input is not None:
+            from spark_estimators.task.stream_spill import StreamTaskSettings
+
+            self.source_df = stream_input.dataframe
+            stream = StreamTaskSettings(split_col=stream_input.split_col)
         config = TaskConfig(
             driver_address=svc.address,
             secret=secret,
@@ -278,6 +301,7 @@ class _Launch:
             start_timeout=start_timeout,
             backend=backend,
             use_gpu=use_gpu,
+            stream=stream,
         )
         self.task_fn = partial(barrier_task, config)
         self.box: dict[str, Any] = {"done": False}
@@ -287,7 +311,15 @@ class _Launch:
             logger.info("launching %d ranks (job %s)", self.num_proc, self.job_id)
         thread = threading.Thread(
             target=_spark_job,
-            args=(self.spark, self.num_proc, self.task_fn, self.job_id, self.box, self.svc),
+            args=(
+                self.spark,
+                self.num_proc,
+                self.task_fn,
+                self.job_id,
+                self.box,
+                self.svc,
+                self.source_df,
+            ),
             name="se-spark-job",
             daemon=True,
         )
@@ -308,6 +340,13 @@ class _Launch:
         return self._collect_results()
 
     def _wait_started(self, started: float) -> None:
+        if self.source_df is not None:
+            # The barrier stage starts after the data's shuffle stage, however long that takes.
+            self.svc.wait(
+                lambda s: bool(s.registrations) or s.abort_reason is not None or self.box["done"],
+                timeout=None,
+            )
+            started = time.monotonic()
         deadline = started + self.start_timeout
 
         def registered_or_over(s: JobState) -> bool:

@@ -107,8 +107,13 @@ class SparkBackend(Backend):
         kwargs: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         event_callback: Callable[[int, str, Any], None] | None = None,
+        stream_input: Any = None,
     ) -> list[Any]:
-        """Run ``fn`` on the ranks with :func:`spark_estimators.run`; one result per rank."""
+        """Run ``fn`` on the ranks with :func:`spark_estimators.run`; one result per rank.
+
+        ``stream_input``: the estimators' ``data="stream"`` input (see
+        :func:`~spark_estimators.run`).
+        """
         from spark_estimators.runner import run
 
         merged = dict(self.env)
@@ -128,4 +133,5 @@ class SparkBackend(Backend):
             backend=self.collective_backend,
             spark=self.spark,
             event_callback=event_callback,
+            stream_input=stream_input,
         )

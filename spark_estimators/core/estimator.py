@@ -135,6 +135,9 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
                 f"{backend.num_processes()}: set one of them"
             )
         self._validate_elastic(num_proc)
+        from spark_estimators.data.stream import check_data_mode
+
+        check_data_mode(self)
         check_unsupported(self)  # horovod params without an effect here: refused, not ignored
         check_available(self.getOrDefault("logToMlflow"))
         store = self.getStore()
@@ -210,6 +213,8 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
         self._validate_params(list(df.columns))
         from spark_estimators.data import prepare_data
 
+        if self.getOrDefault("data") == "stream":  # no Parquet copy: the ranks read df itself
+            return self._fit_streaming(df)
         store = self._store()
         self._preflight(store)
         with (
@@ -230,6 +235,24 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
                 verbose=self.getVerbose(),
                 check_columns=self._check_data_shapes,
             )
+            return self._fit_on_prepared(meta)
+
+    def _fit_streaming(self, df: Any) -> Any:
+        from spark_estimators.data.stream import prepare_stream
+
+        store = self._store()
+        self._preflight(store)
+        with self._hold_run(store):
+            source, meta = prepare_stream(
+                self._num_proc(),
+                df,
+                feature_cols=self.getFeatureCols(),
+                label_cols=self.getLabelCols(),
+                validation=self.getValidation(),
+                sample_weight_col=self.getSampleWeightCol(),
+                check_columns=self._check_data_shapes,
+            )
+            meta.source = source
             return self._fit_on_prepared(meta)
 
     def fit_on_parquet(self, params: Any = None, dataset_idx: Any = None) -> Any:
@@ -360,7 +383,13 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
                 on_epoch=None if tracker is None else tracker.log_epoch,
             )
             try:
-                results = backend.run(self._remote_trainer(), args=(spec,), event_callback=progress)
+                stream = getattr(meta, "source", None)  # data="stream": the barrier stage's input
+                results = backend.run(
+                    self._remote_trainer(),
+                    args=(spec,),
+                    event_callback=progress,
+                    **({} if stream is None else {"stream_input": stream}),
+                )
                 break
             except TrainingFailedError as exc:
                 if not self.getElastic():

@@ -117,6 +117,11 @@ def open_readers(spec: Any, rank: int, size: int, transformation_fn: Any) -> tup
     """The rank's train reader, and its val reader (None when the data has no val split)."""
     from spark_estimators.data import make_batch_reader
 
+    if getattr(spec.meta, "streamed", False):  # data="stream": the task's spill, not Parquet
+        from spark_estimators.data.stream_reader import open_stream_readers
+
+        return open_stream_readers(spec, rank, transformation_fn)
+
     def open_split(split: str) -> Any:
         options = reader_options(spec, split, transformation_fn)
         return make_batch_reader(spec.store, spec.meta, options, split=split, rank=rank, size=size)
@@ -124,7 +129,7 @@ def open_readers(spec: Any, rank: int, size: int, transformation_fn: Any) -> tup
     return open_split("train"), open_split("val") if spec.meta.has_val else None
 
 
-def epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int:
+def epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int | None:
     """Steps per epoch: the reader's (same on every rank), capped by ``limit``.
 
     With ``multiple`` > 1 (``backward_passes_per_step``) the count is rounded **up** to a
@@ -140,6 +145,11 @@ def epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int:
     >>> epoch_steps(types.SimpleNamespace(steps_per_epoch=2), None, multiple=3)
     3
     """
+    if reader.steps_per_epoch is None:
+        # A streaming reader before its data is all read: it counts the epoch itself, by the
+        # same rule (data/stream_reader.py); None lets the epoch run until the reader ends it.
+        reader.plan(limit, multiple)
+        return None
     steps = int(reader.steps_per_epoch)
     if limit is not None:
         steps = min(steps, int(limit)) if steps else int(limit)

@@ -70,13 +70,17 @@ class ReaderLoader:
     def __init__(
         self,
         reader: Any,
-        steps: int,
+        steps: int | None,
         convert: BatchConverter,
         epoch_fn: Callable[[], int] | None = None,
     ) -> None:
         self.reader, self.steps, self.convert, self.epoch_fn = reader, steps, convert, epoch_fn
 
     def __len__(self) -> int:
+        if self.steps is None:
+            # data="stream": the reader ends each epoch at the count the ranks agree on, which
+            # is not known before the data is read; Lightning then runs until the loader ends.
+            raise TypeError("the number of batches per epoch is not known (data='stream')")
         return self.steps
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

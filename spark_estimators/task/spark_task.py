@@ -48,6 +48,8 @@ class TaskConfig:
     start_timeout: float
     backend: str = "auto"
     use_gpu: bool | None = None
+    # data="stream": the task spills its input partition for its rank (task/stream_spill.py).
+    stream: Any = None
 
     def __repr__(self) -> str:  # never print the secret
         return f"TaskConfig(driver={self.driver_address}, job={self.job_id})"
@@ -239,8 +241,13 @@ def run_rank(
     config: TaskConfig,
     executor_address: str = "",
     task_started: float | None = None,
+    stream_fd: int | None = None,
+    outcome: dict[str, Any] | None = None,
 ) -> int:
     """Register with the driver, run the rank process to completion, report; returns the rank.
+
+    ``stream_fd`` (``data="stream"``): the read end of the spill's notification pipe, inherited
+    by the rank process; ``outcome`` receives the rank process's exit ``code``.
 
     Every task offers a port it holds (:func:`~spark_estimators._base.ports.reserve_port`); the
     driver advertises rank 0's as ``MASTER_PORT``. Rank 0's task keeps holding it until its rank
@@ -271,6 +278,10 @@ def run_rank(
         for name in reply.get("unset", ()):  # e.g. another MPI launcher's PMI_FD
             env.pop(name, None)
         scratch = create_scratch(env)  # removed below even when the rank was killed
+        if stream_fd is not None:
+            from spark_estimators.task.stream_spill import STREAM_FD_ENV
+
+            env[STREAM_FD_ENV] = str(stream_fd)
         proc = subprocess.Popen(
             [sys.executable, "-m", "spark_estimators.task.child"],
             stdin=subprocess.PIPE,
@@ -278,6 +289,7 @@ def run_rank(
             stderr=subprocess.PIPE,
             env=env,
             start_new_session=True,
+            pass_fds=() if stream_fd is None else (stream_fd,),
         )
         code, aborted, tail_lines = supervise_child(
             config,
@@ -292,6 +304,8 @@ def run_rank(
             },
         )
         remove_scratch(scratch)  # before the job can end: the driver sees it gone on return
+        if outcome is not None:
+            outcome["code"] = code
         if code != 0 and not aborted:
             tail = "\n".join(tail_lines)
             client.call(
@@ -355,8 +369,6 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
     import pyarrow as pa
     from pyspark import BarrierTaskContext
 
-    for _ in batches:  # consume the (tiny) input partition
-        pass
     ctx = BarrierTaskContext.get()
     index = ctx.partitionId()
     gpus = task_gpus(ctx, config.use_gpu)
@@ -364,7 +376,18 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
         executor_address = ctx.getTaskInfos()[index].address
     except Exception:
         executor_address = ""
-    rank = run_rank(index, ctx.attemptNumber(), gpus, config, executor_address, started)
+    if config.stream is not None:  # the partition is the rank's data: spilled while it trains
+        from spark_estimators.task.stream_spill import run_streaming_rank
+
+        def start(fd: int, outcome: dict[str, Any]) -> int:
+            attempt = ctx.attemptNumber()
+            return run_rank(index, attempt, gpus, config, executor_address, started, fd, outcome)
+
+        rank = run_streaming_rank(config.stream, batches, ctx, start)
+    else:
+        for _ in batches:  # consume the (tiny) input partition
+            pass
+        rank = run_rank(index, ctx.attemptNumber(), gpus, config, executor_address, started)
     yield pa.RecordBatch.from_pydict(
         {"index": [index], "rank": [rank], "seconds": [time.time() - started]}
     )

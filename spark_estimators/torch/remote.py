@@ -94,7 +94,7 @@ class _Epoch:
     convert: BatchConverter
     first_batch: protocol.FirstBatchEvent
 
-    def run(self, reader: Any, epoch: int, steps: int, train: bool) -> list[float]:
+    def run(self, reader: Any, epoch: int, steps: int | None, train: bool) -> list[float]:
         """One pass; returns ``[loss, *metrics]`` averaged over the rows of all ranks."""
         import torch
 
@@ -232,12 +232,6 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     )
     convert = converter(spec)
     train_reader, val_reader = protocol.open_readers(spec, rank, size, user.transformation_fn)
-    train_steps = protocol.epoch_steps(
-        train_reader, spec.train_steps_per_epoch, spec.backward_passes_per_step
-    )
-    val_steps = (
-        protocol.epoch_steps(val_reader, spec.validation_steps_per_epoch) if val_reader else 0
-    )
     passes = _Epoch(
         spec, user, model, dist_opt, loss_fn, device, convert, protocol.FirstBatchEvent(rank == 0)
     )
@@ -247,9 +241,18 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
     try:
         for epoch in range(start_epoch, spec.epochs):
             _call(user.callbacks, "on_epoch_begin", epoch, {})
+            # Per epoch: a streaming reader knows its count only after its first epoch.
+            train_steps = protocol.epoch_steps(
+                train_reader, spec.train_steps_per_epoch, spec.backward_passes_per_step
+            )
             means = passes.run(train_reader, epoch, train_steps, train=True)
             val_means = None
-            if val_reader is not None and val_steps:
+            val_steps = (
+                protocol.epoch_steps(val_reader, spec.validation_steps_per_epoch)
+                if val_reader is not None
+                else 0
+            )
+            if val_reader is not None and val_steps != 0:
                 val_means = passes.run(val_reader, epoch, val_steps, train=False)
             logs = protocol.epoch_logs(epoch, names, means, val_means)
             history.append(logs)

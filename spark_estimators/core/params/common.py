@@ -173,7 +173,14 @@ class DataParams(DeclaredParams):
         "False: such rows fail the fit, naming the column and count)",
         TypeConverters.toBoolean,
     )
+    data = make_param(
+        "data",
+        "where the ranks read the DataFrame from: 'parquet' (default: a prepared copy in the "
+        "store) or 'stream' (the training stage reads the DataFrame itself, no copy)",
+        TypeConverters.toString,
+    )
     _defaults: ClassVar[dict[str, Any]] = {
+        "data": "parquet",
         "dropInvalidRows": False,
         "sampleWeightCol": None,
         "labelShapes": None,

@@ -1,0 +1,227 @@
+"""``data="stream"``, driver side: the DataFrame the training stage itself consumes.
+
+With ``data="stream"`` an estimator writes no Parquet copy. The barrier stage that runs the ranks
+maps over the user's DataFrame instead of a dummy one: :func:`prepare_stream` selects the used
+columns (ML vectors become ``array<double>`` in the JVM with ``vector_to_array``, as
+``prepare_data`` does), adds the validation flag (a fraction splits with ``rand(seed)``, exactly as
+``prepare_data``; a column marks rows that are true or > 0) and repartitions to ``num_proc`` (a
+round-robin shuffle: equal shares, one partition per rank). Each task writes its partition to a
+rank-local Arrow spill that its rank reads while it grows
+(:mod:`spark_estimators.task.stream_spill`, :mod:`spark_estimators.data.stream_reader`).
+
+Checks that need no job run here: columns exist and have supported types; shapes come from the
+schema (``ml_attr``) or from a few rows, as ``prepare_data`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from spark_estimators.data.metadata import SPLITS, ColumnInfo, ParquetFileInfo
+from spark_estimators.errors import ConfigurationError
+
+#: The bool column that marks validation rows on their way to the tasks (dropped there).
+SPLIT_COL = "__spark_estimators_is_val__"
+DATA_MODES = ("parquet", "stream")
+
+
+@dataclass
+class StreamMetadata:
+    """What the ranks and the driver know of streamed data: columns, roles, a validation split.
+
+    It stands where a prepared dataset's :class:`~spark_estimators.data.DatasetMetadata` does;
+    there are no files and the row counts are only known to the ranks once their tasks have read
+    the DataFrame.
+    """
+
+    columns: dict[str, ColumnInfo]
+    feature_cols: list[str]
+    label_cols: list[str]
+    sample_weight_col: str | None
+    has_val: bool
+    dataset_idx: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    streamed: bool = True
+    #: The driver's :class:`StreamInput` (never pickled: the ranks get the metadata only).
+    source: Any = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["source"] = None
+        return state
+
+    def files(self, split: str = "train") -> list[ParquetFileInfo]:
+        """No files: streamed data lives only in the ranks' spills."""
+        if split not in SPLITS:
+            raise ConfigurationError(f"split {split!r} is not one of {SPLITS!r}")
+        return []
+
+    @property
+    def train_rows(self) -> int:
+        """0: the driver never counts streamed rows (only the ranks learn their counts)."""
+        return 0
+
+    @property
+    def val_rows(self) -> int:
+        """0: see :attr:`train_rows`."""
+        return 0
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-row shape of every column."""
+        return {name: col.shape for name, col in self.columns.items()}
+
+
+@dataclass(frozen=True)
+class StreamInput:
+    """The DataFrame the training stage maps over (driver only) and its validation flag column."""
+
+    dataframe: Any
+    split_col: str | None
+
+
+def prepare_stream(
+    num_proc: int,
+    df: Any,
+    feature_cols: Sequence[str] | str,
+    label_cols: Sequence[str] | str | None = None,
+    validation: float | str | None = None,
+    sample_weight_col: str | None = None,
+    *,
+    seed: int = 42,
+    check_columns: Callable[[dict[str, ColumnInfo]], None] | None = None,
+) -> tuple[StreamInput, StreamMetadata]:
+    """The training stage's input for ``df`` and its description (no job unless shapes need one).
+
+    Parameters
+    ----------
+    num_proc
+        Number of ranks: the DataFrame is repartitioned to exactly this many partitions.
+    df
+        The Spark DataFrame (classic or Spark Connect).
+    feature_cols, label_cols, validation, sample_weight_col
+        As :func:`~spark_estimators.data.prepare_data`; a validation fraction splits the same rows
+        as ``prepare_data`` with the same ``seed``.
+    seed
+        Seed of the random validation split.
+    check_columns
+        Called with the columns' descriptions before anything runs (``input_shapes`` checks).
+
+    Returns
+    -------
+    tuple
+        ``(StreamInput, StreamMetadata)``.
+    """
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
+
+    from spark_estimators._base.session import ensure_driver_side
+    from spark_estimators.data.columns import (
+        check_args,
+        columns_from_schema,
+        infer_columns,
+        kind_of,
+    )
+    from spark_estimators.store.base import StoreBase
+
+    ensure_driver_side("prepare_stream")
+
+    features, labels, validation_col, fraction = check_args(
+        num_proc,
+        StoreBase.__new__(StoreBase),  # check_args wants a store; streaming writes none
+        df,
+        feature_cols,
+        label_cols,
+        validation,
+        sample_weight_col,
+        None,
+    )
+    used = features + labels + ([sample_weight_col] if sample_weight_col else [])
+    kinds = {name: kind_of(df, name) for name in used}
+    columns = columns_from_schema(df, used, kinds, False)
+    if columns is None:
+        columns = infer_columns(df, used, kinds, False)
+    if check_columns is not None:
+        check_columns({c.name: c for c in columns})
+    split = None
+    if validation_col is not None:
+        vtype = df.schema[validation_col].dataType.simpleString()
+        flag = F.col(validation_col) if vtype == "boolean" else F.col(validation_col) > 0
+        split = F.coalesce(flag, F.lit(False))
+    elif fraction > 0:
+        split = F.rand(seed) < F.lit(fraction)
+    selected = [F.col(c.name) for c in columns]
+    if split is not None:
+        selected.append(split.alias(SPLIT_COL))
+    shuffled = df.select(*selected).repartition(num_proc)
+    converted = [
+        vector_to_array(F.col(c.name), "float64").alias(c.name)
+        if c.kind == "vector"
+        else F.col(c.name)
+        for c in columns
+    ]
+    if split is not None:
+        converted.append(F.col(SPLIT_COL))
+    meta = StreamMetadata(
+        columns={c.name: c for c in columns},
+        feature_cols=features,
+        label_cols=labels,
+        sample_weight_col=sample_weight_col,
+        has_val=split is not None,
+        params={"validation": validation, "seed": seed if fraction else None},
+    )
+    source = StreamInput(shuffled.select(*converted), SPLIT_COL if split is not None else None)
+    return source, meta
+
+
+#: Params that only shape the Parquet copy, refused with data="stream" (not silently ignored).
+_PARQUET_ONLY = {
+    "partitionsPerProcess": (None, "partitions_per_process"),
+    "compressSparseCols": (False, "compress_sparse_cols"),
+    "dropInvalidRows": (False, "drop_invalid_rows"),
+    "inmemoryCacheAll": (False, "inmemory_cache_all"),
+}
+
+
+def check_data_mode(est: Any) -> None:
+    """Driver-side checks of ``data`` and of the params it cannot be combined with."""
+    mode = est.getOrDefault("data")
+    if mode not in DATA_MODES:
+        raise ConfigurationError(f"data={mode!r} is invalid: expected one of {DATA_MODES}")
+    if mode != "stream":
+        return
+    fix = "Use data='parquet' (the default) for it"
+    for name, (unset, keyword) in _PARQUET_ONLY.items():
+        if est.hasParam(name) and est.getOrDefault(name) != unset:
+            raise ConfigurationError(
+                f"{keyword}={est.getOrDefault(name)!r} has no effect with data='stream' (no "
+                f"Parquet copy is written; each rank spills its rows to local disk). {fix}, or "
+                f"leave {keyword} at {unset!r}"
+            )
+    if est.getOrDefault("reader") != "arrow":
+        raise ConfigurationError(
+            f"reader={est.getOrDefault('reader')!r} reads Parquet; data='stream' has its own "
+            f"reader. {fix}, or leave reader='arrow'"
+        )
+    backend = est.getOrDefault("backend")
+    from spark_estimators.core.backend import SparkBackend
+
+    if backend is not None and not isinstance(backend, SparkBackend):
+        raise ConfigurationError(
+            f"backend={type(backend).__name__} cannot stream: data='stream' needs the Spark "
+            f"barrier stage of SparkBackend to read the DataFrame. {fix}"
+        )
+    if est.getOrDefault("store") is None:
+        for keyword, value in (
+            ("run_id", est.getOrDefault("runId")),
+            ("elastic", est.getElastic()),
+        ):
+            if value:
+                raise ConfigurationError(
+                    f"{keyword}={value!r} resumes from checkpoints, which need a store: with "
+                    "data='stream' and no store= nothing is kept between fits or relaunches. "
+                    "Pass store=Store.create('/shared/path') (checkpoints and logs go there; the "
+                    "data still streams), or drop it"
+                )

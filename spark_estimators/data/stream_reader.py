@@ -1,0 +1,422 @@
+"""``data="stream"``, rank side: batches from the spill the rank's Spark task writes as it reads.
+
+The task writes its partition as Arrow IPC segment files and announces each one on a pipe
+(:mod:`spark_estimators.task.stream_spill`); :class:`StreamSource` follows the announcements on a
+thread. :class:`StreamBatchReader` is a reader like :class:`~spark_estimators.data.BatchReader`
+(``iter_epoch(block_format)``, ``set_epoch``, ``peek``, ``batch_size``, ``held_rows_peak``) behind
+the same pipeline: decode to numpy, ``transformation_fn``, the block format (the framework's batch
+converter) run in the prefetch thread, the :class:`~spark_estimators.data._pipeline.ShuffleBuffer`
+and the :class:`~spark_estimators.data._pipeline.Prefetcher`.
+
+Equal steps without knowing the rows up front
+---------------------------------------------
+The rule is the Parquet reader's: every rank takes ``T = max over ranks of ceil(rows / batch)``
+steps per epoch, and a rank whose rows run out first wraps around its own rows (in a new order).
+During the first epoch nobody knows ``T``: a rank trains on rows as they arrive (waiting for the
+next segment when it is ahead of Spark), and only when its own rows are out does it need ``T``,
+which arrives once every task has read its partition (the tasks exchange their row counts with
+``BarrierTaskContext.allGather``). No collective op runs in the data path, so the agreement
+cannot interleave with the framework's own collectives (Keras and Lightning fetch batches on other
+threads). Until then ``steps_per_epoch`` is None (the epoch ends when the reader says so); later
+epochs know it. ``plan(limit, multiple)`` applies ``train_steps_per_epoch`` and
+``backward_passes_per_step`` exactly as :func:`~spark_estimators.core.rank.epoch_steps` does for a
+known count.
+
+Shuffling: the first epoch shuffles the rows in arrival order inside the shuffle buffer; later
+epochs (and wrap-around passes) first permute the order of the segments (about 4 MB each, as the
+Parquet reader permutes row-group slices), seeded by ``(seed, epoch, rank, pass)``.
+
+Memory: the rank holds one decoded segment batch, the shuffle buffer and the prefetch queue, as
+the Parquet reader does; the spill stays on disk (``held_rows_peak`` reports the high-water mark).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from spark_estimators.data._arrow import table_to_numpy
+from spark_estimators.data._pipeline import (
+    NUMPY_BLOCKS,
+    Batch,
+    BlockFormat,
+    HeldRows,
+    Prefetcher,
+    ShuffleBuffer,
+    concat,
+    rows_of,
+    split_batches,
+    take,
+)
+from spark_estimators.data.metadata import ColumnInfo
+from spark_estimators.data.reader import (
+    DEFAULT_SHUFFLE_BUFFER_ROWS,
+    _apply_transformation,
+    _block_rows,
+)
+from spark_estimators.errors import ConfigurationError, StoreError
+
+__all__ = ["StreamBatchReader", "StreamSource", "rank_stream"]
+
+_STREAM_FD_ENV = "SPARK_ESTIMATORS_STREAM_FD"  # task/stream_spill.py's STREAM_FD_ENV
+_source: StreamSource | None = None
+_source_lock = threading.Lock()
+
+
+class StreamSource:
+    """The segments and row counts the rank's task announces on the pipe ``fd``.
+
+    ``segment(split, i)`` waits for the ``i``-th segment of a split (None once the partition is
+    read and there is no such segment); ``totals()`` waits for every task's row counts.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._cond = threading.Condition()
+        self._segments: dict[str, list[tuple[str, int]]] = {"train": [], "val": []}
+        self.ended = False
+        self._totals: list[dict[str, int]] | None = None
+        self._closed = False
+        self._file = os.fdopen(fd, "r", encoding="utf-8")
+        threading.Thread(target=self._follow, name="se-stream-source", daemon=True).start()
+
+    def _follow(self) -> None:
+        try:
+            for line in self._file:
+                kind, _, rest = line.rstrip("\n").partition(" ")
+                with self._cond:
+                    if kind == "S":
+                        split, rows, path = rest.split(" ", 2)
+                        self._segments[split].append((path, int(rows)))
+                    elif kind == "E":
+                        self.ended = True
+                    elif kind == "T":
+                        self._totals = json.loads(rest)
+                    self._cond.notify_all()
+        except (OSError, ValueError):
+            pass
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _gone(self, what: str) -> StoreError:
+        return StoreError(
+            f"the Spark task stopped streaming before {what}: it failed or was cancelled "
+            "(see the other ranks' and Spark's errors)"
+        )
+
+    def segment(self, split: str, index: int) -> tuple[str, int] | None:
+        """``(path, rows)`` of segment ``index`` of ``split``, waiting for it; None past the end."""
+        with self._cond:
+            while True:
+                segments = self._segments[split]
+                if index < len(segments):
+                    return segments[index]
+                if self.ended:
+                    return None
+                if self._closed:
+                    raise self._gone("the end of its partition")
+                self._cond.wait()
+
+    def segments(self, split: str) -> list[tuple[str, int]]:
+        """The segments of ``split`` announced so far."""
+        with self._cond:
+            return list(self._segments[split])
+
+    def rows(self, split: str) -> int:
+        """Rows of ``split`` announced so far."""
+        with self._cond:
+            return sum(rows for _, rows in self._segments[split])
+
+    def known_totals(self) -> list[dict[str, int]] | None:
+        """Every task's row counts if they have arrived, else None (never waits)."""
+        with self._cond:
+            return self._totals
+
+    def totals(self) -> list[dict[str, int]]:
+        """Every task's ``{"train": rows, "val": rows}``, waiting until all tasks have read."""
+        with self._cond:
+            while self._totals is None:
+                if self._closed:
+                    raise self._gone("every task had read its partition")
+                self._cond.wait()
+            return self._totals
+
+
+def rank_stream() -> StreamSource:
+    """The stream of this rank process (one per process, opened on first use)."""
+    global _source
+    with _source_lock:
+        if _source is None:
+            fd = os.environ.get(_STREAM_FD_ENV)
+            if not fd:
+                raise ConfigurationError(
+                    "data='stream' readers work only in a rank started by an estimator's fit "
+                    "with data='stream' (no stream pipe in this process)"
+                )
+            _source = StreamSource(int(fd))
+        return _source
+
+
+def _steps_rule(steps: int, limit: int | None, multiple: int) -> int:
+    """``epoch_steps``'s rule: cap by ``limit``, round up to a multiple of ``multiple``."""
+    if limit is not None:
+        steps = min(steps, int(limit)) if steps else int(limit)
+    if multiple > 1:
+        steps = max(multiple, -(-steps // multiple) * multiple)
+    return steps
+
+
+class StreamBatchReader:
+    """One split of this rank's streamed partition, in equal-sized batches (module docstring)."""
+
+    def __init__(
+        self,
+        source: StreamSource,
+        columns: Mapping[str, ColumnInfo],
+        *,
+        split: str = "train",
+        rank: int = 0,
+        batch_size: int = 32,
+        shuffle: bool = True,
+        seed: int | None = 0,
+        epoch: int = 0,
+        shuffle_buffer_size: int | None = None,
+        transformation_fn: Any = None,
+        prefetch: int = 2,
+    ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigurationError(f"batch_size={batch_size!r} must be a positive integer")
+        self.source = source
+        self.columns = dict(columns)
+        self.split = split
+        self.rank = rank
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = 0 if seed is None else int(seed)
+        self.epoch = epoch
+        self.shuffle_buffer_size = shuffle_buffer_size or max(
+            DEFAULT_SHUFFLE_BUFFER_ROWS, 4 * batch_size
+        )
+        self.transformation_fn = transformation_fn
+        self.prefetch = prefetch
+        self._limit: int | None = None
+        self._multiple = 1
+        self._held = HeldRows()
+        self._spare_buffer: Batch | None = None
+
+    # ------------------------------------------------------------------------ steps
+    def plan(self, limit: int | None, multiple: int = 1) -> None:
+        """Apply ``limit`` steps per epoch and a ``multiple`` to the epochs this reader counts."""
+        self._limit, self._multiple = limit, max(int(multiple), 1)
+
+    def _raw_steps(self, totals: Sequence[Mapping[str, int]]) -> int:
+        rows = [int(t[self.split]) for t in totals]
+        if self.split == "train" or any(rows):
+            empty = [i for i, n in enumerate(rows) if n == 0]
+            if empty:
+                raise ConfigurationError(
+                    f"{len(empty)} of {len(rows)} ranks got no {self.split} rows from the "
+                    f"DataFrame ({sum(rows)} rows in all): every rank needs at least one; use "
+                    "fewer processes or more data"
+                )
+        return max(-(-n // self.batch_size) for n in rows)
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Batches per epoch on every rank, or None until every task has read its partition."""
+        totals = self.source.known_totals()
+        return None if totals is None else self._raw_steps(totals)
+
+    def _target(self, wait: bool) -> int | None:
+        totals = self.source.totals() if wait else self.source.known_totals()
+        if totals is None:
+            return None
+        return _steps_rule(self._raw_steps(totals), self._limit, self._multiple)
+
+    def __len__(self) -> int:
+        return int(self._target(wait=True) or 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch (and so the shuffle order) of the next ``iter()``."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self.iter_epoch()
+
+    def iter_epoch(self, block_format: BlockFormat | None = None) -> Iterator[dict[str, Any]]:
+        """Run the next epoch; ``block_format`` converts whole blocks in the prefetch thread."""
+        epoch = self.epoch
+        self.epoch += 1
+        return self._batches(epoch, block_format or NUMPY_BLOCKS)
+
+    @property
+    def held_rows_peak(self) -> int:
+        """Most decoded rows held at once by the last epoch (shuffle buffer + queued batches)."""
+        return self._held.peak
+
+    # ------------------------------------------------------------------------ consumer
+    def _batches(self, epoch: int, fmt: BlockFormat) -> Iterator[dict[str, Any]]:
+        held = self._held = HeldRows()
+        with Prefetcher(self._batch_groups(epoch, fmt, held), self.prefetch) as groups:
+            for group in groups:
+                yield from group
+                held.consumed += len(group) * self.batch_size
+
+    # ------------------------------------------------------------------------ producer
+    def _batch_groups(
+        self, epoch: int, fmt: BlockFormat, held: HeldRows
+    ) -> Generator[list[dict[str, Any]], None, None]:
+        """Lists of full batches until the epoch's agreed count (known by the end of the rows)."""
+        bs = self.batch_size
+        cap = None if self._limit is None else _steps_rule(int(self._limit), None, self._multiple)
+        emitted = 0
+        rest: dict[str, Any] | None = None
+        blocks = self._blocks(epoch, held)
+        try:
+            for decoded in blocks:
+                target = self._target(wait=False)
+                steps = target if target is not None else cap
+                if steps is not None and emitted >= steps:
+                    return
+                block = fmt.convert(decoded)
+                n, start, group = rows_of(block), 0, []
+                if rest is not None:
+                    need = bs - rows_of(rest)
+                    if n < need:
+                        rest = concat([rest, block], fmt.concat)
+                        continue
+                    group.append(concat([rest, take(block, 0, need)], fmt.concat))
+                    start, rest = need, None
+                count = (n - start) // bs
+                if steps is not None:
+                    count = min(count, steps - emitted - len(group))
+                group += split_batches(block, start, count, bs)
+                start += count * bs
+                emitted += len(group)
+                if start < n and (steps is None or emitted < steps):
+                    rest = take(block, start, n)
+                if group:
+                    held.produced += len(group) * bs
+                    held.note()
+                    yield group
+                if steps is not None and emitted >= steps:
+                    return
+        finally:
+            blocks.close()
+
+    def _blocks(self, epoch: int, held: HeldRows) -> Generator[Batch, None, None]:
+        """Decoded (shuffled) blocks: this rank's rows, then wrap-around passes up to the target."""
+        produced = 0
+        pass_no = 0
+        while True:
+            rng = np.random.default_rng([self.seed, epoch, self.rank, pass_no])
+            chunks = self._chunks(rng)
+            blocks: Generator[Batch, None, None] = chunks
+            buffer = None
+            if self.shuffle:
+                spare, self._spare_buffer = self._spare_buffer, None
+                buffer = ShuffleBuffer(
+                    self.shuffle_buffer_size,
+                    _block_rows(self.columns, self.batch_size),
+                    rng,
+                    held,
+                    arrays=spare,
+                )
+                blocks = buffer.shuffle(chunks)
+            pass_rows = 0
+            try:
+                for block in blocks:
+                    pass_rows += rows_of(block)
+                    produced += rows_of(block)
+                    yield block
+            finally:
+                blocks.close()
+                chunks.close()
+                if buffer is not None:
+                    self._spare_buffer = buffer.arrays
+            target = self._target(wait=True)  # this rank's rows are out: the agreed count
+            if produced >= (target or 0) * self.batch_size:
+                return
+            if pass_rows == 0:
+                raise StoreError(
+                    f"rank {self.rank}: its {self.split} rows gave no rows in a pass "
+                    "(did transformation_fn drop them all?)"
+                )
+            pass_no += 1
+
+    def _chunks(self, rng: np.random.Generator) -> Generator[Batch, None, None]:
+        """Decoded record batches of the segments, in arrival order or permuted.
+
+        Arrival order while the partition is still being read; once it is, a permutation of the
+        segments when shuffling.
+        """
+        if self.source.ended:
+            segments = self.source.segments(self.split)
+            order = rng.permutation(len(segments)) if self.shuffle else range(len(segments))
+            for i in order:
+                yield from self._read_segment(segments[int(i)][0])
+            return
+        index = 0
+        while (segment := self.source.segment(self.split, index)) is not None:
+            yield from self._read_segment(segment[0])
+            index += 1
+
+    def _read_segment(self, path: str) -> Iterator[Batch]:
+        import pyarrow as pa
+
+        with pa.OSFile(path) as f:
+            reader = pa.ipc.open_file(f)
+            for i in range(reader.num_record_batches):
+                yield self._decode(reader.get_batch(i))
+
+    def _decode(self, batch: Any) -> Batch:
+        arrays = table_to_numpy(batch, self.columns, writable=not self.shuffle)
+        if self.transformation_fn is not None:
+            arrays = _apply_transformation(self.transformation_fn, arrays)
+        return arrays
+
+    def peek(self) -> Batch:
+        """The first ``batch_size`` rows of this rank's rows (no shuffle, no wrap)."""
+        parts: list[Batch] = []
+        index = 0
+        while sum(rows_of(p) for p in parts) < self.batch_size:
+            segment = self.source.segment(self.split, index)
+            if segment is None:
+                break
+            parts.extend(self._read_segment(segment[0]))
+            index += 1
+        if not parts:
+            raise ConfigurationError(f"rank {self.rank} got no {self.split} rows to look at")
+        chunk = parts[0] if len(parts) == 1 else concat(parts)
+        return take(chunk, 0, min(self.batch_size, rows_of(chunk)))
+
+
+def open_stream_readers(spec: Any, rank: int, transformation_fn: Any) -> tuple[Any, Any]:
+    """The rank's train reader and its val reader (None without validation) for ``spec``."""
+    from spark_estimators.core.rank import reader_options
+
+    source = rank_stream()
+    meta = spec.meta
+
+    def open_split(split: str) -> StreamBatchReader:
+        options = reader_options(spec, split, transformation_fn)
+        columns = {c: meta.columns[c] for c in options.columns}
+        return StreamBatchReader(
+            source,
+            columns,
+            split=split,
+            rank=rank,
+            batch_size=options.batch_size,
+            shuffle=options.shuffle,
+            seed=options.seed,
+            shuffle_buffer_size=options.shuffle_buffer_size,
+            transformation_fn=transformation_fn,
+            prefetch=options.prefetch,
+        )
+
+    return open_split("train"), open_split("val") if meta.has_val else None

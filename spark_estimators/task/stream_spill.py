@@ -1,0 +1,201 @@
+"""``data="stream"``, task side: the barrier task writes its partition to a rank-local spill.
+
+The training stage maps over the user's (prepared, repartitioned) DataFrame. Its task starts the
+rank process as usual (:func:`~spark_estimators.task.spark_task.run_rank`, on a thread) and, on
+its own thread, drains the partition's Arrow batches as fast as Spark delivers them into a spill
+directory on the executor's local disk (the first of ``SPARK_LOCAL_DIRS``, Spark's own scratch
+space, else the temp dir): Arrow IPC *segment* files of about ``SEGMENT_BYTES`` per split, each
+written under a temporary name and renamed when complete. The rank learns of each segment
+through a pipe (its fd is named in ``SPARK_ESTIMATORS_STREAM_FD``), one text line per event::
+
+    S <split> <rows> <path>       a complete segment of "train" or "val" rows
+    E <train rows> <val rows>     this partition is fully read
+    T <json list>                 every task's {"train": n, "val": m}, in partition order
+
+The totals come from ``BarrierTaskContext.allGather`` once every task has read its partition: the
+ranks need them to agree on the first epoch's step count (see
+:mod:`spark_estimators.data.stream_reader`). Memory stays bounded: a task holds one Arrow batch
+and an open segment writer per split; the rank reads segments from disk. The spill directory is
+removed when the task ends, also when its rank failed; a task killed outright leaves it in Spark's
+local directory, which Spark removes with the executor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+#: Environment variable naming the notification pipe's fd in the rank process.
+STREAM_FD_ENV = "SPARK_ESTIMATORS_STREAM_FD"
+#: Bytes of Arrow data per spill segment (the first segment is cut after one batch).
+SEGMENT_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class StreamTaskSettings:
+    """How a task spills: the validation flag column (None: all rows train) and segment size."""
+
+    split_col: str | None = None
+    segment_bytes: int = SEGMENT_BYTES
+
+
+def spill_parent() -> str | None:
+    """The executor's local directory for the spill: Spark's first local dir, else None (tmp)."""
+    for path in os.environ.get("SPARK_LOCAL_DIRS", "").split(","):
+        if path and os.path.isdir(path):
+            return path
+    return None
+
+
+class SpillWriter:
+    """Writes one partition's record batches as train/val segment files and tells the rank.
+
+    Parameters
+    ----------
+    directory
+        The spill directory (created by the caller, removed by the caller).
+    notify
+        The write end of the rank's notification pipe (a text file object, line-buffered).
+    settings
+        The validation flag column and the segment size.
+    """
+
+    def __init__(self, directory: str, notify: IO[str], settings: StreamTaskSettings) -> None:
+        self.directory = directory
+        self.settings = settings
+        self.rows = {"train": 0, "val": 0}
+        self._notify: IO[str] | None = notify
+        self._open: dict[str, tuple[Any, Any, str, int, int]] = {}
+        self._segments = 0
+
+    def write(self, batch: Any) -> None:
+        """Append one Arrow record batch (its validation rows go to the val segments)."""
+        import pyarrow.compute as pc
+
+        col = self.settings.split_col
+        if col is None:
+            self._append("train", batch)
+            return
+        flag = batch.column(col)
+        kept = batch.drop_columns([col])
+        self._append("train", kept.filter(pc.invert(flag)))
+        self._append("val", kept.filter(flag))
+
+    def _append(self, split: str, batch: Any) -> None:
+        import pyarrow as pa
+
+        if batch.num_rows == 0:
+            return
+        if split not in self._open:
+            self._segments += 1
+            path = os.path.join(self.directory, f"{split}-{self._segments:06d}.arrow")
+            sink = pa.OSFile(path + ".tmp", "wb")
+            self._open[split] = (sink, pa.ipc.new_file(sink, batch.schema), path, 0, 0)
+        sink, writer, path, rows, nbytes = self._open[split]
+        writer.write_batch(batch)
+        rows, nbytes = rows + batch.num_rows, nbytes + batch.nbytes
+        self._open[split] = (sink, writer, path, rows, nbytes)
+        self.rows[split] += batch.num_rows
+        # The first segment is cut at once: the rank starts training after one batch.
+        if nbytes >= self.settings.segment_bytes or self._segments == 1:
+            self._close(split)
+
+    def _close(self, split: str) -> None:
+        sink, writer, path, rows, _ = self._open.pop(split)
+        writer.close()
+        sink.close()
+        os.replace(path + ".tmp", path)
+        self.send(f"S {split} {rows} {path}")
+
+    def finish(self) -> None:
+        """The partition is read: close the open segments and tell the rank its row counts."""
+        for split in list(self._open):
+            self._close(split)
+        self.send(f"E {self.rows['train']} {self.rows['val']}")
+
+    def totals(self, counts: list[dict[str, int]]) -> None:
+        """Tell the rank every task's row counts (in partition order)."""
+        self.send("T " + json.dumps(counts))
+
+    def send(self, line: str) -> None:
+        """One event line to the rank; a rank that is gone (closed pipe) is not an error here."""
+        if self._notify is None:
+            return
+        try:
+            self._notify.write(line + "\n")
+            self._notify.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            self.close()
+
+    def close(self) -> None:
+        """Close the pipe and any open segment (the files are removed with the directory)."""
+        for sink, writer, _, _, _ in self._open.values():
+            with contextlib.suppress(Exception):
+                writer.close()
+            with contextlib.suppress(Exception):
+                sink.close()
+        self._open.clear()
+        if self._notify is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._notify.close()
+            self._notify = None
+
+
+RankRunner = Callable[[int, dict[str, Any]], int]
+
+
+def run_streaming_rank(
+    settings: StreamTaskSettings,
+    batches: Iterator[Any],
+    ctx: Any,
+    run_rank: RankRunner,
+) -> int:
+    """Start the rank (``run_rank(stream_fd, outcome)`` on a thread) and spill ``batches`` for it.
+
+    Returns the rank. The totals are exchanged with every task (``ctx.allGather``) once the
+    partition is read, or as soon as the rank process has ended successfully (a step limit can
+    end training before the data does); a rank that failed skips it, since the job is aborting
+    and Spark cancels the other tasks.
+    """
+    directory = tempfile.mkdtemp(prefix="se-stream-", dir=spill_parent())
+    read_fd, write_fd = os.pipe()
+    writer = SpillWriter(directory, os.fdopen(write_fd, "w", encoding="utf-8"), settings)
+    done = threading.Event()
+    box: dict[str, Any] = {}
+    outcome: dict[str, Any] = {}
+
+    def rank_main() -> None:
+        try:
+            box["rank"] = run_rank(read_fd, outcome)
+        except BaseException as exc:  # raised again in the task's thread
+            box["error"] = exc
+        finally:
+            os.close(read_fd)  # the rank process has its own copy; it has exited now
+            done.set()
+
+    thread = threading.Thread(target=rank_main, name="se-stream-rank", daemon=True)
+    thread.start()
+    try:
+        for batch in batches:
+            if done.is_set():
+                break
+            writer.write(batch)
+        else:
+            writer.finish()
+        if not done.is_set() or outcome.get("code") == 0:
+            replies = ctx.allGather(json.dumps(writer.rows))
+            writer.totals([json.loads(r) for r in replies])
+        thread.join()
+    finally:
+        writer.close()
+        shutil.rmtree(directory, ignore_errors=True)
+    if "error" in box:
+        raise box["error"]
+    return int(box["rank"])
