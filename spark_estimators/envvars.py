@@ -44,6 +44,10 @@ SE_MASTER_PORT = PREFIX + "MASTER_PORT"
 # Spark's GPU addresses assigned to the rank's task (comma-separated; empty without GPUs).
 SE_GPU_ADDRESSES = PREFIX + "GPU_ADDRESSES"
 SE_BACKEND = PREFIX + "BACKEND"
+#: The collective backend names (``run(backend=)``, ``init(backend=)``, ``launch --backend``,
+#: the estimators' ``collective_backend`` and :data:`SE_BACKEND`): "auto" picks nccl when the
+#: rank has a CUDA device, else gloo.
+BACKEND_NAMES = ("auto", "gloo", "nccl", "mpi")
 SE_HOSTNAME = PREFIX + "HOSTNAME"
 SE_JOB_ID = PREFIX + "JOB_ID"
 #: The rank's scratch dir, removed by its Spark task when the rank exits (task/scratch.py).
@@ -113,6 +117,7 @@ IGNORED_HOROVOD: dict[str, str] = {
 RPC_AUTH_TIMEOUT = PREFIX + "RPC_AUTH_TIMEOUT"
 RPC_FRAME_TIMEOUT = PREFIX + "RPC_FRAME_TIMEOUT"
 RPC_MAX_UNAUTHENTICATED = PREFIX + "RPC_MAX_UNAUTHENTICATED"
+RPC_MAX_UNAUTHENTICATED_PER_HOST = PREFIX + "RPC_MAX_UNAUTHENTICATED_PER_HOST"
 RPC_LOG_INTERVAL = PREFIX + "RPC_LOG_INTERVAL"
 
 DEFAULT_START_TIMEOUT = 60.0

@@ -47,7 +47,6 @@ from spark_estimators.local_ranks import (
 __all__ = ["main", "run_local"]
 
 _WORKER_FLAG = "--run-pickled-function"
-_BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 
 # -- run_local: a Python function in N processes --------------------------------------------
@@ -113,8 +112,7 @@ def run_local(
 
     if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
         raise ConfigurationError(f"num_proc must be a positive int, got {num_proc!r}")
-    if backend not in _BACKENDS:
-        raise ConfigurationError(f"backend={backend!r} is not one of {', '.join(_BACKENDS)}")
+    run_options.check_backend(backend)
     with tempfile.TemporaryDirectory(prefix="se-launch-") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
@@ -220,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run a training script in N local processes (the one-machine horovodrun).",
     )
     p.add_argument("-np", "--num-proc", type=int, required=True, help="number of ranks")
-    p.add_argument("--backend", choices=_BACKENDS, default="auto", help="collective backend")
+    p.add_argument("--backend", choices=ev.BACKEND_NAMES, default="auto", help="collective backend")
     p.add_argument("--gloo", dest="backend", action="store_const", const="gloo",
                    help="horovodrun's flag: --backend gloo")  # fmt: skip
     p.add_argument("--mpi", dest="backend", action="store_const", const="mpi",

@@ -66,6 +66,13 @@ UNSUPPORTED: dict[str, str] = {
 }
 
 
+def check_backend(backend: str) -> str:
+    """``backend`` when it is a collective backend name, else a ConfigurationError naming them."""
+    if backend not in ev.BACKEND_NAMES:
+        raise ConfigurationError(f"backend={backend!r} is not one of {', '.join(ev.BACKEND_NAMES)}")
+    return backend
+
+
 def check_unsupported(where: str, **values: Any) -> None:
     """Raise for the first argument of ``values`` that is set (not None/False/empty)."""
     for name, value in values.items():

@@ -55,7 +55,6 @@ from spark_estimators.errors import (
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "gloo", "nccl", "mpi")
 ABORT_GRACE_S = 5.0
 ADMISSION_WAIT_S = 30.0
 
@@ -69,10 +68,7 @@ def _resolve_backend(backend: str | None, use_mpi: bool | None, use_gloo: bool |
         return "mpi"
     if use_gloo:
         return "gloo"
-    backend = backend or "auto"
-    if backend not in BACKENDS:
-        raise ConfigurationError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
-    return backend
+    return run_options.check_backend(backend or "auto")
 
 
 def check_admission(spark: Any, num_proc: int, wait_s: float = 0.0) -> None:

@@ -25,9 +25,13 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_estimators.errors import ConfigurationError
+from spark_estimators.store.layout import join_path
+
+if TYPE_CHECKING:
+    from spark_estimators.store.base import StoreBase
 
 INFO_FILE = "checkpoint.json"
 SCHEMA_VERSION = 1
@@ -103,9 +107,18 @@ class CheckpointInfo:
         )
 
 
-def info_path(store: Any, run_id: str) -> str:
+def store_path(store: StoreBase, run_id: str, name: str = "") -> str:
+    """The path of ``name`` in the run's checkpoint directory of ``store``.
+
+    The one place a checkpoint path is built (``checkpoint.json``, each framework's weights file,
+    Lightning's ``.ckpt`` files); with no ``name``, the directory itself (no trailing ``/``).
+    """
+    return join_path(store.get_checkpoint_path(run_id), name)
+
+
+def info_path(store: StoreBase, run_id: str) -> str:
     """Where the run's ``checkpoint.json`` lives in ``store``."""
-    return store.get_checkpoint_path(run_id).rstrip("/") + "/" + INFO_FILE
+    return store_path(store, run_id, INFO_FILE)
 
 
 def read_info(store: Any, run_id: str, framework: str | None = None) -> CheckpointInfo | None:

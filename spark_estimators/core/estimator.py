@@ -30,6 +30,7 @@ from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.core.progress import EpochProgress
 from spark_estimators.core.relaunch import ElasticRelaunch
 from spark_estimators.core.tracking import MlflowTracker, check_available
+from spark_estimators.envvars import BACKEND_NAMES as COLLECTIVE_BACKENDS
 from spark_estimators.errors import (
     ConfigurationError,
     TrainingFailedError,
@@ -40,7 +41,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["HOROVOD_DATA_MODULE_KEYWORDS", "SparkEstimator", "listify"]
 
 READERS = ("arrow", "petastorm")
-COLLECTIVE_BACKENDS = ("auto", "gloo", "nccl", "mpi")
 
 
 def listify(value: Any) -> list[Any]:

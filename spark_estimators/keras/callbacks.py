@@ -54,7 +54,7 @@ def restore_checkpoint(model: Any, spec: Any, size: int) -> None:
 
 def checkpoint_path(store: Any, run_id: str) -> str:
     """The run's ``checkpoint.keras`` in ``store`` (its info file: core/checkpoint.py)."""
-    return store.get_checkpoint_path(run_id).rstrip("/") + "/" + CHECKPOINT_FILE
+    return checkpoint.store_path(store, run_id, CHECKPOINT_FILE)
 
 
 class FeedEpochCallback(keras.callbacks.Callback):

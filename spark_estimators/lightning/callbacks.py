@@ -223,9 +223,9 @@ class StoreCheckpoint(ModelCheckpoint):
 
     def _mirror_deletions(self, local_dir: str) -> None:
         """Delete store checkpoints that ModelCheckpoint removed locally (its top-k pruning)."""
-        base = self.store.get_checkpoint_path(self.run_id).rstrip("/")
+        base = checkpoint.store_path(self.store, self.run_id)
         present = set(os.listdir(local_dir))
         for name in self.store.listdir(base):
             if name.endswith(CHECKPOINT_SUFFIX) and name not in present:
                 logger.debug("removing pruned checkpoint %s from the store", name)
-                self.store.delete(base + "/" + name)
+                self.store.delete(checkpoint.store_path(self.store, self.run_id, name))

@@ -108,14 +108,16 @@ def _fetch_checkpoints(spec: LightningTrainSpec, rank: int, local_dir: str) -> s
     if spec.checkpoint_file is None:
         return None
     store = spec.store
-    base = store.get_checkpoint_path(spec.run_id).rstrip("/")
+    base = checkpoint.store_path(store, spec.run_id)
     names = [spec.checkpoint_file]
     if rank == 0:
         names += [
             n for n in store.listdir(base) if n.endswith(".ckpt") and n != spec.checkpoint_file
         ]
     for name in names:
-        store.download_file(base + "/" + name, os.path.join(local_dir, name))
+        store.download_file(
+            checkpoint.store_path(store, spec.run_id, name), os.path.join(local_dir, name)
+        )
     return os.path.join(local_dir, spec.checkpoint_file)
 
 

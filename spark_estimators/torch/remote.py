@@ -57,8 +57,8 @@ class UserObjects:
 
 def checkpoint_paths(store: Any, run_id: str) -> tuple[str, str]:
     """The run's ``checkpoint.pt`` and ``checkpoint.json`` paths in ``store``."""
-    base = store.get_checkpoint_path(run_id)
-    return base.rstrip("/") + "/" + CHECKPOINT_FILE, checkpoint.info_path(store, run_id)
+    weights = checkpoint.store_path(store, run_id, CHECKPOINT_FILE)
+    return weights, checkpoint.info_path(store, run_id)
 
 
 def _call(callbacks: list[Any], hook: str, *args: Any) -> None:

@@ -12,6 +12,7 @@ from spark_estimators.core.checkpoint import (
     info_path,
     read_info,
     start_fields,
+    store_path,
     write_info,
 )
 from spark_estimators.core.rank import epoch_steps
@@ -74,6 +75,15 @@ def test_round_trip_through_json_and_the_store(store):
         "schema",
     ]
     assert raw["schema"] == 1 and raw["num_proc"] == 2 and raw["history"][1]["val_loss"] == 0.625
+
+
+def test_every_checkpoint_path_is_built_in_the_run_checkpoint_dir(store, tmp_path):
+    directory = store_path(store, "r1")
+    assert directory == str(tmp_path / "store" / "runs" / "r1" / "checkpoints")
+    assert store_path(store, "r1", "checkpoint.pt") == directory + "/checkpoint.pt"
+    assert info_path(store, "r1") == directory + "/checkpoint.json"
+    store.write_bytes_atomic(store_path(store, "r1", "last_epoch.ckpt"), b"w")
+    assert store.listdir(directory) == ["last_epoch.ckpt"]
 
 
 @pytest.mark.parametrize("name", sorted(OLD_FILES))

@@ -250,3 +250,23 @@ def test_run_local_reports_the_failed_rank_with_its_traceback():
     assert "rank 1" in str(info.value)
     results = run_local(_fails_on_rank_1, num_proc=2, fail_fast=False, return_failures=True)
     assert results[0] == "ok" and results[1].message == "ValueError: bad shard 7"
+
+
+def test_every_launcher_takes_the_same_backend_names():
+    """run(), run_local(), launch --backend, collective.init() and the estimators share one list."""
+    from spark_estimators import envvars, run_options
+    from spark_estimators.collective.runtime import settings
+    from spark_estimators.core import estimator
+    from spark_estimators.errors import ConfigurationError
+
+    assert envvars.BACKEND_NAMES == ("auto", "gloo", "nccl", "mpi")
+    assert estimator.COLLECTIVE_BACKENDS is envvars.BACKEND_NAMES
+    assert [run_options.check_backend(n) for n in envvars.BACKEND_NAMES] == list(
+        envvars.BACKEND_NAMES
+    )
+    with pytest.raises(ConfigurationError, match=r"backend='tcp' is not one of auto, gloo, nccl"):
+        run_options.check_backend("tcp")
+    with pytest.raises(ConfigurationError, match=r"backend='tcp' is not one of auto, gloo, nccl"):
+        run_local(lambda: 0, num_proc=1, backend="tcp")
+    with pytest.raises(ConfigurationError, match="'tcp' is not one of auto, gloo, nccl, mpi"):
+        settings.requested_backend("tcp")

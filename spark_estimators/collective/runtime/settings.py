@@ -22,7 +22,6 @@ from spark_estimators.errors import ConfigurationError
 
 #: torchrun sets this next to GROUP_RANK (number of nodes); used when ours is absent.
 GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
-BACKEND_CHOICES = ("auto", "gloo", "nccl", "mpi")
 #: Rank / size / local rank / local size variables of MPI launchers (MPICH hydra, Open MPI).
 MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK")
 MPI_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
@@ -105,12 +104,12 @@ def topology_from_env(rendezvous: bool = True) -> Topology:
 def requested_backend(backend: str | None = None) -> str:
     """The backend name asked for: the argument, else ``SPARK_ESTIMATORS_BACKEND``, else auto."""
     name = (backend or os.environ.get(ev.SE_BACKEND, "") or "auto").strip().lower()
-    if name not in BACKEND_CHOICES:
+    if name not in ev.BACKEND_NAMES:
         from spark_estimators.collective.backends.base import registered_backends
 
         if name not in registered_backends():
             raise ConfigurationError(
-                f"backend={name!r} is not one of {', '.join(BACKEND_CHOICES)} "
+                f"backend={name!r} is not one of {', '.join(ev.BACKEND_NAMES)} "
                 f"(argument of init() or {ev.SE_BACKEND})"
             )
     return name
