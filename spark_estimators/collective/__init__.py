@@ -37,7 +37,7 @@ from spark_estimators.collective.api import *  # noqa: F403
 from spark_estimators.collective.api import numpy_ops as _numpy_ops
 from spark_estimators.collective.api.numpy_ops import *  # noqa: F403
 from spark_estimators.collective.backends.base import Backend, Topology, register_backend
-from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.runtime.futures import Handle
 
 __all__ = ["Backend", "Handle", "Topology", "register_backend"]
 __all__ += _api.__all__

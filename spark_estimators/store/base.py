@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from spark_estimators.errors import ConfigurationError, StoreError
+from spark_estimators.store._exclusive import write_if_absent
 from spark_estimators.store._filesystems import FilesystemSpec
 from spark_estimators.store.compat import HorovodStoreMethods
 from spark_estimators.store.layout import (  # noqa: F401  (the layout's names, also here)
@@ -100,6 +101,27 @@ class StoreBase(HorovodStoreMethods):
         return hash((type(self), self._layout, self._bound_run_id))
 
     # ------------------------------------------------------------------------------ layout
+    def write_if_absent(self, path: str, data: bytes) -> bool:
+        """Create ``path`` holding ``data`` unless it exists; True when this call created it.
+
+        (Defined here, not on :class:`~spark_estimators.store.io.StoreIO`, so that
+        ``store/_exclusive.py``, which works on a ``StoreIO``, and ``store/io.py`` do not import
+        each other.)
+
+        How exclusive this is depends on the filesystem:
+
+        * local and mounted filesystems (LocalStore, DBFSLocalStore, ``file://``): atomic. The
+          data goes to a hidden temp file that is hard-linked to ``path`` (``link`` fails when
+          ``path`` exists), so nobody ever sees a partial file; where hard links are refused
+          (some FUSE mounts) ``O_CREAT | O_EXCL`` is used, and a reader may briefly see it empty.
+        * fsspec stores: ``open(path, "xb")`` where the backend implements exclusive creation
+          (s3fs sends ``If-None-Match: *``, which AWS S3 honours).
+        * elsewhere (HDFS, backends without ``"xb"``): best effort, a check that ``path`` is absent
+          followed by a write; two writers racing in that gap both get True and the last write
+          wins. Callers that must know read the content back and compare.
+        """
+        return write_if_absent(self, path, data)
+
     def get_train_data_path(self, idx: int | str | None = None) -> str:
         """Directory of the prepared training data of dataset ``idx`` (horovod's naming)."""
         return self._indexed(self._layout.train_path, idx)

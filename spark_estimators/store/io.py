@@ -207,25 +207,6 @@ class StoreIO:
                 "give a store path this user can create and write (executors need the same)"
             ) from exc
 
-    def write_if_absent(self, path: str, data: bytes) -> bool:
-        """Create ``path`` holding ``data`` unless it exists; True when this call created it.
-
-        How exclusive this is depends on the filesystem:
-
-        * local and mounted filesystems (LocalStore, DBFSLocalStore, ``file://``): atomic. The
-          data goes to a hidden temp file that is hard-linked to ``path`` (``link`` fails when
-          ``path`` exists), so nobody ever sees a partial file; where hard links are refused
-          (some FUSE mounts) ``O_CREAT | O_EXCL`` is used, and a reader may briefly see it empty.
-        * fsspec stores: ``open(path, "xb")`` where the backend implements exclusive creation
-          (s3fs sends ``If-None-Match: *``, which AWS S3 honours).
-        * elsewhere (HDFS, backends without ``"xb"``): best effort, a check that ``path`` is absent
-          followed by a write; two writers racing in that gap both get True and the last write
-          wins. Callers that must know read the content back and compare.
-        """
-        from spark_estimators.store._exclusive import write_if_absent
-
-        return write_if_absent(self, path, data)
-
     def makedirs(self, path: str) -> None:
         """Create a directory and its parents (a no-op on object stores)."""
         if self._spec.needs_directories:

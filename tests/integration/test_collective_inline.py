@@ -21,6 +21,7 @@ def _inline_suite() -> dict:
 
     import spark_estimators.collective.torch as hvd
     from spark_estimators.collective.runtime import engine as eng
+    from spark_estimators.collective.runtime import negotiation as neg
     from spark_estimators.errors import CollectiveError
 
     hvd.init()
@@ -63,7 +64,7 @@ def _inline_suite() -> dict:
     out["join_last"] = hvd.join()
 
     # Small ops only: after ROOM_WINDOW rounds the room is back to the fixed size.
-    for _ in range(eng.ROOM_WINDOW):
+    for _ in range(neg.ROOM_WINDOW):
         hvd.allreduce(torch.ones(2), name="small")
     out["room_decayed"] = engine.inline_room
     out["calls_end"] = calls["allreduce"]

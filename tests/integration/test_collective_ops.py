@@ -241,7 +241,7 @@ def test_topology_and_backend(suite):
 
 
 def test_small_and_large_variants_take_both_paths():
-    from spark_estimators.collective.runtime.engine import INLINE_BYTES
+    from spark_estimators.collective.runtime.negotiation import INLINE_BYTES
 
     small, big = _rank_data(0), _rank_data(0)
     for key in ("f32", "f64", "i32", "pos", "i64"):

@@ -22,7 +22,7 @@ from spark_estimators.collective.backends.base import (
     resolve_op,
 )
 from spark_estimators.collective.runtime import settings
-from spark_estimators.collective.runtime.engine import signature_hash
+from spark_estimators.collective.runtime.requests import signature_hash
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 ALL_RANK_VARS = [
@@ -172,7 +172,7 @@ def test_signature_hash_is_stable_and_discriminating():
     assert signature_hash(a) != signature_hash(a[:4] + (((3, 2),),) + a[5:])
     # the same on every run, independent of PYTHONHASHSEED
     code = (
-        "from spark_estimators.collective.runtime.engine import signature_hash\n"
+        "from spark_estimators.collective.runtime.requests import signature_hash\n"
         "print(signature_hash(('x', 1)))"
     )
     runs = {
@@ -192,6 +192,7 @@ def test_core_modules_import_no_framework():
         "spark_estimators.collective",
         "spark_estimators.collective.backends.base",
         "spark_estimators.collective.runtime.engine",
+        "spark_estimators.collective.runtime.allreduce",
         "spark_estimators.collective.runtime.ops",
         "spark_estimators.collective.runtime.settings",
         "spark_estimators.collective.backends.torch_distributed",

@@ -14,7 +14,7 @@ import pytest
 from spark_estimators import envvars as ev
 from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime import settings
-from spark_estimators.collective.runtime.engine import Fusion, Kind, Request
+from spark_estimators.collective.runtime.requests import Fusion, Kind, Request
 from spark_estimators.errors import ConfigurationError
 
 

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.runtime import allreduce as _allreduce
 from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.arrays import NumpyOps
-from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.errors import CollectiveError
 
@@ -75,7 +76,7 @@ def _allreduce_handle(
 ) -> Handle:
     arr = _writable(array, "allreduce_")
     resolved = _ops_resolve(op, average)
-    future = _ops.allreduce(
+    future = _allreduce.allreduce(
         _NUMPY, [arr], [arr], resolved, name, prescale_factor, postscale_factor, blocking,
         process_set,
     )  # fmt: skip
@@ -168,7 +169,7 @@ def grouped_allreduce_(
     groups = _by_dtype(arrs)
     for i, group in enumerate(groups):
         label = None if name is None else f"{name}.{i}"
-        future = _ops.allreduce(
+        future = _allreduce.allreduce(
             _NUMPY,
             group,
             group,

@@ -68,6 +68,7 @@ from spark_estimators.collective.keras.optimizer import (
     NoneCompressor,
     is_distributed,
 )
+from spark_estimators.collective.runtime.process_sets import ProcessSet
 
 is_distributed_optimizer = is_distributed
 
@@ -93,7 +94,7 @@ def allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     name: str | None = None,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> Any:
     """Reduce a tensor (or numpy array, or variable) across ranks; eager mode.
 
@@ -110,18 +111,23 @@ def allreduce(
     return _like(out, value)
 
 
-def allgather(value: Any, name: str | None = None, process_set: Any = None) -> Any:
+def allgather(value: Any, name: str | None = None, process_set: ProcessSet | None = None) -> Any:
     """Concatenate every rank's tensor on the first dimension (which may differ)."""
     return _like(_core.allgather(_to_numpy(value), name, process_set), value)
 
 
-def broadcast(value: Any, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
+def broadcast(
+    value: Any, root_rank: int, name: str | None = None, process_set: ProcessSet | None = None
+) -> Any:
     """``root_rank``'s tensor on every rank (a global rank, also with ``process_set``)."""
     return _like(_core.broadcast(_to_numpy(value), root_rank, name, process_set), value)
 
 
 def reducescatter(
-    value: Any, op: ReduceOp | int | None = None, name: str | None = None, process_set: Any = None
+    value: Any,
+    op: ReduceOp | int | None = None,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
 ) -> Any:
     """Reduce across ranks; rank r gets block r of the first dimension."""
     resolved = resolve_op(op, None)
@@ -130,13 +136,15 @@ def reducescatter(
     )
 
 
-def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
+) -> list[Any]:
     """Every rank's picklable ``obj``, in rank order."""
     return _core.allgather_object(obj, name, process_set)
 
 
 def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
 ) -> Any:
     """``root_rank``'s picklable ``obj`` on every rank."""
     return _core.broadcast_object(obj, root_rank, name, process_set)

@@ -39,6 +39,7 @@ import numpy as np
 
 from spark_estimators import collective as _core
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 #: Alignment TensorFlow requires for zero-copy DLPack import on the CPU.
@@ -106,7 +107,7 @@ def allreduce_numpy_buffers(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     compression: type[Compressor] = NoneCompressor,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> None:
     """Allreduce writable buffers in place, one collective per buffer, in list order."""
     handles = []
@@ -136,7 +137,7 @@ class _Reducer:
         prescale: float,
         postscale: float,
         compression: type[Compressor],
-        process_set: Any = None,
+        process_set: ProcessSet | None = None,
     ):
         self.op, self.name = op, name
         self.prescale, self.postscale = prescale, postscale
@@ -252,7 +253,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     average_aggregated_gradients: bool = False,
     num_groups: int = 0,
     groups: Any = None,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> Any:
     """Wrap a Keras optimizer so every ``apply`` averages the gradients across ranks.
 

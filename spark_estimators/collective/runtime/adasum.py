@@ -31,7 +31,8 @@ import numpy as np
 
 from spark_estimators.collective.backends.base import Buffer
 from spark_estimators.collective.runtime.arrays import write_result
-from spark_estimators.collective.runtime.engine import Agreement, Engine, Kind, Request
+from spark_estimators.collective.runtime.engine import Engine
+from spark_estimators.collective.runtime.requests import Agreement, Kind, Request
 from spark_estimators.errors import ConfigurationError
 
 #: Real floating dtypes Adasum accepts.

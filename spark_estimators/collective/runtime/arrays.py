@@ -53,6 +53,14 @@ class ArrayOps(Protocol):
         """The backend's ``result`` as a buffer of this framework, like ``like``."""
 
 
+def numel_of(shape: tuple[int, ...]) -> int:
+    """The number of elements of an array of ``shape``."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def scale_array(x: np.ndarray, factor: float) -> None:
     """Multiply ``x`` by ``factor`` in place.
 

@@ -16,16 +16,11 @@ vectors, all of them exchange readable descriptions in one more round, and all r
 The group stays usable afterwards. Cost: one small allgather per op (per fused bucket).
 
 Inline allreduces: a CPU allreduce whose data fits the vector's payload room travels inside that
-allgather and is reduced locally in rank order (the same result on every rank): one round trip
-instead of two (a fused batch travels inline when all of it fits). On a small job this is also
-cheaper than the backend's allreduce (Gloo's ring takes more message rounds than one allgather).
-The room starts at ``INLINE_BYTES`` and follows the largest inline-able allreduce of the last
-``ROOM_WINDOW`` rounds, up to the inline limit (``SPARK_ESTIMATORS_INLINE_LIMIT``, default
-``1 MiB / size`` capped at 256 KiB), so a training loop whose fused gradient bucket is below the
-limit pays one round trip per step from its second step on. Every rank computes the room from the
-gathered vectors only (each rank's wish and limit travel in the header), so all ranks always send
-vectors of the same length, which the allgather needs; a mismatched op is still detected from the
-header before any data is used.
+allgather and is reduced locally in rank order (the same on every rank): one round trip instead
+of two, and cheaper than Gloo's ring on a small job. The room (``INLINE_BYTES`` up to
+``SPARK_ESTIMATORS_INLINE_LIMIT``, default ``1 MiB / size`` capped at 256 KiB) follows the recent
+rounds' largest inline-able allreduce, computed on every rank from the gathered vectors only
+(see :mod:`.negotiation`), so a training loop pays one round trip per step from its second on.
 
 Fusion (Horovod's tensor fusion and cycle time): asynchronous allreduces queue up while the
 caller keeps submitting. While the oldest queued op is an allreduce whose batch could still
@@ -53,17 +48,14 @@ original cause instead of hanging.
 
 from __future__ import annotations
 
-import enum
-import hashlib
 import itertools
 import logging
 import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -72,115 +64,11 @@ from spark_estimators import envvars as ev
 from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
 from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime import settings
-from spark_estimators.collective.runtime.negotiation import (  # noqa: F401  their old home
-    INLINE_BYTES,
-    ROOM_WINDOW,
-)
+from spark_estimators.collective.runtime.futures import OpFuture
+from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
 logger = logging.getLogger(__name__)
-
-
-class Kind(enum.IntEnum):
-    """The kinds of collective request; the number travels in the negotiation vector."""
-
-    ALLREDUCE = 1
-    ALLGATHER = 2
-    BROADCAST = 3
-    ALLTOALL = 4
-    REDUCESCATTER = 5
-    BARRIER = 6
-    JOIN = 7
-    ALLGATHER_OBJECT = 8
-    BROADCAST_OBJECT = 9
-    PROCESS_SET = 10
-
-
-# Ops a joined rank can take part in (it contributes zeros / nothing).
-_JOINABLE = (Kind.ALLREDUCE, Kind.BARRIER)
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """What negotiation tells an op: every rank's first dimension, and who has joined."""
-
-    dim0s: list[int]
-    joined: list[int]
-    #: Every rank's inline payload (``uint8`` rows; zeros for joined ranks), or None.
-    payloads: np.ndarray | None = None
-
-
-@dataclass(slots=True)
-class Fusion:
-    """How an allreduce request is fused with the ones queued behind it.
-
-    Requests with equal ``key`` (this process only: framework, dtype, device, reduction,
-    scaling) may run as one: ``run(requests, agreement)`` reduces them together and returns
-    each request's result, in order. ``part`` is the op's own data for ``run``.
-    """
-
-    key: tuple[Any, ...]
-    nbytes: int
-    run: Callable[[Sequence[Request], Agreement], list[Any]]
-    part: Any
-
-
-@dataclass
-class Request:
-    """One collective op, as submitted by an API function.
-
-    ``signature`` must be equal on every rank; ``execute`` runs on the engine thread after
-    negotiation. ``numel``/``dtype``/``device``/``wire_op`` describe the single flat reduction
-    an allreduce performs, which is what a joined rank mirrors with zeros.
-    """
-
-    kind: Kind
-    name: str
-    signature: tuple[Any, ...]
-    execute: Callable[[Agreement], Any]
-    description: str
-    numel: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-    wire_op: ReduceOp = ReduceOp.SUM
-    dim0: int = 0
-    #: For small allreduces: returns this rank's data as bytes to send inside the negotiation.
-    inline: Callable[[], np.ndarray] | None = None
-    #: For allreduces that may be fused with their neighbours in the queue.
-    fusion: Fusion | None = None
-    #: Set by :meth:`Engine.submit` (which returns it).
-    future: Future[Any] = field(init=False, repr=False)
-    #: ``perf_counter_ns()`` when it entered the engine's queue (0: run without queueing).
-    queued_ns: int = 0
-    _hash: int | None = field(default=None, repr=False)
-
-    @property
-    def signature_hash(self) -> int:
-        """:func:`signature_hash` of the signature (computed once)."""
-        if self._hash is None:
-            try:
-                self._hash = _hash_cache.get(self.signature)
-            except TypeError:  # an unhashable signature: no caching
-                self._hash = signature_hash(self.signature)
-            if self._hash is None:
-                self._hash = signature_hash(self.signature)
-                if len(_hash_cache) < _HASH_CACHE_SIZE:
-                    _hash_cache[self.signature] = self._hash
-        return self._hash
-
-
-# Training loops repeat the same ops step after step: hash each signature once.
-_hash_cache: dict[tuple[Any, ...], int] = {}
-_HASH_CACHE_SIZE = 65536
-
-
-_PENDING, _RUNNING, _FINISHED = "PENDING", "RUNNING", "FINISHED"  # as Future names them
-
-
-def signature_hash(signature: tuple[Any, ...]) -> int:
-    """A stable signed 64-bit hash of a signature tuple (same on every rank and run)."""
-    digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little", signed=True)
 
 
 class _Recoverable(SparkEstimatorsError):
@@ -189,166 +77,6 @@ class _Recoverable(SparkEstimatorsError):
     def __init__(self, error: BaseException):
         super().__init__(str(error))
         self.error = error
-
-
-class _OpFuture(Future[Any]):
-    """The future of a submitted op: a light :class:`~concurrent.futures.Future`.
-
-    Waiting for a queued op runs it (and the ops queued before it) in the waiting thread when
-    no other thread is running ops: the waiter would only sleep until the engine thread is done,
-    and on a busy machine each of those thread hand-offs costs more than a small op. Otherwise
-    the waiter ends the engine's cycle wait at once: nothing more is coming from this thread
-    until the result is there, so holding the queued ops back would only add latency.
-
-    Unlike a plain ``Future`` it has no lock of its own: the engine settles a whole fused batch
-    and then wakes the waiting threads once (per-op locks and wake-ups cost more than the
-    reduction of a small tensor). A submitted op cannot be cancelled (the other ranks count on
-    it), so ``cancel()`` returns False.
-    """
-
-    def __init__(self, engine: Engine) -> None:  # no Future.__init__: no per-op Condition
-        self._engine = engine
-        self._state = _PENDING
-        self._result: Any = None
-        self._exception: BaseException | None = None
-        self._callbacks: list[Callable[[Future[Any]], object]] = []
-
-    def done(self) -> bool:
-        """True once the op has finished (result or error)."""
-        return self._state == _FINISHED
-
-    def running(self) -> bool:
-        """True while the op runs."""
-        return self._state == _RUNNING
-
-    def cancelled(self) -> bool:
-        """Always False: submitted ops are not cancelled."""
-        return False
-
-    def cancel(self) -> bool:
-        """Refuse: the other ranks count on every submitted op."""
-        return False
-
-    def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
-        """Call ``fn(self)`` when the op finishes (at once if it has)."""
-        # No lock: list append/remove/pop are atomic, and exactly one side takes ``fn`` out.
-        self._callbacks.append(fn)
-        if self._state == _FINISHED:
-            try:
-                self._callbacks.remove(fn)
-            except ValueError:
-                return  # _finish took it
-            fn(self)
-
-    def set_running_or_notify_cancel(self) -> bool:
-        """Mark the op running (the engine calls it)."""
-        self._state = _RUNNING
-        return True
-
-    def set_result(self, result: Any) -> None:
-        """Settle with ``result``; the engine wakes the waiters once per batch."""
-        self._result = result
-        self._finish()
-
-    def set_exception(self, exception: BaseException | None) -> None:
-        """Settle with an error; the engine wakes the waiters once per batch."""
-        self._exception = exception
-        self._finish()
-
-    def _finish(self) -> None:
-        self._state = _FINISHED
-        while self._callbacks:
-            try:
-                fn = self._callbacks.pop(0)
-            except IndexError:
-                break
-            try:
-                fn(self)
-            except Exception:
-                logger.exception("a done callback of a collective op failed")
-
-    def _wait(self, timeout: float | None) -> None:
-        if self._state == _FINISHED:
-            return
-        if timeout is None:
-            self._engine._run_until(self)
-            if self._state == _FINISHED:
-                return
-        engine = self._engine
-        engine._waiting(1)
-        try:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            with engine._done_cv:
-                while self._state != _FINISHED:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError(f"collective op not finished within {timeout} s")
-                    engine._done_cv.wait(left)
-        finally:
-            engine._waiting(-1)
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Wait for the op and return its result (raises its error)."""
-        self._wait(timeout)
-        if self._exception is not None:
-            raise self._exception
-        return self._result
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        """Wait for the op and return its error, or None."""
-        self._wait(timeout)
-        return self._exception
-
-    def flush(self) -> None:
-        """Ask the engine to run what is queued now instead of at the end of its cycle."""
-        if self._state != _FINISHED:
-            self._engine.flush()
-
-    def __repr__(self) -> str:
-        state = {_PENDING: "pending", _RUNNING: "running", _FINISHED: "finished"}[self._state]
-        return f"<_OpFuture {state}>"
-
-
-class Handle:
-    """An asynchronous op in flight; pass it to ``synchronize()`` or ``poll()``.
-
-    It covers one or more engine requests (a grouped op with several dtypes is one request
-    per dtype). ``finish`` runs in the caller's thread in :meth:`wait` and turns the list of
-    request results into the op's return value (e.g. decompresses it).
-    """
-
-    __slots__ = ("_finish", "_futures", "name")
-
-    def __init__(
-        self,
-        futures: Sequence[Future[Any]],
-        name: str,
-        finish: Callable[[list[Any]], Any] | None = None,
-    ) -> None:
-        self._futures = list(futures)
-        self._finish = finish
-        self.name = name
-
-    def done(self) -> bool:
-        """True when every part of the op has finished (else the engine runs it soon)."""
-        if all(f.done() for f in self._futures):
-            return True
-        for f in self._futures:
-            flush = getattr(f, "flush", None)
-            if flush is not None:
-                flush()
-        return False
-
-    def wait(self) -> Any:
-        """Block until the op finished and return its result (raises the op's error)."""
-        results = [f.result() for f in self._futures]
-        if self._finish is not None:
-            return self._finish(results)
-        return results[0] if len(results) == 1 else results
-
-    def __repr__(self) -> str:
-        state = "done" if all(f.done() for f in self._futures) else "pending"
-        return f"Handle({self.name!r}, {state})"
 
 
 class Engine:
@@ -366,7 +94,7 @@ class Engine:
         # submission order; only the holder of _exec_lock takes them out, from the front.
         self._exec_lock = threading.Lock()
         self._cv = threading.Condition()
-        # Notified after every settled batch (see _OpFuture).
+        # Notified after every settled batch (see futures.OpFuture).
         self._done_cv = threading.Condition(threading.Lock())
         self._backlog: deque[Request] = deque()
         # Threads blocked on a result, polls (flush() calls) so far and the last one the engine
@@ -424,7 +152,7 @@ class Engine:
                 f"{request.kind.name.lower()} {request.name!r}: the collective layer was shut "
                 "down; call init() again first"
             )
-        request.future = _OpFuture(self)
+        request.future = OpFuture(self)
         if blocking and not self._backlog:
             # Waiting for the lock is no worse than waiting for the engine thread to run it.
             with self._exec_lock:
@@ -612,7 +340,7 @@ class Engine:
         if not self._agree(vectors, active):
             self._raise_mismatch(head, vectors)
         joined = [r for r in range(self.backend.size) if r not in active]
-        if joined and head.kind not in _JOINABLE:
+        if joined and head.kind not in JOINABLE:
             raise CollectiveError(
                 f"{head.kind.name.lower()} {head.name!r}: rank(s) {joined} already called "
                 "join(); only allreduce and barrier can run until every rank has joined"
@@ -701,18 +429,7 @@ class Engine:
         views = self.backend.allgather_object(mine)
         if request is None:  # a joined rank: nothing of its own failed
             return
-        lines = []
-        for r, view in enumerate(views):
-            lines.append(f"  rank {r}: " + ("join()" if view is None else f"{view[0]} {view[1]}"))
-        raise _Recoverable(
-            CollectiveError(
-                f"mismatched collective op for {request.name!r} across ranks (nothing was "
-                "exchanged; every rank raises this error):\n"
-                + "\n".join(lines)
-                + "\nEvery rank must call the same ops in the same order with the same names, "
-                "dtypes and shapes (allgather/alltoall may differ in the first dimension)."
-            )
-        )
+        raise _Recoverable(neg.mismatch_error(request.name, views))
 
     def _join(self) -> int:
         joined_at = self._round

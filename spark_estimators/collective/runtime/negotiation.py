@@ -40,9 +40,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from spark_estimators.collective.backends.base import dtype_code
+from spark_estimators.errors import CollectiveError
 
 if TYPE_CHECKING:
-    from spark_estimators.collective.runtime.engine import Request
+    from spark_estimators.collective.runtime.requests import Request
 
 # Header fields.
 KIND, SIG, JOINED, DIM0, NUMEL, DTYPE, WIRE_OP, DEVICE, INLINE, WANT, LIMIT, COUNT, SLOTS_WANT = (
@@ -169,3 +170,21 @@ class Negotiation:
         if wanted > 1:  # rounds of single ops (blocking ones, metrics) leave the slots as they are
             self._slot_wants.append(wanted)
             self.slots = min(MAX_SLOTS, max(MIN_SLOTS, max(self._slot_wants)))
+
+
+def mismatch_error(name: str, views: Sequence[tuple[str, str] | None]) -> CollectiveError:
+    """The error every rank raises when the ranks disagree on an op.
+
+    ``views`` holds each rank's op kind and description, None for a joined rank.
+    """
+    lines = [
+        f"  rank {r}: " + ("join()" if view is None else f"{view[0]} {view[1]}")
+        for r, view in enumerate(views)
+    ]
+    return CollectiveError(
+        f"mismatched collective op for {name!r} across ranks (nothing was exchanged; every "
+        "rank raises this error):\n"
+        + "\n".join(lines)
+        + "\nEvery rank must call the same ops in the same order with the same names, dtypes "
+        "and shapes (allgather/alltoall may differ in the first dimension)."
+    )

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from spark_estimators.collective.runtime import engine as _engine
-from spark_estimators.collective.runtime.engine import Agreement, Engine, Kind, Request
+from spark_estimators.collective.runtime.engine import Engine
+from spark_estimators.collective.runtime.requests import Agreement, Kind, Request
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -153,14 +154,14 @@ class _GlobalProcessSet(ProcessSet):
 global_process_set: ProcessSet = _GlobalProcessSet()
 
 
-def is_global(process_set: Any) -> bool:
+def is_global(process_set: ProcessSet | None) -> bool:
     """True for None and the global set (ops take their fast, set-free path)."""
     return process_set is None or process_set is global_process_set
 
 
-def global_root(process_set: Any, root_rank: int, what: str) -> int:
+def global_root(process_set: ProcessSet | None, root_rank: int, what: str) -> int:
     """``root_rank`` (a global rank, as in Horovod) as a rank within ``process_set``."""
-    if is_global(process_set):
+    if process_set is None or is_global(process_set):
         return root_rank
     ranks = process_set.ranks
     if root_rank not in ranks:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from spark_estimators.collective import api as _api
 from spark_estimators.collective.api import *  # noqa: F403
-from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.torch import elastic as elastic  # noqa: E402  (hvd.elastic.run)
 from spark_estimators.collective.torch.compression import (
     Compression,

@@ -26,7 +26,8 @@ import torch
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
-from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.runtime.futures import Handle
+from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
     _TORCH,
     as_tensor,
@@ -40,7 +41,7 @@ from spark_estimators.errors import CollectiveError
 
 
 def allgather_async(
-    tensor: torch.Tensor, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None
 ) -> Handle:
     """Start an allgather; see :func:`allgather`."""
     t = as_tensor(tensor, "allgather_async")
@@ -51,7 +52,9 @@ def allgather_async(
 class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     @waited
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: Any) -> torch.Tensor:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet | None
+    ) -> torch.Tensor:
         ctx.dim0, ctx.process_set = tensor.shape[0], process_set
         return allgather_async(tensor, name, process_set).wait()
 
@@ -67,7 +70,7 @@ class _AllgatherFunction(torch.autograd.Function):
 
 @waited
 def allgather(
-    tensor: torch.Tensor, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None
 ) -> torch.Tensor:
     """Concatenate ``tensor`` from every rank on dim 0; the first dimension may differ.
 
@@ -82,7 +85,10 @@ def allgather(
 
 
 def broadcast_async_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start an in-place broadcast from ``root_rank``."""
     t = as_tensor(tensor, "broadcast_async_")
@@ -92,14 +98,20 @@ def broadcast_async_(
 
 @waited
 def broadcast_(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
 ) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s, in place, and return it."""
     return broadcast_async_(tensor, root_rank, name, process_set).wait()
 
 
 def broadcast_async(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start a broadcast into a new tensor."""
     t = as_tensor(tensor, "broadcast_async")
@@ -112,7 +124,11 @@ class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any
+        ctx: Any,
+        tensor: torch.Tensor,
+        root_rank: int,
+        name: str | None,
+        process_set: ProcessSet | None,
     ) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
         return broadcast_async(tensor, root_rank, name, process_set).wait()
@@ -129,7 +145,10 @@ class _BroadcastFunction(torch.autograd.Function):
 
 @waited
 def broadcast(
-    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: ProcessSet | None = None,
 ) -> torch.Tensor:
     """Return ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere)."""
     if tensor.requires_grad and torch.is_grad_enabled():
@@ -158,7 +177,7 @@ def alltoall_async(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
     name: str | None = None,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start an alltoall; see :func:`alltoall`."""
     t = as_tensor(tensor, "alltoall_async")
@@ -178,7 +197,11 @@ class _AlltoallFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: Any
+        ctx: Any,
+        tensor: torch.Tensor,
+        splits: Any,
+        name: str | None,
+        process_set: ProcessSet | None,
     ) -> Any:
         split_list = _split_list(splits)
         future = _ops.alltoall(_TORCH, tensor.detach(), split_list, name, True, process_set)
@@ -203,7 +226,7 @@ def alltoall(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
     name: str | None = None,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> Any:
     """Send ``splits[r]`` rows of ``tensor`` to rank r; receive every rank's rows for this one.
 
@@ -225,7 +248,7 @@ def reducescatter_async(
     name: str | None = None,
     compression: type[Compressor] = Compression.none,
     op: ReduceOp | None = ReduceOp.AVERAGE,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> Handle:
@@ -256,7 +279,11 @@ def reducescatter_op(op: ReduceOp | int | None) -> ReduceOp:
 
 
 def reducescatter_backward(
-    grads: Sequence[torch.Tensor], op: ReduceOp, pre: float, post: float, process_set: Any
+    grads: Sequence[torch.Tensor],
+    op: ReduceOp,
+    pre: float,
+    post: float,
+    process_set: ProcessSet | None,
 ) -> list[torch.Tensor]:
     """Horovod's reducescatter gradient: scale, then allgather every gradient (in order)."""
     factor = pre * post
@@ -275,7 +302,7 @@ class _ReducescatterFunction(torch.autograd.Function):
         tensor: torch.Tensor,
         name: str | None,
         op: ReduceOp,
-        process_set: Any,
+        process_set: ProcessSet | None,
         pre: float,
         post: float,
     ) -> torch.Tensor:
@@ -297,7 +324,7 @@ def reducescatter(
     name: str | None = None,
     compression: type[Compressor] = Compression.none,
     op: ReduceOp | None = ReduceOp.AVERAGE,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> torch.Tensor:
@@ -317,7 +344,7 @@ def reducescatter(
     ).wait()
 
 
-def barrier(process_set: Any = None) -> None:
+def barrier(process_set: ProcessSet | None = None) -> None:
     """Block until every rank (of ``process_set``) has called ``barrier()``."""
     _ops.barrier(True, process_set).result()
 
@@ -334,13 +361,15 @@ def join(device: int = -1) -> int:
     return int(_ops.join(blocking=True).result())
 
 
-def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
+) -> list[Any]:
     """Return the list of every rank's picklable ``obj``, in rank order."""
     return list(_ops.allgather_object(obj, name, True, process_set).result())
 
 
 def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
 ) -> Any:
     """Return ``root_rank``'s picklable ``obj`` on every rank."""
     return _ops.broadcast_object(obj, root_rank, name, True, process_set).result()
@@ -352,7 +381,7 @@ def broadcast_parameters(
     params: dict[str, Any] | Iterable[Any],
     root_rank: int,
     prefix: str | None = None,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> None:
     """Overwrite parameters/buffers in place with ``root_rank``'s.
 
@@ -406,7 +435,10 @@ def _to_cpu(value: Any) -> Any:
 
 
 def broadcast_optimizer_state(
-    optimizer: torch.optim.Optimizer, root_rank: int, model: Any = None, process_set: Any = None
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    model: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyperparameters (``lr``, ...).
 

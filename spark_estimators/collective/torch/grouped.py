@@ -17,7 +17,8 @@ import torch
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
-from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.runtime.futures import Handle
+from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import _TORCH, as_tensor, in_waited_ops, waited
 from spark_estimators.collective.torch.compression import Compression, Compressor
 from spark_estimators.collective.torch.exchange import reducescatter_backward, reducescatter_op
@@ -37,7 +38,7 @@ def _tensors(tensors: Sequence[torch.Tensor], op: str) -> list[torch.Tensor]:
 
 # -- grouped allgather -----------------------------------------------------------------------
 def grouped_allgather_async(
-    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = None
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
 ) -> Handle:
     """Start an allgather of every tensor of ``tensors``; see :func:`grouped_allgather`."""
     ts = _tensors(tensors, "grouped_allgather_async")
@@ -52,7 +53,7 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any, name: str | None, process_set: Any, *tensors: torch.Tensor
+        ctx: Any, name: str | None, process_set: ProcessSet | None, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.dims, ctx.process_set = [int(t.shape[0]) for t in tensors], process_set
         return tuple(grouped_allgather_async(list(tensors), name, process_set).wait())
@@ -78,7 +79,7 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
 
 @waited
 def grouped_allgather(
-    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = None
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet | None = None
 ) -> list[torch.Tensor]:
     """:func:`~spark_estimators.collective.torch.allgather` of every tensor, as one call.
 
@@ -98,7 +99,7 @@ def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
     op: ReduceOp | None = ReduceOp.AVERAGE,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> Handle:
@@ -128,7 +129,7 @@ class _GroupedReducescatterFunction(torch.autograd.Function):
         ctx: Any,
         name: str | None,
         op: ReduceOp,
-        process_set: Any,
+        process_set: ProcessSet | None,
         pre: float,
         post: float,
         *tensors: torch.Tensor,
@@ -150,7 +151,7 @@ def grouped_reducescatter(
     name: str | None = None,
     compression: type[Compressor] = Compression.none,
     op: ReduceOp | None = ReduceOp.AVERAGE,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> list[torch.Tensor]:
@@ -193,7 +194,7 @@ def sparse_allreduce_async(
     tensor: torch.Tensor,
     name: str | None = None,
     op: ReduceOp | None = ReduceOp.AVERAGE,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> SparseHandle:
     """Start an allreduce of a sparse COO tensor, as Horovod does it: allgather the entries.
 

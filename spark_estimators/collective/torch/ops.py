@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
-from spark_estimators.collective.runtime import ops as _ops
-from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.runtime import allreduce as _allreduce
+from spark_estimators.collective.runtime.futures import Handle
+from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
     _TORCH,
     as_tensor,
@@ -49,7 +50,7 @@ def _grouped_allreduce_async(
     prescale_factor: float,
     postscale_factor: float,
     finish: Any,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     if len(inputs) > 1 and len({t.device.type for t in inputs}) > 1:
         # Horovod refuses this too (its test_horovod_grouped_allreduce_cpu_gpu_error).
@@ -58,15 +59,16 @@ def _grouped_allreduce_async(
             "or call grouped_allreduce once per device"
         )
     if len(inputs) == 1:  # allreduce_async_ per tensor (a hot path): nothing to group
-        one = _ops.allreduce(_TORCH, inputs, outputs, op, name, prescale_factor, postscale_factor,
-                             blocking=in_waited_ops(), process_set=process_set)  # fmt: skip
+        one = _allreduce.allreduce(_TORCH, inputs, outputs, op, name, prescale_factor,
+                                   postscale_factor, blocking=in_waited_ops(),
+                                   process_set=process_set)  # fmt: skip
         return Handle([one], name or "grouped_allreduce", finish)
     futures: list[Future[Any]] = []
     groups = dtype_device_groups(inputs)
     for g, idx in enumerate(groups):
         label = name if name is None or len(groups) == 1 else f"{name}.{g}"
         futures.append(
-            _ops.allreduce(
+            _allreduce.allreduce(
                 _TORCH,
                 [inputs[i] for i in idx],
                 [outputs[i] for i in idx],
@@ -88,7 +90,7 @@ def allreduce_async_(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`."""
     t = as_tensor(tensor, "allreduce_async_")
@@ -112,7 +114,7 @@ def allreduce_(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> torch.Tensor:
     """Allreduce ``tensor`` in place across ranks and return it; see :func:`allreduce`."""
     return allreduce_async_(
@@ -127,7 +129,7 @@ def allreduce_async(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start an allreduce into a new tensor; the input is not modified."""
     t = as_tensor(tensor, "allreduce_async")
@@ -154,7 +156,7 @@ class _AllreduceFunction(torch.autograd.Function):
         name: str | None,
         pre: float,
         post: float,
-        process_set: Any,
+        process_set: ProcessSet | None,
     ) -> torch.Tensor:
         ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
         return allreduce_async(tensor, None, name, op, pre, post, process_set).wait()
@@ -177,7 +179,7 @@ def allreduce(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> torch.Tensor:
     """Reduce ``tensor`` across all ranks and return the result in a new tensor.
 
@@ -230,7 +232,7 @@ def grouped_allreduce_async_(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start an in-place fused allreduce of ``tensors`` (one op per dtype and device)."""
     ts = [as_tensor(t, "grouped_allreduce_async_") for t in tensors]
@@ -255,7 +257,7 @@ def grouped_allreduce_(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`; returns the same tensors."""
     return grouped_allreduce_async_(
@@ -270,7 +272,7 @@ def grouped_allreduce_async(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start a fused allreduce of ``tensors`` into new tensors."""
     ts = [as_tensor(t, "grouped_allreduce_async") for t in tensors]
@@ -296,7 +298,7 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
         name: str | None,
         pre: float,
         post: float,
-        process_set: Any,
+        process_set: ProcessSet | None,
         *tensors: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
@@ -323,7 +325,7 @@ def grouped_allreduce(
     op: ReduceOp | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
 ) -> list[torch.Tensor]:
     """Reduce several tensors as one fused operation (per dtype and device); new tensors.
 

@@ -45,7 +45,8 @@ import torch
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import settings as _settings
-from spark_estimators.collective.runtime.engine import Handle
+from spark_estimators.collective.runtime.futures import Handle
+from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
     waited_ops,
 )
@@ -111,7 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gradient_predivide_factor: float,
         groups: int | Sequence[Sequence[torch.Tensor]] | None,
         fusion_threshold: int,
-        process_set: Any = None,
+        process_set: ProcessSet | None = None,
         local_only: bool = False,
         sparse_as_dense: bool = False,
     ) -> None:
@@ -294,7 +295,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         self,
         named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
         compression: type[Compressor],
-        process_set: Any,
+        process_set: ProcessSet | None,
         local_only: bool = False,
     ) -> None:
         params = _trainable(self.param_groups)
@@ -384,7 +385,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
     num_groups: int = 0,
     groups: int | Sequence[Sequence[torch.Tensor]] | None = None,
     sparse_as_dense: bool = False,
-    process_set: Any = None,
+    process_set: ProcessSet | None = None,
     fusion_threshold: int | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over all ranks.

@@ -1,0 +1,120 @@
+"""What the collective engine runs: :class:`Request`, one op.
+
+Its :class:`Kind`, how it is fused with its neighbours (:class:`Fusion`) and what negotiation
+tells it (:class:`Agreement`) are here too.
+
+The API functions (:mod:`.ops`, :mod:`.allreduce`, :mod:`.process_sets`, :mod:`.adasum`) build
+requests; :mod:`.engine` negotiates and runs them (:mod:`.negotiation` encodes their header).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from spark_estimators.collective.backends.base import ReduceOp
+
+
+class Kind(enum.IntEnum):
+    """The kinds of collective request; the number travels in the negotiation vector."""
+
+    ALLREDUCE = 1
+    ALLGATHER = 2
+    BROADCAST = 3
+    ALLTOALL = 4
+    REDUCESCATTER = 5
+    BARRIER = 6
+    JOIN = 7
+    ALLGATHER_OBJECT = 8
+    BROADCAST_OBJECT = 9
+    PROCESS_SET = 10
+
+
+# Ops a joined rank can take part in (it contributes zeros / nothing).
+JOINABLE = (Kind.ALLREDUCE, Kind.BARRIER)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What negotiation tells an op: every rank's first dimension, and who has joined."""
+
+    dim0s: list[int]
+    joined: list[int]
+    #: Every rank's inline payload (``uint8`` rows; zeros for joined ranks), or None.
+    payloads: np.ndarray | None = None
+
+
+@dataclass(slots=True)
+class Fusion:
+    """How an allreduce request is fused with the ones queued behind it.
+
+    Requests with equal ``key`` (this process only: framework, dtype, device, reduction,
+    scaling) may run as one: ``run(requests, agreement)`` reduces them together and returns
+    each request's result, in order. ``part`` is the op's own data for ``run``.
+    """
+
+    key: tuple[Any, ...]
+    nbytes: int
+    run: Callable[[Sequence[Request], Agreement], list[Any]]
+    part: Any
+
+
+@dataclass
+class Request:
+    """One collective op, as submitted by an API function.
+
+    ``signature`` must be equal on every rank; ``execute`` runs on the engine thread after
+    negotiation. ``numel``/``dtype``/``device``/``wire_op`` describe the single flat reduction
+    an allreduce performs, which is what a joined rank mirrors with zeros.
+    """
+
+    kind: Kind
+    name: str
+    signature: tuple[Any, ...]
+    execute: Callable[[Agreement], Any]
+    description: str
+    numel: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    wire_op: ReduceOp = ReduceOp.SUM
+    dim0: int = 0
+    #: For small allreduces: returns this rank's data as bytes to send inside the negotiation.
+    inline: Callable[[], np.ndarray] | None = None
+    #: For allreduces that may be fused with their neighbours in the queue.
+    fusion: Fusion | None = None
+    #: Set by :meth:`Engine.submit` (which returns it).
+    future: Future[Any] = field(init=False, repr=False)
+    #: ``perf_counter_ns()`` when it entered the engine's queue (0: run without queueing).
+    queued_ns: int = 0
+    _hash: int | None = field(default=None, repr=False)
+
+    @property
+    def signature_hash(self) -> int:
+        """:func:`signature_hash` of the signature (computed once)."""
+        if self._hash is None:
+            try:
+                self._hash = _hash_cache.get(self.signature)
+            except TypeError:  # an unhashable signature: no caching
+                self._hash = signature_hash(self.signature)
+            if self._hash is None:
+                self._hash = signature_hash(self.signature)
+                if len(_hash_cache) < _HASH_CACHE_SIZE:
+                    _hash_cache[self.signature] = self._hash
+        return self._hash
+
+
+# Training loops repeat the same ops step after step: hash each signature once.
+_hash_cache: dict[tuple[Any, ...], int] = {}
+_HASH_CACHE_SIZE = 65536
+
+
+def signature_hash(signature: tuple[Any, ...]) -> int:
+    """A stable signed 64-bit hash of a signature tuple (same on every rank and run)."""
+    digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
