@@ -110,15 +110,17 @@ class RemoteError:
 
 
 class TrainingFailedError(SparkEstimatorsError, RuntimeError):
-    """One or more ranks failed; ``worker_failures`` maps rank -> :class:`RemoteError`."""
+    """One or more ranks failed; ``worker_failures`` maps rank -> :class:`RemoteError`.
+
+    The message leads with the cause: the first failing rank's exception type, message and
+    hint (a rank that only lost its peer, a ``CollectiveError``, is not the cause when another
+    failed), then the summary, then each rank with its traceback; a rank that failed with the
+    same message as the cause is one line without its traceback.
+    """
 
     def __init__(self, message: str, worker_failures: dict[int, RemoteError] | None = None):
         self.worker_failures = dict(worker_failures or {})
-        full = message
-        if self.worker_failures:
-            parts = [f.describe() for _, f in sorted(self.worker_failures.items())]
-            full = message + "\n" + "\n".join(parts)
-        super().__init__(full)
+        super().__init__(_failure_report(message, self.worker_failures))
         self._message = message
 
     @property
@@ -170,6 +172,26 @@ class ModelIntegrityError(_PickledWithFields, SparkEstimatorsError):
 
 class UnverifiedModelWarning(UserWarning):
     """A saved stage was loaded without an integrity check (saved before digests were recorded)."""
+
+
+def _failure_report(message: str, failures: dict[int, RemoteError]) -> str:
+    """The cause's message first, then ``message`` and each rank (see TrainingFailedError)."""
+    if not failures:
+        return message
+    ordered = [f for _, f in sorted(failures.items())]
+    cause = next((f for f in ordered if not f.message.startswith("CollectiveError")), ordered[0])
+    lines = [cause.message.rstrip() or f"rank {cause.rank} failed", message]
+    for f in ordered:
+        if f is cause:
+            head = f"rank {f.rank} on host {f.host!r} (the error above)"
+            if f.exit_code is not None:
+                head += f", exit code {f.exit_code}"
+            lines.append(head + (":\n" + _indent(f.traceback.rstrip()) if f.traceback else ""))
+        elif f.message == cause.message and f.exit_code == cause.exit_code:
+            lines.append(f"rank {f.rank} on host {f.host!r}: the same error")
+        else:
+            lines.append(f.describe())
+    return "\n".join(lines)
 
 
 def _indent(text: str, prefix: str = "    ") -> str:

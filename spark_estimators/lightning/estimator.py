@@ -324,7 +324,7 @@ class LightningEstimator(SparkEstimator):
         roots = [user.model, *user.callbacks, *listify(user.logger), user.transformation_fn]
         info = read_info(store, run_id, FRAMEWORK)
         remote_store = store.to_remote(run_id) if hasattr(store, "to_remote") else store
-        return LightningTrainSpec(
+        spec = LightningTrainSpec(
             **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
             num_gpus=self.getNumGpus(),
             collective_backend=self.getCollectiveBackend(),
@@ -335,6 +335,13 @@ class LightningEstimator(SparkEstimator):
             verbose=self.getVerbose(),
             checkpoint_file=None if info is None else str(info.extra["checkpoint"]),
         )
+        # The common first-fit mistakes fail here, in the driver, with the fix first.
+        from spark_estimators.lightning.preflight import check_training_step_on_rows
+
+        self._preflight_ms = check_training_step_on_rows(
+            spec, user.model, store, meta, custom_batches=user.transformation_fn is not None
+        )
+        return spec
 
     def _remote_trainer(self) -> Any:
         return train

@@ -36,7 +36,7 @@ from spark_estimators.core.params import (
 )
 from spark_estimators.core.params.base import keyword_only
 from spark_estimators.errors import ConfigurationError
-from spark_estimators.torch import indices, serialization
+from spark_estimators.torch import indices, preflight, serialization
 from spark_estimators.torch.model import TorchModel
 from spark_estimators.torch.remote import (
     TorchTrainSpec,
@@ -162,7 +162,7 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
         remote_store = store.to_remote() if hasattr(store, "to_remote") else store
         info = read_info(store, run_id, "torch")
         index_cols = self._index_cols(meta, store, losses)
-        return TorchTrainSpec(
+        spec = TorchTrainSpec(
             **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
             index_cols=[c.name for c in index_cols],
             loss_weights=self.getLossWeights(),
@@ -170,6 +170,17 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
             compression=self._compression_name(),
             scale_lr=self.getScaleLr(),
         )
+        # The common first-fit mistakes fail here, in the driver, with the fix first.
+        self._preflight_ms = preflight.check_model_on_rows(
+            spec,
+            self.getModel(),
+            losses,
+            store,
+            meta,
+            custom_batches=user.transformation_fn is not None
+            or user.train_minibatch_fn is not None,
+        )
+        return spec
 
     def _index_cols(self, meta: Any, store: Any, losses: list[Any]) -> list[indices.IndexColumn]:
         """Floating columns fed as int64 class indices; checked to hold whole numbers.
