@@ -350,13 +350,26 @@ class _Launch:
 
         if not self.svc.wait(registered_or_over, timeout=max(0.0, deadline - time.monotonic())):
             registered = sorted(self.svc.state.registrations)
+            host, port = self.svc.address
+            refused = self.svc.server.refusals.describe()
+            if refused:
+                # Connections were turned away: busy slots or a bad driver_host are not the cause.
+                hint = (
+                    f"Meanwhile the driver service at {host}:{port} {refused}: something may "
+                    "be holding its connection slots or probing it (see docs/security.md); "
+                    "keep the driver's ports reachable only from the cluster."
+                )
+            else:
+                hint = (
+                    f"The cluster may be busy or short of slots; raise start_timeout (or "
+                    f"{ev.START_TIMEOUT}) or lower num_proc. If the tasks run but cannot "
+                    f"connect to the driver service at {host}:{port}, pass driver_host= (or "
+                    f"set {ev.DRIVER_HOST}) to an address the executors can reach."
+                )
             raise RendezvousTimeoutError(
                 f"only {len(registered)} of {self.num_proc} Spark tasks registered within "
                 f"start_timeout={self.start_timeout:g}s ({self.svc.registered_summary()}). "
-                f"The cluster may be busy or short of slots; raise start_timeout (or "
-                f"{ev.START_TIMEOUT}) or lower num_proc. If the tasks run but cannot connect "
-                f"to the driver service at {self.svc.address[0]}:{self.svc.address[1]}, pass "
-                f"driver_host= (or set {ev.DRIVER_HOST}) to an address the executors can reach.",
+                + hint,
                 registered=registered,
                 expected=self.num_proc,
             )

@@ -11,18 +11,23 @@ The server reads exactly 52 bytes from a new connection, within ``auth_timeout``
 MAC verifies. Only then may the peer send frames. The client sends its first frame right behind
 its 52 bytes and checks the server's proof before it reads the reply, so the handshake adds no
 round trip to the first call.
-At most ``max_unauthenticated`` connections may be in the handshake at once; the server closes
-further ones at once, and a client retries with backoff until its timeout.
+At most ``max_unauthenticated`` connections may be in the handshake at once, and at most
+``max_unauthenticated_per_host`` of them from one IP address; the server closes further ones at
+once, and a client retries with backoff until its timeout.
 
 The wire format of a frame is in :mod:`spark_estimators.driver.frames`.
 
 A connection that sends anything wrong is closed; the server keeps serving its other clients.
+When ``accept()`` itself fails (``EMFILE``: the driver ran out of file descriptors), the server
+logs one WARNING, retries with a backoff of up to one second and serves the waiting connections
+once descriptors are free again (:attr:`RpcServer.accept_errors` counts the failures).
 Refused connections are counted (:attr:`RpcServer.refusals`) and logged as one WARNING per
 ``log_interval``, not one per connection. The limits come from :class:`RpcLimits`.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
 import logging
 import os
@@ -71,6 +76,9 @@ logger = logging.getLogger(__name__)
 #: How long a client with ``timeout=None`` keeps retrying a busy server.
 CONNECT_RETRY_S = 60.0
 
+#: First and longest wait before retrying a failed ``accept()`` (e.g. out of file descriptors).
+ACCEPT_BACKOFF_S = (0.05, 1.0)
+
 
 @dataclass(frozen=True)
 class RpcLimits:
@@ -87,6 +95,10 @@ class RpcLimits:
     max_unauthenticated
         Connections allowed in the handshake at once; more are closed at once
         (env ``SPARK_ESTIMATORS_RPC_MAX_UNAUTHENTICATED``).
+    max_unauthenticated_per_host
+        Of those, how many may come from one IP address; more from it are closed at once, so
+        one host cannot hold every slot (env
+        ``SPARK_ESTIMATORS_RPC_MAX_UNAUTHENTICATED_PER_HOST``).
     log_interval
         Refused connections are logged as one WARNING per this many seconds
         (env ``SPARK_ESTIMATORS_RPC_LOG_INTERVAL``).
@@ -95,6 +107,7 @@ class RpcLimits:
     auth_timeout: float = 10.0
     frame_timeout: float = 60.0
     max_unauthenticated: int = 64
+    max_unauthenticated_per_host: int = 16
     log_interval: float = 60.0
 
     def __post_init__(self) -> None:
@@ -102,6 +115,7 @@ class RpcLimits:
             "auth_timeout": ev.RPC_AUTH_TIMEOUT,
             "frame_timeout": ev.RPC_FRAME_TIMEOUT,
             "max_unauthenticated": ev.RPC_MAX_UNAUTHENTICATED,
+            "max_unauthenticated_per_host": ev.RPC_MAX_UNAUTHENTICATED_PER_HOST,
             "log_interval": ev.RPC_LOG_INTERVAL,
         }
         for name, env in names.items():
@@ -117,6 +131,9 @@ class RpcLimits:
             auth_timeout=env_float(ev.RPC_AUTH_TIMEOUT, d.auth_timeout),
             frame_timeout=env_float(ev.RPC_FRAME_TIMEOUT, d.frame_timeout),
             max_unauthenticated=env_int(ev.RPC_MAX_UNAUTHENTICATED, d.max_unauthenticated),
+            max_unauthenticated_per_host=env_int(
+                ev.RPC_MAX_UNAUTHENTICATED_PER_HOST, d.max_unauthenticated_per_host
+            ),
             log_interval=env_float(ev.RPC_LOG_INTERVAL, d.log_interval),
         )
 
@@ -151,6 +168,15 @@ class RefusalLog:
                 return
             message = self._take_summary(now)
         self._log.warning("%s", message)
+
+    def describe(self) -> str:
+        """All refusals so far in one phrase (for error messages); ``""`` when there were none."""
+        with self._lock:
+            if not self.total:
+                return ""
+            parts = ", ".join(f"{k}: {v}" for k, v in self.counts.most_common())
+            peer, why = self._last
+        return f"refused {self.total} connection(s) ({parts}; the last from {peer}: {why})"
 
     def flush(self) -> None:
         """Log what was refused since the last WARNING, if anything."""
@@ -218,6 +244,8 @@ class RpcServer:
         self.limits = limits if limits is not None else RpcLimits.from_env()
         self._unauthenticated = threading.BoundedSemaphore(self.limits.max_unauthenticated)
         self.refusals = RefusalLog("the driver service", self.limits.log_interval)
+        #: Failed ``accept()`` calls by errno name (the server backs off and keeps serving).
+        self.accept_errors: Counter[str] = Counter()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -225,21 +253,56 @@ class RpcServer:
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._closed = threading.Event()
         self._conns: set[socket.socket] = set()
+        self._unauth_by_host: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name="se-rpc-accept", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
+        delay = 0.0
         while not self._closed.is_set():
             try:
                 sock, peer = self._sock.accept()
-            except OSError:
-                return
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                # EMFILE/ENFILE (out of file descriptors), ENOBUFS/ENOMEM, ECONNABORTED: the
+                # listening socket is fine and the connection waits in the backlog. Back off
+                # and keep serving; one WARNING per episode, not one per try.
+                delay = min(max(delay * 2, ACCEPT_BACKOFF_S[0]), ACCEPT_BACKOFF_S[1])
+                self.accept_errors[errno.errorcode.get(exc.errno or 0, str(exc.errno))] += 1
+                if delay == ACCEPT_BACKOFF_S[0]:
+                    logger.warning(
+                        "the driver service at %s:%d cannot accept connections (%s); retrying "
+                        "every %gs at most. If this is 'Too many open files', raise the "
+                        "driver's open-files limit (ulimit -n)",
+                        *self.address, exc, ACCEPT_BACKOFF_S[1],
+                    )  # fmt: skip
+                self._closed.wait(delay)
+                continue
+            if delay:
+                logger.warning(
+                    "the driver service at %s:%d accepts connections again", *self.address
+                )
+                delay = 0.0
             if not self._unauthenticated.acquire(blocking=False):
                 sock.close()
                 self.refusals.note(
                     _peer(peer), "busy", f"{self.limits.max_unauthenticated} connections "
                     "were already authenticating"
+                )  # fmt: skip
+                continue
+            host = str(peer[0])
+            with self._lock:
+                over = self._unauth_by_host[host] >= self.limits.max_unauthenticated_per_host
+                if not over:
+                    self._unauth_by_host[host] += 1
+            if over:
+                self._unauthenticated.release()
+                sock.close()
+                self.refusals.note(
+                    _peer(peer), "per-address cap", f"{host} already had "
+                    f"{self.limits.max_unauthenticated_per_host} connections authenticating"
                 )  # fmt: skip
                 continue
             try:
@@ -250,8 +313,16 @@ class RpcServer:
                     target=self._serve, args=(sock, peer), name="se-rpc-conn", daemon=True
                 ).start()
             except BaseException:
-                self._unauthenticated.release()
+                self._end_handshake(host)
                 raise
+
+    def _end_handshake(self, host: str) -> None:
+        """Give back the handshake slots a connection from ``host`` held."""
+        with self._lock:
+            self._unauth_by_host[host] -= 1
+            if self._unauth_by_host[host] <= 0:
+                del self._unauth_by_host[host]
+        self._unauthenticated.release()
 
     def _authenticate(self, sock: socket.socket) -> bytes:
         """Run the server side of the handshake; returns the session bytes."""
@@ -284,7 +355,7 @@ class RpcServer:
                 self.refusals.note(_peer(peer), "failed authentication", str(exc))
                 return
             finally:
-                self._unauthenticated.release()
+                self._end_handshake(str(peer[0]))
             conn = Connection(sock, peer)
             self._serve_frames(conn, FrameCodec(self._secret, session, TO_CLIENT, TO_SERVER))
         except (OSError, EOFError, ValueError) as exc:
@@ -357,8 +428,9 @@ def _open(address: tuple[str, int], timeout: float | None) -> tuple[socket.socke
             if time.monotonic() + delay >= deadline:
                 raise RpcError(
                     f"the driver service at {address[0]}:{address[1]} kept closing new "
-                    f"connections for {wait:g}s (too many unauthenticated connections; see "
-                    f"{ev.RPC_MAX_UNAUTHENTICATED})"
+                    f"connections for {wait:g}s (too many unauthenticated connections, from all "
+                    f"hosts or from this one; see {ev.RPC_MAX_UNAUTHENTICATED} and "
+                    f"{ev.RPC_MAX_UNAUTHENTICATED_PER_HOST})"
                 ) from exc
             time.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
@@ -381,6 +453,7 @@ class RpcClient:
 
     def __init__(self, address: tuple[str, int], secret: bytes, timeout: float | None = 30.0):
         self.address = address
+        self._secret = secret
         self._sock, ns = _open(address, timeout)
         nc = os.urandom(NONCE_BYTES)
         try:
@@ -391,6 +464,10 @@ class RpcClient:
             raise
         self._server_proof: bytes | None = handshake_mac(secret, b"se-server", ns, nc)
         self._lock = threading.Lock()
+
+    def another(self, timeout: float | None = 30.0) -> RpcClient:
+        """A new, independent connection to the same server with the same secret."""
+        return RpcClient(self.address, self._secret, timeout=timeout)
 
     def local_address(self) -> str:
         """The IP address this host uses to reach the driver (reachable by peers too)."""

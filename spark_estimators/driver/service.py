@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from spark_estimators.driver.kvstore import RendezvousKV
 from spark_estimators.driver.rpc import Connection, RpcServer
 from spark_estimators.errors import RemoteError
 
@@ -150,6 +151,14 @@ class JobServiceBase(Generic[StateT]):
     def _on_event(self, data: dict[str, Any], conn: Connection) -> None:
         if self._events is not None:
             self._events(int(data["rank"]), data["kind"], data["data"])
+
+    def _on_store(self, data: Any, conn: Connection) -> Any:
+        """The ranks' collective rendezvous store (:mod:`spark_estimators.driver.kvstore`)."""
+        with self._cond:
+            kv = self.__dict__.get("_rendezvous_kv")
+            if kv is None:
+                kv = self.__dict__["_rendezvous_kv"] = RendezvousKV()
+        return kv.handle(data)
 
 
 class DriverService(JobServiceBase[JobState]):

@@ -147,6 +147,7 @@ class StoreIO:
         target = self.fs_path(path)
         fs = self.filesystem
         self._ensure_parent(target, path)
+        self._check_fence(path)
         if not atomic:
             with self._io_errors("write", path), fs.open_output_stream(target) as out:
                 yield out
@@ -220,6 +221,7 @@ class StoreIO:
         info = self._info(path)
         with self._io_errors("delete", path):
             if info.type == pafs.FileType.Directory:
+        self._check_fence(path)
                 self.filesystem.delete_dir(info.path)
             elif info.type != pafs.FileType.NotFound:
                 self.filesystem.delete_file(info.path)
@@ -227,6 +229,12 @@ class StoreIO:
     # ------------------------------------------------------------------------------ helpers
     def _is_local(self) -> bool:
         from spark_estimators.store._filesystems import LocalFilesystemSpec
+
+    def _check_fence(self, path: str) -> None:
+        """Refuse to write a run this store's fit no longer owns (see ``store/lock.py``)."""
+        fence = self.__dict__.get("_write_fence")
+        if fence is not None:
+            fence(self, path)
 
         return isinstance(self._spec, LocalFilesystemSpec)
 

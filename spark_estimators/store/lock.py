@@ -19,6 +19,19 @@ Limits (documented in docs/reliability.md):
   that agree to well within the timeout.
 * Taking over a stale lock deletes it only if it is unchanged since it was judged stale; two
   drivers taking over the same stale lock in the same instant is not excluded.
+
+An owner that lost its lock stops before writing the run again. A fit paused past the stale
+timeout (a suspended VM, a stopped driver) finds on waking that another fit took the run over;
+its ranks keep running meanwhile. So the store object a fit locked carries a
+:class:`RunFence` (it travels to the ranks with the store): every write or delete under the
+run's directory first reads the lock and raises :class:`~spark_estimators.errors.RunInUseError`
+when the lock is no longer this fit's; the driver's heartbeat marks the fence lost as soon as it
+sees the takeover, and :meth:`RunLock.held` then fails the fit when its body ends. What remains
+is the moment between that read and the write (a checkpoint written in the very instant of the
+takeover); the next write of the stale fit fails.
+
+A lock whose owner ran on this host (same host name, kernel boot and pid namespace) and whose
+process no longer exists is taken over at once, without waiting for the stale timeout.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -77,6 +90,9 @@ class LockInfo:
     token: str
     started: float
     heartbeat: float
+    #: Kernel boot and pid namespace of the owner ("" where unknown): its pid means something
+    #: here only when they equal ours (:func:`host_id`).
+    host_id: str = ""
 
     def to_bytes(self) -> bytes:
         """The lock as canonical JSON bytes."""
@@ -87,7 +103,8 @@ class LockInfo:
         """The parsed lock, or None for content that is not a lock (empty, half-written)."""
         try:
             raw = json.loads(data.decode("utf-8"))
-            return LockInfo(**{k: raw[k] for k in LockInfo.__dataclass_fields__})
+            fields = LockInfo.__dataclass_fields__
+            return LockInfo(**{k: raw[k] for k in fields if k in raw or k != "host_id"})
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -111,6 +128,8 @@ class RunLock:
         :func:`stale_after_s`.
     heartbeat_every
         Seconds between heartbeats; default ``min(5, stale_after / 4)``.
+    clock
+        Wall-clock time for heartbeats and ages (``time.time``; tests pass their own).
 
     Examples
     --------
@@ -125,8 +144,10 @@ class RunLock:
         *,
         stale_after: float | None = None,
         heartbeat_every: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
+        self._clock = clock
         self.run_id = run_id
         self.path = lock_path(store, run_id)
         self.stale_after = stale_after if stale_after is not None else stale_after_s()
@@ -136,8 +157,9 @@ class RunLock:
             else min(MAX_HEARTBEAT_S, self.stale_after / 4)
         )
         host, pid, token = socket.gethostname(), os.getpid(), uuid.uuid4().hex
-        now = time.time()
-        self.info = LockInfo(run_id, f"{host}:{pid}:{token[:8]}", host, pid, token, now, now)
+        now = clock()
+        owner = f"{host}:{pid}:{token[:8]}"
+        self.info = LockInfo(run_id, owner, host, pid, token, now, now, host_id())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.lost = False  # set when another owner replaced our lock while we held it
@@ -147,6 +169,7 @@ class RunLock:
         """Own the run, or raise :class:`RunInUseError` when a live fit owns it."""
         for _ in range(_TAKEOVER_ATTEMPTS):
             if self._try_create():
+                RunFence.of(self.store).hold(self.store, self.run_id, self.path, self.info.token)
                 self._start_heartbeat()
                 return
             seen = self._read_raw()
@@ -154,16 +177,17 @@ class RunLock:
                 continue  # released in the meantime: try again
             current = LockInfo.from_bytes(seen)
             age = self._age(current)
-            if age < self.stale_after:
+            dead = current is not None and _dead_here(current)
+            if age < self.stale_after and not dead:
                 raise self._in_use(current, age)
             logger.warning(
-                "run %r: taking over the lock of %s, whose last heartbeat is %.0fs old "
-                "(stale after %gs; %s)",
+                "run %r: taking over the lock of %s, %s",
                 self.run_id,
                 current.owner if current else "an unknown owner",
-                age,
-                self.stale_after,
-                ev.RUN_LOCK_TIMEOUT,
+                f"whose process {current.pid} no longer runs on this host"
+                if dead and current is not None
+                else f"whose last heartbeat is {age:.0f}s old (stale after "
+                f"{self.stale_after:g}s; {ev.RUN_LOCK_TIMEOUT})",
             )
             if self._read_raw() == seen:  # delete only the lock judged stale, not a new one
                 self.store.delete(self.path)
@@ -180,6 +204,9 @@ class RunLock:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        fence = self.store.__dict__.get("_write_fence")
+        if isinstance(fence, RunFence):
+            fence.drop(self.run_id)
         try:
             current = LockInfo.from_bytes(self._read_raw() or b"")
             if current is not None and current.token == self.info.token:
@@ -203,10 +230,21 @@ class RunLock:
             yield self
         finally:
             self.release()
+        if self.lost:  # the body ended normally, but another fit owns the run now
+            raise self._lost_error("ending the fit")
+
+    def _lost_error(self, doing: str) -> RunInUseError:
+        return RunInUseError(
+            f"run_id={self.run_id!r}: this fit lost the run's lock {self.path!r} to another fit "
+            f"while it ran (no heartbeat for {self.stale_after:g}s: the driver was paused or "
+            f"lost the store); it stopped before {doing}. The run now belongs to the other fit; "
+            f"refit with another run_id, or raise {ev.RUN_LOCK_TIMEOUT}",
+            run_id=self.run_id,
+        )
 
     # --------------------------------------------------------------------------- internals
     def _try_create(self) -> bool:
-        now = time.time()
+        now = self._clock()
         self.info = LockInfo(**{**asdict(self.info), "started": now, "heartbeat": now})
         data = self.info.to_bytes()
         if not self.store.write_if_absent(self.path, data):
@@ -224,17 +262,17 @@ class RunLock:
 
     def _age(self, current: LockInfo | None) -> float:
         if current is not None:
-            return max(0.0, time.time() - current.heartbeat)
+            return max(0.0, self._clock() - current.heartbeat)
         # Unreadable content (a lock being written by O_EXCL): judge by the file's age.
         try:
             mtime_ns = self.store.stat(self.path).mtime_ns
         except StoreError:
             return 0.0
-        return 0.0 if mtime_ns is None else max(0.0, time.time() - mtime_ns / 1e9)
+        return 0.0 if mtime_ns is None else max(0.0, self._clock() - mtime_ns / 1e9)
 
     def _in_use(self, current: LockInfo | None, age: float) -> RunInUseError:
         owner = current.owner if current is not None else "an unknown owner"
-        since = "" if current is None else f", started {time.time() - current.started:.0f}s ago"
+        since = "" if current is None else f", started {self._clock() - current.started:.0f}s ago"
         return RunInUseError(
             f"run_id={self.run_id!r} is in use by another fit: {owner} holds its lock "
             f"{self.path!r} (last heartbeat {age:.1f}s ago{since}). Two fits on one run would "
@@ -254,23 +292,36 @@ class RunLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_every):
-            try:
-                current = LockInfo.from_bytes(self._read_raw() or b"")
-                if current is None or current.token != self.info.token:
-                    self.lost = True
-                    logger.error(
-                        "run %r: its lock %s was taken over by %s while this fit ran (no "
-                        "heartbeat was written for %gs?); two fits may now write this run",
-                        self.run_id,
-                        self.path,
-                        current.owner if current else "nobody",
-                        self.stale_after,
-                    )
-                    return
-                self.info = LockInfo(**{**asdict(self.info), "heartbeat": time.time()})
-                self.store.write_bytes_atomic(self.path, self.info.to_bytes())
-            except Exception as exc:  # noqa: BLE001 - a store hiccup must not kill the fit
-                logger.warning("run %r: lock heartbeat failed: %s", self.run_id, exc)
+            if not self.beat():
+                return
+
+    def beat(self) -> bool:
+        """Refresh the heartbeat once; False (and :attr:`lost` set) when the lock is not ours.
+
+        The heartbeat thread calls it every ``heartbeat_every`` seconds.
+        """
+        try:
+            current = LockInfo.from_bytes(self._read_raw() or b"")
+            if current is None or current.token != self.info.token:
+                self.lost = True
+                fence = self.store.__dict__.get("_write_fence")
+                if isinstance(fence, RunFence):
+                    fence.mark_lost(self.run_id)
+                logger.error(
+                    "run %r: its lock %s was taken over by %s while this fit ran (no "
+                    "heartbeat was written for %gs?); this fit stops before writing the run "
+                    "again",
+                    self.run_id,
+                    self.path,
+                    current.owner if current else "nobody",
+                    self.stale_after,
+                )
+                return False
+            self.info = LockInfo(**{**asdict(self.info), "heartbeat": self._clock()})
+            self.store.write_bytes_atomic(self.path, self.info.to_bytes())
+        except Exception as exc:  # noqa: BLE001 - a store hiccup must not kill the fit
+            logger.warning("run %r: lock heartbeat failed: %s", self.run_id, exc)
+        return True
 
     def _remove_empty_run_dir(self) -> None:
         """A fit that failed before writing anything leaves no empty run dir behind.
@@ -283,6 +334,97 @@ class RunLock:
                 os.rmdir(self.store.fs_path(self.store.get_run_path(self.run_id)))
 
 
-def hold_run(store: Any, run_id: str) -> Any:
+def host_id() -> str:
+    """The kernel boot id and pid namespace of this process ("" off Linux): where a pid is valid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def _dead_here(info: LockInfo) -> bool:
+    """True when the lock's owner ran in this kernel and pid namespace and its process is gone.
+
+    (Same host name alone is not enough: containers sharing the host's name have their own
+    pids.)
+    """
+    ours = host_id()
+    if not ours or info.host_id != ours or info.host != socket.gethostname() or info.pid <= 0:
+        return False
+    try:
+        os.kill(info.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists, owned by another user
+        return False
+    return False
+
+
+class RunFence:
+    """Refuses writes under a run whose lock this store's fit no longer holds.
+
+    Kept on the store object (``store._write_fence``) a :class:`RunLock` was taken on, so it
+    is pickled with the store to the ranks; :meth:`~spark_estimators.store.io.StoreIO.open_write`
+    and ``delete`` call it with every path. For each run held: a write under the run's
+    directory (other than the lock itself) reads the lock first and raises
+    :class:`~spark_estimators.errors.RunInUseError` when another fit's token is in it.
+    """
+
+    def __init__(self) -> None:
+        self.runs: dict[str, tuple[str, str, str]] = {}  # run_id -> (run dir, lock, token)
+        self.lost: set[str] = set()
+
+    @staticmethod
+    def of(store: StoreBase) -> RunFence:
+        """The store's fence, made on first use."""
+        fence = store.__dict__.get("_write_fence")
+        if not isinstance(fence, RunFence):
+            fence = RunFence()
+            store.__dict__["_write_fence"] = fence
+        return fence
+
+    def hold(self, store: StoreBase, run_id: str, path: str, token: str) -> None:
+        """Fence ``run_id`` (its lock at ``path`` holds ``token``)."""
+        run_dir = store.full_path(store.get_run_path(run_id)).rstrip("/") + "/"
+        self.runs[run_id] = (run_dir, store.full_path(path), token)
+        self.lost.discard(run_id)
+
+    def drop(self, run_id: str) -> None:
+        """Stop fencing ``run_id`` (its lock was released)."""
+        self.runs.pop(run_id, None)
+        self.lost.discard(run_id)
+
+    def mark_lost(self, run_id: str) -> None:
+        """The driver saw the takeover: refuse without reading the lock again."""
+        self.lost.add(run_id)
+
+    def __call__(self, store: Any, path: str) -> None:
+        """Raise RunInUseError when ``path`` is in a run that is no longer ours."""
+        full = store.full_path(path)
+        for run_id, (run_dir, lock, token) in list(self.runs.items()):
+            if not full.startswith(run_dir) or full == lock:
+                continue
+            owner = "another fit"
+            if run_id not in self.lost:
+                try:
+                    current = LockInfo.from_bytes(store.read_bytes(lock))
+                except StoreError:
+                    current = None  # deleted: taken over and released, or being replaced
+                if current is not None and current.token == token:
+                    continue
+                owner = current.owner if current is not None else "nobody (lock removed)"
+                self.lost.add(run_id)
+            raise RunInUseError(
+                f"run_id={run_id!r}: this fit no longer owns the run (its lock {lock!r} is "
+                f"held by {owner}: its heartbeat stopped for longer than the stale timeout, "
+                f"{ev.RUN_LOCK_TIMEOUT}, e.g. the driver was paused); refusing to write {path!r}. "
+                "Refit with another run_id, or raise the timeout",
+                run_id=run_id,
+            )
+
+
+def hold_run(store: StoreBase, run_id: str) -> Any:
     """Context manager: own ``run_id`` in ``store`` for the body (see :class:`RunLock`)."""
     return RunLock(store, run_id).held()

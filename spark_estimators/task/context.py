@@ -19,6 +19,16 @@ def set_driver_client(client: Any, rank: int) -> None:
     global _client, _rank
     with _lock:
         _client, _rank = client, rank
+    from spark_estimators.driver.store_client import install_env_rendezvous
+
+    # torch's env:// rendezvous (Lightning, a plain init_process_group) meets in the driver's
+    # authenticated store instead of an open TCPStore on MASTER_PORT.
+    install_env_rendezvous(driver_client)
+
+
+def driver_client() -> Any:
+    """The rank's connection to the driver service (None outside a rank)."""
+    return _client
 
 
 def set_task_started(timestamp: float | None) -> None:

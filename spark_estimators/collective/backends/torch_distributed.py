@@ -196,6 +196,9 @@ class TorchDistributedBackend(Backend):
         """
         import torch.distributed as dist
 
+        from spark_estimators.driver.store_client import driver_store
+        from spark_estimators.task import context
+
         if self.size == 1:
             return dist.HashStore()
         topo = self.topology
@@ -203,6 +206,12 @@ class TorchDistributedBackend(Backend):
         cached = _STORES.get(key)
         if cached is not None and not _alive(cached[0]):
             cached = None  # the server went away (a relaunched rank 0 serves a new one)
+        if cached is None and context.driver_client() is not None:
+            # A rank of run()/an estimator: meet in the driver's authenticated store (only the
+            # job's secret opens it), not in an open TCPStore on the rank-0 port.
+            namespace = f"{topo.master_addr}:{topo.master_port}/{self.size}"
+            store = driver_store(context.driver_client(), namespace, self.start_timeout)
+            cached = _STORES[key] = [store, 0]
         if cached is None:
             # Under torchrun the agent already serves the store: every rank is a client.
             agent_store = os.environ.get(TORCHELASTIC_USE_AGENT_STORE, "").lower() == "true"
