@@ -32,16 +32,17 @@ def main() -> None:
             spark.stop()
 
 
-def _fit_and_report(spark: Any, store: Any) -> None:
+def _fit_and_report(spark: Any, store: Any, rows: int = 20_000, epochs: int = 6) -> None:
     import torch
     from pyspark.ml.functions import array_to_vector
     from pyspark.sql import functions as F
 
+    from spark_estimators.core.progress import history_lines
     from spark_estimators.torch import TorchEstimator
 
     spark.sparkContext.setLogLevel("ERROR")
     rng = np.random.default_rng(7)
-    n, d = 20_000, 8
+    n, d = rows, 8
     x = rng.normal(size=(n, d)).astype(np.float64)
     w = rng.normal(size=d)
     y = np.tanh(x @ w) * 2.0 + 0.3 * x[:, 0] ** 2 + rng.normal(scale=0.05, size=n)
@@ -71,7 +72,7 @@ def _fit_and_report(spark: Any, store: Any) -> None:
         label_cols=["y"],
         validation=0.1,
         batch_size=128,
-        epochs=6,
+        epochs=epochs,
         random_seed=1,
         verbose=1,
     )
@@ -83,8 +84,9 @@ def _fit_and_report(spark: Any, store: Any) -> None:
     y_pred = np.array([r["y__output"] for r in rows])
     print()
     print(f"TorchEstimator.fit on {spark.sparkContext.master} with 2 processes: {fit_s:.1f}s")
-    for h in fitted.getHistory():
-        print(f"  epoch {h['epoch']}: loss={h['loss']:.4f} val_loss={h.get('val_loss', 0):.4f}")
+    # The same "epoch 1/6" lines as the live ones (history entries count from 0, lines from 1).
+    for line in history_lines(fitted.getHistory(), epochs):
+        print(f"  {line}")
     print(f"test rows: {len(rows)}, R^2 = {_r2(y_true, y_pred):.3f}")
 
 

@@ -1,5 +1,11 @@
 r"""Driver-side progress of a fit: one display per fit, and one line per epoch.
 
+Epoch numbers (one convention everywhere, as Keras): the data counts from 0, what a person reads
+counts from 1. A history entry's ``epoch`` (``model.getHistory()``), the ``epoch`` callbacks
+receive, MLflow's ``step`` and checkpoints' start epoch are the 0-based index, like Keras'
+``History`` and horovod's estimators; every line, bar and plot says ``epoch 1/5`` for the entry
+with ``epoch`` 0, like Keras' progress output (:func:`epoch_label`, :func:`history_lines`).
+
 What a fit shows (``verbose >= 1``):
 
 - In a terminal: a tqdm bar of epochs on stderr, with each epoch's metrics printed above it once.
@@ -32,6 +38,23 @@ logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _active: list[EpochProgress] = []  # fits displaying progress now, oldest first
+
+
+def epoch_label(epoch: int, epochs: int) -> str:
+    """How a person reads an epoch: ``epoch 1/5`` for the history entry with ``epoch`` 0."""
+    return f"epoch {int(epoch) + 1}/{epochs}"
+
+
+def history_lines(history: list[dict[str, Any]], epochs: int | None = None) -> list[str]:
+    """The lines a fit printed live, from its history (``model.getHistory()``).
+
+    ``epochs`` defaults to the number of entries (a fit that ran to its end).
+
+    >>> history_lines([{"epoch": 0, "loss": 0.5}, {"epoch": 1, "loss": 0.25}])
+    ['epoch 1/2: loss=0.5', 'epoch 2/2: loss=0.25']
+    """
+    total = epochs if epochs is not None else len(history)
+    return [f"{epoch_label(h['epoch'], total)}: {format_metrics(h)}" for h in history]
 
 
 def format_metrics(logs: dict[str, Any]) -> str:
@@ -134,8 +157,8 @@ class EpochProgress:
             if self.verbose < 1:
                 return
             epoch = data.get("epoch")
-            number = f"{int(epoch) + 1}/{self.epochs}" if isinstance(epoch, int) else "?"
-            line = f"{self._label()}epoch {number}: {format_metrics(data)}"
+            label = epoch_label(epoch, self.epochs) if isinstance(epoch, int) else "epoch ?"
+            line = f"{self._label()}{label}: {format_metrics(data)}"
             if self._bar is not None:
                 self._bar.update(1)
                 if in_notebook():

@@ -11,8 +11,9 @@ When it logs (estimator param ``log_to_mlflow``):
 
 What it logs, all from the driver: the estimator's params (values of simple types as they are,
 objects such as the model or optimizer by class name), the tag ``spark_estimators.run_id``; each
-epoch's metrics as rank 0 reports them (``step`` = epoch, the same numbers as
-``model.getHistory()``; characters MLflow refuses in a name, e.g. ``<lambda>``, become ``_``);
+epoch's metrics as rank 0 reports them (``step`` = the history entry's 0-based ``epoch``, the
+same numbers as ``model.getHistory()``, one point per step; the last epoch's are logged with
+the model, linked to it; characters MLflow refuses in a name, e.g. ``<lambda>``, become ``_``);
 and the trained framework model with its signature (inferred from a few prepared training rows
 and the model's outputs on them, as tensor specs with the batch dimension -1) under the artifact
 path ``model`` (``mlflow.pytorch`` for Torch and Lightning models, ``mlflow.keras`` for Keras).
@@ -79,6 +80,8 @@ class MlflowTracker:
         self.client = client
         self.mlflow_run_id = mlflow_run_id
         self.owns_run = owns_run
+        # The latest epoch's metrics wait for the model (see log_model) or the end of the fit.
+        self._pending: list[Any] = []
 
     @classmethod
     def for_fit(cls, est: Any, run_id: str) -> MlflowTracker | None:
@@ -116,7 +119,11 @@ class MlflowTracker:
         )
 
     def log_epoch(self, logs: dict[str, Any]) -> None:
-        """One epoch's metrics (rank 0's, averaged over the ranks) at ``step`` = epoch."""
+        """One epoch's metrics (rank 0's, averaged over the ranks) at ``step`` = epoch.
+
+        Each epoch's metrics are sent when the next epoch arrives; the last epoch's go with the
+        model (:meth:`log_model`) or at :meth:`end`, so each step has exactly one point.
+        """
         from mlflow.entities import Metric
 
         step = int(logs.get("epoch", 0))
@@ -126,16 +133,41 @@ class MlflowTracker:
             for key, value in logs.items()
             if key != "epoch" and isinstance(value, int | float) and not isinstance(value, bool)
         ]
-        if metrics:
-            self.client.log_batch(self.mlflow_run_id, metrics=metrics)
+        self.flush()
+        self._pending = metrics
+
+    def flush(self, model_id: str | None = None) -> None:
+        """Send the waiting epoch's metrics (linked to the logged model ``model_id`` if given)."""
+        from mlflow.entities import Metric
+
+        pending, self._pending = self._pending, []
+        if model_id is not None:
+            pending = [
+                Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id) for m in pending
+            ]
+        if pending:
+            self.client.log_batch(self.mlflow_run_id, metrics=pending)
 
     def log_model(self, est: Any, model: Any, meta: Any, store: Any) -> None:
-        """The trained framework model with its signature, under the artifact path ``model``."""
+        """The trained framework model with its signature, under the artifact path ``model``.
+
+        It is logged at the last epoch's step, and that epoch's metrics are then logged linked
+        to it: the logged model carries the final metrics (MLflow's ``log_model`` would copy the
+        metrics already logged at its ``step``, by default 0, as a second point of that step).
+        """
         import mlflow
 
         inputs = _example_inputs(est, meta, store, getattr(model, "getIndexCols", list)())
         framework = getattr(est, "_framework", "")
         net = model.getModel()
+        step = self._pending[0].step if self._pending else 0
+        info = self._log_model(mlflow, est, model, net, inputs, framework, step)
+        self.flush(model_id=getattr(info, "model_id", None))
+
+    def _log_model(
+        self, mlflow: Any, est: Any, model: Any, net: Any, inputs: Any, framework: str, step: int
+    ) -> Any:
+        info = None
         with _in_run(mlflow, self.mlflow_run_id):
             if framework in ("torch", "lightning"):
                 import mlflow.pytorch
@@ -151,9 +183,10 @@ class MlflowTracker:
                 level = pytorch_log.level
                 pytorch_log.setLevel(logging.ERROR)
                 try:
-                    mlflow.pytorch.log_model(
+                    info = mlflow.pytorch.log_model(
                         net,
                         name="model",
+                        step=step,
                         signature=signature(
                             est.getFeatureCols(), inputs, model.output_cols(), outputs
                         ),
@@ -168,15 +201,21 @@ class MlflowTracker:
 
                 out = net.predict(inputs[0] if len(inputs) == 1 else inputs, verbose=0)
                 outputs = [np.asarray(o) for o in _as_list(out)]
-                mlflow.keras.log_model(
+                info = mlflow.keras.log_model(
                     net,
                     name="model",
+                    step=step,
                     signature=signature(est.getFeatureCols(), inputs, model.output_cols(), outputs),
                     pip_requirements=[f"keras=={keras.__version__}"],
                 )
+        return info
 
     def end(self, failed: bool = False) -> None:
         """End the MLflow run this tracker started (FAILED or FINISHED); leave a user's run open."""
+        try:
+            self.flush()  # the last epoch's metrics when no model was logged
+        except Exception as exc:  # noqa: BLE001 - tracking must not fail the fit
+            logger.warning("could not record the last epoch's metrics: %r", exc)
         if self.owns_run:
             import mlflow
 

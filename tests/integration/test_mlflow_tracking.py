@@ -76,17 +76,26 @@ def test_active_run_gets_params_epoch_metrics_and_the_model_with_signature(track
         logged = tracking.get_metric_history(
             run.info.run_id, key.replace("<", "_").replace(">", "_")
         )
-        # MLflow 3 lists the values linked to the logged model again: compare per step.
-        by_step: dict[int, set[float]] = {}
-        for m in logged:
-            by_step.setdefault(m.step, set()).add(m.value)
-        assert by_step == {h["epoch"]: {h[key]} for h in history}, key
+        # One point per step (issue 27: log_model at step 0 copied step 0's metrics again).
+        points = sorted((m.step, m.value) for m in logged)
+        assert points == [(h["epoch"], h[key]) for h in history], key
     # The user's run is theirs: the fit leaves it as it was (finished by the `with`).
     assert tracking.get_run(run.info.run_id).info.status == "FINISHED"
 
     (logged_model,) = mlflow.search_logged_models(
         filter_string=f"source_run_id = '{run.info.run_id}'", output_format="list"
     )
+    # The logged model carries the final epoch's metrics (issue 27: it carried epoch 0's).
+    final = history[-1]
+    carried = {m.key: (m.step, m.value) for m in logged_model.metrics}
+    assert carried == {
+        "loss": (final["epoch"], final["loss"]),
+        "val_loss": (final["epoch"], final["val_loss"]),
+        "mae": (final["epoch"], final["mae"]),
+        "val_mae": (final["epoch"], final["val_mae"]),
+        "_lambda_": (final["epoch"], final["<lambda>"]),
+        "val__lambda_": (final["epoch"], final["val_<lambda>"]),
+    }
     info = mlflow.models.get_model_info(logged_model.model_uri)
     assert [s.shape for s in info.signature.inputs.inputs] == [(-1, 2)]
     assert [s.shape for s in info.signature.outputs.inputs] == [(-1, 1)]
