@@ -4,8 +4,8 @@
 - :class:`DeclaredParams` takes each mixin's defaults from a class-level ``_defaults`` dict
   (merged along the MRO, subclasses win), so the defaults are known without an instance: the
   estimators' ``Parameters`` docs and keyword-only signatures are built from them.
-- :data:`ALIASES` maps horovod's snake_case keywords to the camelCase Param names (one table,
-  as xgboost.spark's ``_inverse_alias`` does); :func:`to_camel` / :func:`to_snake` use it.
+- :func:`to_camel` / :func:`to_snake` map horovod's snake_case keywords to the camelCase Param
+  names by rule (``num_proc`` <-> ``numProc``); :data:`ALIASES` lists exceptions (none).
 - :func:`add_accessors` gives every Param a ``getX()`` and a chainable ``setX(value)``.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import re
 import textwrap
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -91,72 +92,28 @@ _TYPE_TEXT: dict[Any, str] = {
     TypeConverters.toListString: "list of str",
 }
 
-# snake_case (horovod) -> camelCase (Spark ML). Names that are one word (model, epochs, ...) are
-# the same in both.
-ALIASES: dict[str, str] = {
-    "num_proc": "numProc",
-    "collective_backend": "collectiveBackend",
-    "loss_constructors": "lossConstructors",
-    "loss_weights": "lossWeights",
-    "sample_weight_col": "sampleWeightCol",
-    "feature_cols": "featureCols",
-    "label_cols": "labelCols",
-    "input_shapes": "inputShapes",
-    "label_shapes": "labelShapes",
-    "batch_size": "batchSize",
-    "val_batch_size": "valBatchSize",
-    "train_steps_per_epoch": "trainStepsPerEpoch",
-    "validation_steps_per_epoch": "validationStepsPerEpoch",
-    "random_seed": "randomSeed",
-    "run_id": "runId",
-    "transformation_fn": "transformationFn",
-    "inmemory_cache_all": "inmemoryCacheAll",
-    "use_gpu": "useGpu",
-    "backward_passes_per_step": "backwardPassesPerStep",
-    "gradient_compression": "gradientCompression",
-    "partitions_per_process": "partitionsPerProcess",
-    "train_reader_num_workers": "trainReaderNumWorkers",
-    "val_reader_num_workers": "valReaderNumWorkers",
-    "train_minibatch_fn": "trainMinibatchFn",
-    "scale_lr": "scaleLr",
-    "average_running_stats": "averageRunningStats",
-    "output_cols": "outputCols",
-    "start_timeout": "startTimeout",
-    "custom_objects": "customObjects",
-    "checkpoint_callback": "checkpointCallback",
-    "backend_env": "backendEnv",
-    "num_gpus": "numGpus",
-    "log_every_n_steps": "logEveryNSteps",
-    "trainer_args": "trainerArgs",
-    "terminate_on_nan": "terminateOnNan",
-    "loader_num_epochs": "loaderNumEpochs",
-    "transform_batch_size": "transformBatchSize",
-    "min_num_proc": "minNumProc",
-    "reset_limit": "resetLimit",
-    "shuffle_buffer_size": "shuffleBufferSize",
-    "reader_pool_type": "readerPoolType",
-    "mp_start_method": "mpStartMethod",
-    "compress_sparse_cols": "compressSparseCols",
-    "drop_invalid_rows": "dropInvalidRows",
-    "transformation_edit_fields": "transformationEditFields",
-    "transformation_removed_fields": "transformationRemovedFields",
-    "data_module": "dataModule",
-    "debug_data_loader": "debugDataLoader",
-    "train_async_data_loader_queue_size": "trainAsyncDataLoaderQueueSize",
-    "val_async_data_loader_queue_size": "valAsyncDataLoaderQueueSize",
-    "log_to_mlflow": "logToMlflow",
-}
+# snake_case (horovod) -> camelCase (Spark ML) follows one rule: ``num_proc`` <-> ``numProc``,
+# ``log_every_n_steps`` <-> ``logEveryNSteps`` (one-word names such as ``model`` are the same in
+# both). A new Param therefore needs no entry anywhere but its declaration and its default.
+#: snake_case keywords whose Param name does not follow the rule (none today).
+ALIASES: dict[str, str] = {}
 _SNAKE = {camel: snake for snake, camel in ALIASES.items()}
+_UPPER = re.compile(r"(?<!^)([A-Z])")
 
 
 def to_camel(name: str) -> str:
     """The Param name of a constructor keyword (``num_proc`` -> ``numProc``)."""
-    return ALIASES.get(name, name)
+    if name in ALIASES:
+        return ALIASES[name]
+    first, *rest = name.split("_")
+    return first + "".join(part[:1].upper() + part[1:] for part in rest)
 
 
 def to_snake(name: str) -> str:
     """The horovod keyword of a Param name (``numProc`` -> ``num_proc``)."""
-    return _SNAKE.get(name, name)
+    if name in _SNAKE:
+        return _SNAKE[name]
+    return _UPPER.sub(lambda m: "_" + m.group(1).lower(), name)
 
 
 def declared_defaults(cls: type) -> dict[str, Any]:

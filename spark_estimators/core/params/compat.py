@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from pyspark.ml.param import Params
 
-from spark_estimators.core.params.base import ALIASES, to_camel, to_snake
+from spark_estimators.core.params.base import to_camel, to_snake
 from spark_estimators.errors import ConfigurationError
 
 # horovod's data-module keywords (TorchEstimator, KerasEstimator): the reader here is built in.
@@ -81,8 +81,7 @@ class KeywordParams(Params):
             raise ConfigurationError(
                 f"{snake}= (a {type(value).__name__}) is not used by {cls}: {why}"
             )
-        mine = {k for k, v in ALIASES.items() if self.hasParam(v)}
-        known = sorted({p.name for p in self.params} | mine)
+        known = sorted({p.name for p in self.params} | {to_snake(p.name) for p in self.params})
         close = difflib.get_close_matches(key, known, n=3)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise ConfigurationError(f"{cls} got an unknown keyword {key!r}.{hint}")
