@@ -1,0 +1,69 @@
+"""Gradient compression for TensorFlow tensors (``horovod.tensorflow.Compression``).
+
+Horovod's TensorFlow interface: ``compress(tensor) -> (compressed, ctx)`` and
+``decompress(compressed, ctx) -> tensor``, both on tensors (they work eagerly and inside
+``tf.function``). ``Compression.fp16`` sends floating tensors as float16 and casts them back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+
+class Compressor:
+    """Interface for compressing and decompressing a given tensor."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        """Return the compressed tensor and the context :meth:`decompress` needs."""
+        raise NotImplementedError
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        """Return the tensor restored with ``ctx``."""
+        raise NotImplementedError
+
+
+class NoneCompressor(Compressor):
+    """Default no-op compression."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        """Return the tensor unchanged and no context."""
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        """Return the tensor unchanged."""
+        return tensor
+
+
+class FP16Compressor(Compressor):
+    """Floating tensors travel as float16 and are cast back to their dtype."""
+
+    @staticmethod
+    def compress(tensor: Any) -> tuple[Any, Any]:
+        """Cast a floating tensor to float16; the context is the original dtype."""
+        compressed = tensor
+        if tensor.dtype.is_floating:
+            compressed = tf.cast(tensor, dtype=tf.float16)
+        return compressed, tensor.dtype
+
+    @staticmethod
+    def decompress(tensor: Any, ctx: Any) -> Any:
+        """Cast back to the original floating dtype."""
+        if ctx is not None and ctx.is_floating:
+            return tf.cast(tensor, dtype=ctx)
+        return tensor
+
+
+class Compression:
+    """``Compression.none`` (default) / ``Compression.fp16``, as in ``horovod.tensorflow``."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+__all__ = ["Compression", "Compressor", "FP16Compressor", "NoneCompressor"]

@@ -1,0 +1,143 @@
+"""``hvd.elastic`` for TensorFlow: :class:`TensorFlowKerasState`, :class:`TensorFlowState`.
+
+Exposed as ``spark_estimators.collective.tensorflow.elastic`` (horovod's
+``horovod.tensorflow.elastic``)::
+
+    import spark_estimators.collective.tensorflow as hvd
+
+    hvd.init()
+    state = hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            ...
+            state.commit()
+
+    train(state)
+
+``save()`` copies the variables' values (numpy), ``restore()`` assigns them back, ``sync()``
+broadcasts rank 0's variables (one broadcast per dtype) and attributes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from spark_estimators.collective.api.elastic import (
+    HostsUpdatedInterrupt,
+    ObjectState,
+    State,
+    reset,
+    run,
+)
+
+
+class TensorFlowState(ObjectState):
+    """Elastic state of a list of TensorFlow (or Keras) variables plus picklable attributes.
+
+    Parameters
+    ----------
+    variables
+        The variables saved on commit and broadcast from rank 0 on sync (same order on every
+        rank). Default: ``tf.compat.v1.global_variables()`` (empty in TF2 eager code).
+    **kwargs
+        Other attributes (``epoch``, ``batch``), handled as by :class:`ObjectState`.
+    """
+
+    def __init__(
+        self,
+        variables: Sequence[Any] | None = None,
+        bcast_object: Callable[..., Any] | None = None,
+        get_rank: Callable[[], int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if variables is None:
+            import tensorflow as tf
+
+            variables = tf.compat.v1.global_variables()
+        self.variables = list(variables)
+        self._saved_values: list[np.ndarray] = []
+        super().__init__(bcast_object, get_rank, **kwargs)
+        self._save_variables()
+
+    def _all_variables(self) -> list[Any]:
+        return self.variables
+
+    def _save_variables(self) -> None:
+        self._saved_values = [np.array(v.numpy(), copy=True) for v in self._all_variables()]
+
+    def save(self) -> None:
+        """Copy the variables' values, then the attributes."""
+        self._save_variables()
+        super().save()
+
+    def restore(self) -> None:
+        """Assign the saved values back, then the attributes."""
+        variables = self._all_variables()
+        if len(variables) == len(self._saved_values):
+            for v, value in zip(variables, self._saved_values, strict=True):
+                v.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        """Broadcast rank 0's variables and attributes; every rank then commits that point."""
+        from spark_estimators.collective.tensorflow.tape import broadcast_variables
+
+        variables = self._all_variables()
+        if variables:
+            broadcast_variables(variables, root_rank=0)
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state, 0)
+            ObjectState.restore(self)
+        self._save_variables()
+
+
+class TensorFlowKerasState(TensorFlowState):
+    """Elastic state of a Keras model and optimizer (their variables) plus attributes.
+
+    Parameters
+    ----------
+    model
+        A Keras model; ``model.variables`` are saved and synced.
+    optimizer
+        A Keras optimizer (default ``model.optimizer``); its ``variables`` too, once built (a
+        new worker's unbuilt optimizer is built on the model's trainable variables first).
+    **kwargs
+        Other attributes, handled as by :class:`ObjectState`.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any = None,
+        bcast_object: Callable[..., Any] | None = None,
+        get_rank: Callable[[], int] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        super().__init__([], bcast_object, get_rank, **kwargs)
+
+    def _all_variables(self) -> list[Any]:
+        variables = list(self.model.variables)
+        opt = self.optimizer
+        if opt is not None:
+            if not getattr(opt, "built", True) and self.model.trainable_variables:
+                opt.build(self.model.trainable_variables)
+            variables += list(opt.variables)
+        return variables
+
+
+__all__ = [
+    "HostsUpdatedInterrupt",
+    "ObjectState",
+    "State",
+    "TensorFlowKerasState",
+    "TensorFlowState",
+    "reset",
+    "run",
+]

@@ -1,0 +1,105 @@
+"""``DistributedOptimizer`` for TF1 ``tf.compat.v1.train.Optimizer`` in graph mode (horovod's).
+
+``compute_gradients`` averages the wrapped optimizer's gradients across ranks (the reducer of
+:func:`~spark_estimators.collective.tensorflow.DistributedGradientTape`: one fused
+``grouped_allreduce``); ``apply_gradients`` and the rest delegate to it. Local gradient
+aggregation (``backward_passes_per_step > 1``) and the Adasum delta optimizer of horovod's TF1
+API are not implemented (refused). Keras 3 optimizers go to
+:func:`spark_estimators.collective.keras.DistributedOptimizer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.runtime.process_sets import global_process_set
+from spark_estimators.collective.tensorflow import util
+from spark_estimators.collective.tensorflow.compression import Compression, Compressor
+from spark_estimators.collective.tensorflow.tape import _Reducer, _ref
+from spark_estimators.errors import ConfigurationError
+
+
+class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
+    """Wraps a TF1 optimizer; gradients are averaged in ``compute_gradients``."""
+
+    def __init__(
+        self,
+        optimizer: Any,
+        name: str | None,
+        use_locking: bool,
+        reducer: Any,
+        scale_local_gradients: bool,
+    ):
+        super().__init__(name=name or f"Distributed{type(optimizer).__name__}",
+                         use_locking=use_locking)  # fmt: skip
+        self._optimizer = optimizer
+        self._reducer = reducer
+        self._local_vars: set[Any] = set()
+        self.process_set = reducer.process_set
+        self.scale_local_gradients = scale_local_gradients
+
+    def register_local_var(self, var: Any) -> None:
+        """Keep ``var``'s gradient local (no allreduce)."""
+        self._local_vars.add(_ref(var))
+
+    def compute_gradients(self, *args: Any, **kwargs: Any) -> list[tuple[Any, Any]]:
+        """The wrapped optimizer's gradients, averaged across ranks."""
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        grads, variables = [list(t) for t in zip(*pairs, strict=True)] if pairs else ([], [])
+        shared = [i for i, v in enumerate(variables) if _ref(v) not in self._local_vars]
+        reduced = self._reducer([grads[i] for i in shared], [variables[i] for i in shared])
+        for i, g in zip(shared, reduced, strict=True):
+            grads[i] = g
+        if self.scale_local_gradients and self._local_vars:
+            n = float(util.process_set_size(self.process_set))
+            for i, v in enumerate(variables):
+                if _ref(v) in self._local_vars and grads[i] is not None:
+                    grads[i] = grads[i] / n
+        return list(zip(grads, variables, strict=True))
+
+    def apply_gradients(
+        self, grads_and_vars: Any, global_step: Any = None, name: Any = None
+    ) -> Any:
+        """The wrapped optimizer's ``apply_gradients``."""
+        return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+
+    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped optimizer's ``get_slot``."""
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped optimizer's ``get_slot_names``."""
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped optimizer's ``variables``."""
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def legacy_distributed_optimizer(
+    optimizer: Any,
+    name: str | None = None,
+    use_locking: bool = False,
+    compression: type[Compressor] = Compression.none,
+    sparse_as_dense: bool = False,
+    op: ReduceOp | int | None = ReduceOp.AVERAGE,
+    gradient_predivide_factor: float = 1.0,
+    backward_passes_per_step: int = 1,
+    groups: Any = None,
+    process_set: Any = global_process_set,
+    scale_local_gradients: bool = True,
+) -> Any:
+    """Wrap a ``tf.compat.v1.train.Optimizer`` (see the module docstring)."""
+    resolved = resolve_op(op, None, adasum=True)
+    if resolved is ReduceOp.ADASUM or backward_passes_per_step != 1:
+        raise ConfigurationError(
+            "the TF1 DistributedOptimizer supports neither op=Adasum nor "
+            f"backward_passes_per_step={backward_passes_per_step!r} > 1 here; use "
+            "hvd.DistributedGradientTape in a TF2 loop (accumulate gradients yourself)"
+        )
+    reducer = _Reducer(compression, sparse_as_dense, resolved, gradient_predivide_factor,
+                       groups, process_set)  # fmt: skip
+    return _DistributedOptimizer(optimizer, name, use_locking, reducer, scale_local_gradients)
