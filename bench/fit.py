@@ -4,6 +4,14 @@ Usage:
     .venv/bin/python bench/fit.py --preset horovod   # 100k x 10, MLP 10-64-64-1, Adam, 2 epochs
     .venv/bin/python bench/fit.py --preset large     # 1M x 32, MLP, 1 epoch
     .venv/bin/python bench/fit.py --preset horovod --horovod-python /work/venv-hvd/bin/python
+    .venv/bin/python bench/fit.py --preset large --data stream   # + data="stream" side by side
+    .venv/bin/python bench/fit.py --preset large --data stream --cases stream --rows 5000000
+
+``--data stream`` adds a third case each round, ``TorchEstimator(data="stream")`` (the training
+stage reads the DataFrame itself, no Parquet copy), and prints stream / Parquet and
+stream / TorchDistributor; ``--cases`` picks the cases to run, ``--epochs`` and ``--rows``
+override the preset. Each of our fits also reports rank 0's peak RSS (``ru_maxrss`` at the end of
+the last epoch, the ``rss MB`` column).
 
 Both sides start from the same cached DataFrame on local[2], 2 processes, batch 256. The cases
 alternate for ``--rounds`` rounds (default 6; ours first in odd rounds, TorchDistributor first in
@@ -130,7 +138,20 @@ def distributor_train(path: str, n_features: int, hidden: list[int], epochs: int
     return {"first_batch": first, "loss": epoch_loss}
 
 
-def fit_ours(vdf: Any, cfg: dict[str, Any]) -> dict[str, float]:
+class PeakRss:
+    """A TorchEstimator callback: the rank's peak RSS (MB) into the epoch logs (rank 0's kept)."""
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+        import resource
+
+        logs["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def fit_stream(vdf: Any, cfg: dict[str, Any]) -> dict[str, float]:
+    return fit_ours(vdf, cfg, data="stream")
+
+
+def fit_ours(vdf: Any, cfg: dict[str, Any], data: str = "parquet") -> dict[str, float]:
     import torch
 
     from spark_estimators.core.backend import SparkBackend
@@ -143,14 +164,14 @@ def fit_ours(vdf: Any, cfg: dict[str, Any]) -> dict[str, float]:
     marks: dict[str, float] = {}
 
     class Timed(SparkBackend):
-        def run(self, fn, args=(), kwargs=None, env=None, event_callback=None):  # type: ignore[override]
+        def run(self, fn, args=(), kwargs=None, env=None, event_callback=None, **extra):  # type: ignore[override]
             def both(rank: int, kind: str, data: Any) -> None:
                 if kind == "first_batch":
                     marks.setdefault("first_batch", float(data))
                 if event_callback is not None:
                     event_callback(rank, kind, data)
 
-            return super().run(fn, args, kwargs, env, both)
+            return super().run(fn, args, kwargs, env, both, **extra)
 
     est = TorchEstimator(
         backend=Timed(num_proc=2, verbose=0),
@@ -164,15 +185,19 @@ def fit_ours(vdf: Any, cfg: dict[str, Any]) -> dict[str, float]:
         epochs=cfg["epochs"],
         verbose=0,
         scale_lr=False,
+        data=data,
+        callbacks=[PeakRss()],
     )
     t0 = time.time()
     fitted = est.fit(vdf)
     total = time.time() - t0
     shutil.rmtree(tmp, ignore_errors=True)
+    last = fitted.getHistory()[-1]
     return {
         "total_s": total,
         "first_batch_s": marks.get("first_batch", float("nan")) - t0,
-        "loss": fitted.getHistory()[-1]["loss"],
+        "loss": last["loss"],
+        "rss_mb": last["rss_mb"],
     }
 
 
@@ -234,8 +259,20 @@ def main() -> None:
         metavar="PATH",
         help="python of a horovod 0.28.1 virtualenv: also run bench/fit_horovod.py side by side",
     )
+    parser.add_argument("--data", choices=["parquet", "stream"], default="parquet")
+    parser.add_argument(
+        "--cases",
+        default="all",
+        help="comma-separated subset of parquet,stream,td (default: all that apply)",
+    )
+    parser.add_argument("--epochs", type=int, help="override the preset's epochs")
+    parser.add_argument("--rows", type=int, help="override the preset's rows")
     args = parser.parse_args()
-    cfg = PRESETS[args.preset]
+    cfg = dict(PRESETS[args.preset])
+    if args.epochs:
+        cfg["epochs"] = args.epochs
+    if args.rows:
+        cfg["rows"] = args.rows
     if args.horovod_python and args.preset != "horovod":
         sys.exit("--horovod-python runs only with --preset horovod (fit_horovod.py's data)")
     # started first: its Spark session and data cache build while ours do
@@ -248,16 +285,29 @@ def main() -> None:
     df, vdf = build_data(spark, cfg["rows"], cfg["features"])
 
     ours_name, td_name = "spark_estimators TorchEstimator", "TorchDistributor + Arrow"
+    stream_name = 'TorchEstimator(data="stream")'
+    wanted = {"parquet", "td"} | ({"stream"} if args.data == "stream" else set())
+    if args.cases != "all":
+        wanted = set(args.cases.split(","))
     hvd_name = "horovod 0.28.1 TorchEstimator"
     if hvd is not None:
         hvd.wait_ready()
     print(f"preset {args.preset}: {cfg}, batch {BATCH}, 2 processes, local[2]")
     head = f"{'round':>5s} {'case':34s} {'total s':>8s} {'first batch s':>14s}"
     print(f"{head} {'last epoch loss':>15s}")
-    totals: dict[str, list[float]] = {ours_name: [], td_name: [], hvd_name: []}
+    totals: dict[str, list[float]] = {ours_name: [], td_name: [], hvd_name: [], stream_name: []}
     ratios, hvd_ratios = [], []
+    stream_ratios: dict[str, list[float]] = {ours_name: [], td_name: []}
     for rnd in range(1, args.rounds + 1):
-        order = [(ours_name, fit_ours, vdf), (td_name, fit_distributor, df)]
+        order = [
+            case
+            for key, case in (
+                ("parquet", (ours_name, fit_ours, vdf)),
+                ("stream", (stream_name, fit_stream, vdf)),
+                ("td", (td_name, fit_distributor, df)),
+            )
+            if key in wanted
+        ]
         if hvd is not None:
             order.append((hvd_name, hvd.fit, vdf))
         if rnd % 2 == 0:
@@ -267,8 +317,18 @@ def main() -> None:
             totals[name].append(r["total_s"])
             print(
                 f"{rnd:5d} {name:34s} {r['total_s']:8.2f} {r['first_batch_s']:14.2f} "
-                f"{r['loss']:15.4f}"
+                f"{r['loss']:15.4f}" + (f" rss MB {r['rss_mb']:.0f}" if "rss_mb" in r else "")
             )
+        if stream_name in results:
+            parts = []
+            for other in (ours_name, td_name):
+                if other in results:
+                    ratio = results[stream_name]["total_s"] / results[other]["total_s"]
+                    stream_ratios[other].append(ratio)
+                    parts.append(f"stream / {other.split()[0]} = {ratio:.3f}")
+            print(f"round {rnd}: " + ", ".join(parts), flush=True)
+        if ours_name not in results or td_name not in results:
+            continue
         ours, td = results[ours_name]["total_s"], results[td_name]["total_s"]
         ratios.append(ours / td)
         line = f"round {rnd}: ours / TorchDistributor = {ours / td:.3f}"
@@ -276,6 +336,14 @@ def main() -> None:
             hvd_ratios.append(ours / results[hvd_name]["total_s"])
             line += f", ours / horovod = {hvd_ratios[-1]:.3f}"
         print(line, flush=True)
+    for other, values in stream_ratios.items():
+        if values:
+            warm = values[1:] or values
+            print(
+                f"stream / {other} per round: "
+                + ", ".join(f"{r:.3f}" for r in values)
+                + f"; median of warm rounds {statistics.median(warm):.3f}"
+            )
     print("ours / TorchDistributor per round: " + ", ".join(f"{r:.3f}" for r in ratios))
     if hvd is not None:
         print("ours / horovod per round: " + ", ".join(f"{r:.3f}" for r in hvd_ratios))

@@ -239,7 +239,10 @@ class StreamBatchReader:
         return _steps_rule(self._raw_steps(totals), self._limit, self._multiple)
 
     def __len__(self) -> int:
-        return int(self._target(wait=True) or 0)
+        target = self._target(wait=False)
+        if target is None:  # like an unsized iterable until every task has read its partition
+            raise TypeError("the batches per epoch are not known before the data is read")
+        return target
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch (and so the shuffle order) of the next ``iter()``."""
