@@ -18,7 +18,12 @@ outside the storage, also stops someone who can rewrite the metadata. Decisions:
 - a stage saved before digests were recorded (no ``stageDigest``) loads with an
   :class:`~spark_estimators.errors.UnverifiedModelWarning`, unless a key is configured: then it is
   refused, as is any stage without an HMAC (stripping the HMAC must not bypass the key);
-- a signed stage loaded without a key is checked against its SHA-256 only, with a warning.
+- a signed stage loaded without a key is checked against its SHA-256 only, with a warning;
+- with a key, the HMAC also covers the metadata that rebuilds the stage (``class``, ``uid``,
+  ``paramMap``, ``defaultParamMap``: featureCols, labelCols, ...), recorded as
+  ``metadataHmacSha256``; an edited metadata is refused. A stage signed by an earlier version
+  (HMAC of ``stage.pkl`` only) still loads with the key, its ``stage.pkl`` verified, with an
+  :class:`~spark_estimators.errors.UnverifiedModelWarning` that its metadata is not covered.
 
 ``write().overwrite().save(path)`` removes an existing ``path`` itself, through the same
 filesystem layer (fsspec) that writes ``stage.pkl``, instead of pyspark's
@@ -54,6 +59,9 @@ NOT_SAVED = ("store", "backend")
 BLOB_NAME = "stage.pkl"
 #: Key of the integrity record in the stage's Spark metadata (``metadata/part-00000``).
 DIGEST_KEY = "stageDigest"
+#: The metadata fields the metadata HMAC covers: what rebuilds the stage at load.
+SIGNED_METADATA = ("class", "uid", "paramMap", "defaultParamMap")
+_METADATA_DOMAIN = b"spark_estimators stage metadata v1\0"
 
 
 def _is_json(value: Any) -> bool:
@@ -85,6 +93,59 @@ def integrity_record(blob: bytes, key: bytes | None) -> dict[str, str]:
     if key is not None:
         record["hmacSha256"] = hmac.new(key, blob, hashlib.sha256).hexdigest()
     return record
+
+
+def metadata_mac(key: bytes, blob_sha256: str, metadata: dict[str, Any]) -> str:
+    """HMAC-SHA256 of the stage's :data:`SIGNED_METADATA` fields (canonical JSON) and digest."""
+    fields = {name: metadata.get(name) for name in SIGNED_METADATA}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    message = _METADATA_DOMAIN + blob_sha256.encode() + b"\0" + canonical.encode("utf-8")
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def saved_metadata(instance: Any, json_params: dict[str, Any]) -> dict[str, Any]:
+    """The :data:`SIGNED_METADATA` fields as Spark's ``DefaultParamsWriter`` writes them."""
+    fields = {
+        "class": type(instance).__module__ + "." + type(instance).__name__,
+        "uid": instance.uid,
+        "paramMap": json_params,
+        "defaultParamMap": {p.name: v for p, v in instance._defaultParamMap.items()},
+    }
+    return dict(json.loads(json.dumps(fields)))  # as read back: tuples are lists, and so on
+
+
+def verify_metadata(path: str, metadata: dict[str, Any], key: bytes | None) -> None:
+    """With a key, check the metadata HMAC of a stage whose ``stage.pkl`` verified.
+
+    Raises
+    ------
+    ModelIntegrityError
+        The metadata was changed after the stage was signed.
+    """
+    record = metadata.get(DIGEST_KEY)
+    if key is None or not isinstance(record, dict) or "sha256" not in record:
+        return  # nothing signed, or no key: verify_blob already decided
+    signature = record.get("metadataHmacSha256")
+    if signature is None:
+        warnings.warn(
+            f"{path!r} was signed by an earlier spark_estimators: the HMAC covers its "
+            "stage.pkl (verified) but not its metadata (featureCols, labelCols and the other "
+            "params), which loads unverified. Save it again to sign the metadata too.",
+            UnverifiedModelWarning,
+            stacklevel=4,
+        )
+        return
+    expected = metadata_mac(key, str(record["sha256"]), metadata)
+    if not hmac.compare_digest(expected, str(signature)):
+        raise ModelIntegrityError(
+            f"refused to load {path!r}: its metadata (class, uid or params such as featureCols "
+            "and labelCols) does not match its HMAC under the configured model key; it was "
+            "changed after the model was signed. Load only models you saved yourself or got "
+            "from a source you trust; if this one is yours, save it again from the fitted model.",
+            path=path,
+            expected=str(signature),
+            found=expected,
+        )
 
 
 def verify_blob(path: str, blob: bytes, record: Any, key: bytes | None) -> None:
@@ -215,7 +276,11 @@ class StageWriter(MLWriter):
                 blob_params[param.name] = value
         extra = inst._extra_state() if hasattr(inst, "_extra_state") else {}
         blob = cloudpickle.dumps({"params": blob_params, "extra": extra})
-        record = integrity_record(blob, model_key(self._key))
+        key = model_key(self._key)
+        record: dict[str, str] = integrity_record(blob, key)
+        if key is not None:
+            signed = saved_metadata(inst, json_params)
+            record["metadataHmacSha256"] = metadata_mac(key, record["sha256"], signed)
         DefaultParamsWriter.saveMetadata(
             inst,
             path,
@@ -241,7 +306,9 @@ class StageReader(MLReader):
         blob_path = path.rstrip("/") + "/" + BLOB_NAME
         with _open(blob_path, "rb") as f:
             data = f.read()
-        verify_blob(blob_path, data, metadata.get(DIGEST_KEY), model_key(self._key))
+        key = model_key(self._key)
+        verify_blob(blob_path, data, metadata.get(DIGEST_KEY), key)
+        verify_metadata(path, metadata, key)
         instance = self.cls()
         instance._resetUid(metadata["uid"])
         blob = cloudpickle.loads(data)

@@ -4,7 +4,9 @@
 request to the driver service. :func:`install_env_rendezvous` makes torch's own ``env://`` and
 ``tcp://`` rendezvous use it in a rank process (Lightning's DDP strategy and a user's plain
 ``init_process_group("gloo")`` go through them), so no rank process opens a ``TCPStore`` on
-``MASTER_PORT``. torch is imported only when a store is made or ``torch.distributed`` is
+``MASTER_PORT``; :func:`spark_estimators.collective.init` finds it through the same patched
+module (``_create_c10d_store.driver_store_for``), since the collective layer may not import the
+driver or task layers. torch is imported only when a store is made or ``torch.distributed`` is
 imported by the rank's code.
 """
 
@@ -156,21 +158,30 @@ def _patch(module: types.ModuleType, driver: Callable[[], Any]) -> None:
     if getattr(original, "__se_driver_store__", False):
         return
 
-    def create_store(
-        hostname: str, port: int, rank: int, world_size: int, timeout: Any, *args: Any
-    ) -> Any:
+    def driver_store_for(hostname: str, port: int, world_size: int, timeout: float) -> Any:
+        """The driver store for the job's rendezvous point; None for any other address."""
         client = driver()
         ours = os.environ.get(ev.MASTER_ADDR), os.environ.get(ev.MASTER_PORT)
         if client is None or (str(hostname), str(port)) != ours:
-            return original(hostname, port, rank, world_size, timeout, *args)
-        # Each env:// init of this process gets a fresh namespace (every rank counts the same).
+            return None
+        # Each rendezvous of this process gets a fresh namespace (every rank counts the same).
         with _env_lock:
-            base = f"env/{hostname}:{port}/{world_size}"
+            base = f"{hostname}:{port}/{world_size}"
             _env_inits[base] = _env_inits.get(base, 0) + 1
             namespace = f"{base}/{_env_inits[base]}"
-        return driver_store(client, namespace, timeout.total_seconds())
+        return driver_store(client, namespace, timeout)
+
+    def create_store(
+        hostname: str, port: int, rank: int, world_size: int, timeout: Any, *args: Any
+    ) -> Any:
+        store = driver_store_for(hostname, port, world_size, timeout.total_seconds())
+        if store is None:
+            return original(hostname, port, rank, world_size, timeout, *args)
+        return store
 
     create_store.__se_driver_store__ = True  # type: ignore[attr-defined]
+    # The collective backend asks through the patched module (it may not import this layer).
+    create_store.driver_store_for = driver_store_for  # type: ignore[attr-defined]
     module._create_c10d_store = create_store  # type: ignore[attr-defined]
 
 

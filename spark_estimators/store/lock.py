@@ -50,6 +50,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from spark_estimators import envvars as ev
+from spark_estimators._base.liveness import host_id, is_gone
 from spark_estimators.errors import ConfigurationError, RunInUseError, StoreError
 from spark_estimators.store.base import StoreBase, join_path
 
@@ -334,32 +335,13 @@ class RunLock:
                 os.rmdir(self.store.fs_path(self.store.get_run_path(self.run_id)))
 
 
-def host_id() -> str:
-    """The kernel boot id and pid namespace of this process ("" off Linux): where a pid is valid."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
-        return ""
-
-
 def _dead_here(info: LockInfo) -> bool:
     """True when the lock's owner ran in this kernel and pid namespace and its process is gone.
 
     (Same host name alone is not enough: containers sharing the host's name have their own
     pids.)
     """
-    ours = host_id()
-    if not ours or info.host_id != ours or info.host != socket.gethostname() or info.pid <= 0:
-        return False
-    try:
-        os.kill(info.pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # EPERM: it exists, owned by another user
-        return False
-    return False
+    return info.host == socket.gethostname() and is_gone(info.host_id, info.pid)
 
 
 class RunFence:

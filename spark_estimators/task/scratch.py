@@ -10,19 +10,38 @@ is: ranks on one host still share ``tempfile.gettempdir()``.
 
 Outside a rank (tests, the driver) both helpers fall back to the plain temp dir, and the caller
 alone is responsible for removing what it made.
+
+When the task itself dies (its executor or Python worker killed), nothing removed its scratch
+dir. So each scratch dir names its task process in ``.owner`` (boot id, pid namespace, pid and
+start time, :mod:`spark_estimators._base.liveness`), and :func:`create_scratch` first removes the
+``se-rank-*`` dirs in the same parent whose owner is gone from this host (with the paths they
+listed). A task process that exits normally while a scratch dir is still there (an interpreter
+shutdown in the middle of a task) removes it at exit. Dirs without ``.owner`` (made by an
+earlier version) are left alone.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
+import logging
 import os
 import shutil
 import tempfile
 
 from spark_estimators import envvars as ev
+from spark_estimators._base.liveness import is_gone, process_id
+
+logger = logging.getLogger(__name__)
 
 #: The list of extra paths to remove, one per line, inside the scratch dir.
 _MANIFEST = ".remove-at-exit"
+#: Who made the scratch dir (see the module docstring).
+_OWNER = ".owner"
+PREFIX = "se-rank-"
+#: Scratch dirs this process made and has not removed yet (removed at exit).
+_live: set[str] = set()
 
 
 def scratch_root() -> str | None:
@@ -48,16 +67,51 @@ def create_scratch(env: dict[str, str]) -> str | None:
     """Task side: make the scratch dir of one rank and name it in ``env`` (None if impossible)."""
     for base in (env.get("TMPDIR") or None, None):
         with contextlib.suppress(OSError):
-            path = tempfile.mkdtemp(prefix="se-rank-", dir=base)
+            remove_orphans(base or tempfile.gettempdir())
+            path = tempfile.mkdtemp(prefix=PREFIX, dir=base)
+            with open(os.path.join(path, _OWNER), "w", encoding="utf-8") as f:
+                json.dump(process_id(), f)
+            if not _live:
+                atexit.register(_remove_live)
+            _live.add(path)
             env[ev.RANK_SCRATCH] = path
             return path
     return None
+
+
+def remove_orphans(base: str) -> list[str]:
+    """Remove the scratch dirs in ``base`` whose task process is gone; returns them."""
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(base) if n.startswith(PREFIX)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            with open(os.path.join(path, _OWNER), encoding="utf-8") as f:
+                owner = json.load(f)
+            gone = is_gone(str(owner["host_id"]), int(owner["pid"]), str(owner["start"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not ours to judge: no owner file (an earlier version), or unreadable
+        if gone:
+            remove_scratch(path)
+            removed.append(path)
+    if removed:
+        logger.info("removed %d scratch dir(s) left by killed tasks in %s", len(removed), base)
+    return removed
+
+
+def _remove_live() -> None:
+    for path in list(_live):
+        remove_scratch(path)
 
 
 def remove_scratch(path: str | None) -> None:
     """Task side, after the rank exited: remove its scratch dir and the paths it registered."""
     if path is None:
         return
+    _live.discard(path)
     with contextlib.suppress(OSError), open(os.path.join(path, _MANIFEST), encoding="utf-8") as f:
         for line in f:
             if line.strip():

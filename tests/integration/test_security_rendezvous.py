@@ -58,14 +58,13 @@ def _attacked_rank(init: str) -> dict:
     if rank == 0:
         host, port = context.driver_client().address
         env = {k: v for k, v in os.environ.items()}
-        ns = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}/2"
+        # The first rendezvous of this process at the job's point (driver/store_client.py).
+        ns = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}/2/1"
         proc = subprocess.run(
             [sys.executable, "-c", _INTRUDER, host, str(port), ns],
             capture_output=True, text=True, env=env, timeout=60, check=True,
         )  # fmt: skip
         report.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-        if init == "env":
-            ns = "env/" + ns + "/1"  # the first env:// init of this process
         # The group's keys are in the driver's store, reached with the secret.
         report["driver_keys"] = context.driver_client().call("store", ("list_keys", ns, ()))
     dist.barrier()

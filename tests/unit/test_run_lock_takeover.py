@@ -17,9 +17,10 @@ import time
 
 import pytest
 
+from spark_estimators._base.liveness import host_id
 from spark_estimators.errors import RunInUseError
 from spark_estimators.store import LocalStore
-from spark_estimators.store.lock import LockInfo, RunLock, host_id, lock_path
+from spark_estimators.store.lock import LockInfo, RunLock, lock_path
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 

@@ -194,10 +194,9 @@ class TorchDistributedBackend(Backend):
         EADDRINUSE whenever the old one was still referenced (a traceback keeping a test's
         optimizer alive was enough). Every rank counts its inits, so the prefixes agree.
         """
-        import torch.distributed as dist
+        import importlib
 
-        from spark_estimators.driver.store_client import driver_store
-        from spark_estimators.task import context
+        import torch.distributed as dist
 
         if self.size == 1:
             return dist.HashStore()
@@ -206,12 +205,17 @@ class TorchDistributedBackend(Backend):
         cached = _STORES.get(key)
         if cached is not None and not _alive(cached[0]):
             cached = None  # the server went away (a relaunched rank 0 serves a new one)
-        if cached is None and context.driver_client() is not None:
-            # A rank of run()/an estimator: meet in the driver's authenticated store (only the
-            # job's secret opens it), not in an open TCPStore on the rank-0 port.
-            namespace = f"{topo.master_addr}:{topo.master_port}/{self.size}"
-            store = driver_store(context.driver_client(), namespace, self.start_timeout)
-            cached = _STORES[key] = [store, 0]
+        if cached is None:
+            # A rank of run()/an estimator meets in the driver's authenticated store (only the
+            # job's secret opens it), not in an open TCPStore on the rank-0 port: the rank's
+            # entry point patched torch's rendezvous module to offer it (driver/store_client.py).
+            rendezvous = importlib.import_module("torch.distributed.rendezvous")
+            offer = getattr(rendezvous._create_c10d_store, "driver_store_for", None)
+            store = None if offer is None else offer(
+                topo.master_addr, topo.master_port, self.size, self.start_timeout
+            )  # fmt: skip
+            if store is not None:
+                cached = _STORES[key] = [store, 0]
         if cached is None:
             # Under torchrun the agent already serves the store: every rank is a client.
             agent_store = os.environ.get(TORCHELASTIC_USE_AGENT_STORE, "").lower() == "true"
