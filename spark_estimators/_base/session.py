@@ -7,9 +7,12 @@ import os
 import re
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_estimators._base.versions import require_pyspark
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +27,7 @@ def ensure_driver_side(what: str) -> None:
         raise RuntimeError(f"{what} can only be called on the Spark driver, not inside a task")
 
 
-def get_spark(spark: Any = None) -> Any:
+def get_spark(spark: SparkSession | None = None) -> SparkSession:
     """The given session, else the active one, else an embedded ``local[2]`` session.
 
     Only a session created here gets ``PYSPARK_PYTHON`` (this interpreter, so executors import
@@ -42,7 +45,7 @@ def get_spark(spark: Any = None) -> Any:
     return create_local_session()
 
 
-def create_local_session(master: str = EMBEDDED_MASTER, **conf: str) -> Any:
+def create_local_session(master: str = EMBEDDED_MASTER, **conf: str) -> SparkSession:
     """Create the embedded session used by the demo, the tests and users without a cluster."""
     from pyspark.sql import SparkSession
 
@@ -76,7 +79,7 @@ def _local_cores(master: str) -> int | None:
     return None
 
 
-def _live_task_slots(spark: Any) -> int | None:
+def _live_task_slots(spark: SparkSession) -> int | None:
     """Slots of the executors registered right now, as Spark's barrier check counts them."""
     try:
         jsc = spark.sparkContext._jsc.sc()
@@ -87,7 +90,7 @@ def _live_task_slots(spark: Any) -> int | None:
         return None
 
 
-def is_connect(spark: Any) -> bool:
+def is_connect(spark: SparkSession) -> bool:
     """True for a Spark Connect client session (no SparkContext, no JVM in this process).
 
     Raises :class:`~spark_estimators.errors.ConfigurationError` for a Connect session when the
@@ -99,7 +102,7 @@ def is_connect(spark: Any) -> bool:
     return connect
 
 
-def spark_conf(spark: Any, key: str, default: str | None = None) -> str | None:
+def spark_conf(spark: SparkSession, key: str, default: str | None = None) -> str | None:
     """One Spark setting, read the same way from a classic or a Connect session."""
     if not is_connect(spark):
         value = spark.sparkContext.getConf().get(key, default)
@@ -112,14 +115,14 @@ def spark_conf(spark: Any, key: str, default: str | None = None) -> str | None:
     return None if value is None else str(value)
 
 
-def spark_master(spark: Any) -> str:
+def spark_master(spark: SparkSession) -> str:
     """The master URL (``local[2]``, ``spark://...``, ``yarn``, ...)."""
     if not is_connect(spark):
         return str(spark.sparkContext.master)
     return spark_conf(spark, "spark.master", "") or ""
 
 
-def available_task_slots(spark: Any, needed: int = 0, wait_s: float = 0.0) -> int | None:
+def available_task_slots(spark: SparkSession, needed: int = 0, wait_s: float = 0.0) -> int | None:
     """Total concurrent task slots of the cluster, or None when it cannot be known up front.
 
     ``local[N]`` is read from the master string. Other clusters ask the scheduler (the figure
@@ -152,7 +155,7 @@ def available_task_slots(spark: Any, needed: int = 0, wait_s: float = 0.0) -> in
         time.sleep(0.1)  # executors are still registering with the scheduler
 
 
-def default_num_proc(spark: Any) -> int:
+def default_num_proc(spark: SparkSession) -> int:
     """``spark.default.parallelism``, like horovod.spark.run (the master's cores on Connect)."""
     if not is_connect(spark):
         return int(spark.sparkContext.defaultParallelism)
@@ -170,7 +173,7 @@ def default_num_proc(spark: Any) -> int:
     )
 
 
-def start_job_group(spark: Any, job_id: str, description: str) -> None:
+def start_job_group(spark: SparkSession, job_id: str, description: str) -> None:
     """Mark the Spark jobs this thread starts next as ``job_id`` (for :func:`cancel_job_group`).
 
     Classic sessions use a job group (interrupting the tasks on cancel); a Spark Connect client
@@ -182,13 +185,13 @@ def start_job_group(spark: Any, job_id: str, description: str) -> None:
         spark.sparkContext.setJobGroup(job_id, description, interruptOnCancel=True)
 
 
-def end_job_group(spark: Any, job_id: str) -> None:
+def end_job_group(spark: SparkSession, job_id: str) -> None:
     """Stop marking this thread's jobs as ``job_id``."""
     if is_connect(spark):
         spark.removeTag(job_id)
 
 
-def cancel_job_group(spark: Any, job_id: str) -> None:
+def cancel_job_group(spark: SparkSession, job_id: str) -> None:
     """Cancel the running jobs marked ``job_id`` (from any thread)."""
     if is_connect(spark):
         spark.interruptTag(job_id)
@@ -196,7 +199,7 @@ def cancel_job_group(spark: Any, job_id: str) -> None:
         spark.sparkContext.cancelJobGroup(job_id)
 
 
-def driver_service_host(spark: Any, override: str | None = None) -> str:
+def driver_service_host(spark: SparkSession, override: str | None = None) -> str:
     """The address executors use to reach this process's driver service.
 
     In order: ``override`` (the ``driver_host=`` argument), the environment variable
@@ -233,7 +236,7 @@ def driver_service_host(spark: Any, override: str | None = None) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
-def _connect_server_host(spark: Any) -> str | None:
+def _connect_server_host(spark: Any) -> str | None:  # a Connect session: its own class
     try:
         return str(spark.client.host)
     except Exception:

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from spark_estimators.core import tensors
+
+if TYPE_CHECKING:
+    from spark_estimators.core.spec import TrainSpec
 
 
 def _torch_cat(parts: list[Any]) -> Any:
@@ -79,7 +82,7 @@ class BatchConverter:
     index_cols: Sequence[str] = ()
 
     @classmethod
-    def for_spec(cls, spec: Any, **layout: bool) -> BatchConverter:
+    def for_spec(cls, spec: TrainSpec, **layout: bool) -> BatchConverter:
         """The converter of a train spec's columns and shapes; ``layout``: the bool fields."""
         return cls(
             spec.feature_cols,

@@ -121,7 +121,7 @@ def info_path(store: StoreBase, run_id: str) -> str:
     return store_path(store, run_id, INFO_FILE)
 
 
-def read_info(store: Any, run_id: str, framework: str | None = None) -> CheckpointInfo | None:
+def read_info(store: StoreBase, run_id: str, framework: str | None = None) -> CheckpointInfo | None:
     """The run's checkpoint info, or None when it has none yet.
 
     Parameters
@@ -159,7 +159,7 @@ def read_info(store: Any, run_id: str, framework: str | None = None) -> Checkpoi
     return info
 
 
-def write_info(store: Any, run_id: str, info: CheckpointInfo) -> None:
+def write_info(store: StoreBase, run_id: str, info: CheckpointInfo) -> None:
     """Write ``info`` atomically; call it after the framework's checkpoint file is complete."""
     store.write_bytes_atomic(info_path(store, run_id), info.to_json().encode("utf-8"))
 

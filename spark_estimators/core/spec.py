@@ -9,7 +9,11 @@ ranks' readers are built from these fields by :func:`spark_estimators.core.rank.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from spark_estimators.data.metadata import DatasetMetadata
+    from spark_estimators.store.base import StoreBase
 
 
 @dataclass(kw_only=True)
@@ -17,8 +21,8 @@ class TrainSpec:
     """Fields shared by every framework's spec (all keyword-only)."""
 
     user_blob: bytes
-    store: Any
-    meta: Any
+    store: StoreBase
+    meta: DatasetMetadata
     run_id: str
     feature_cols: list[str]
     label_cols: list[str]

@@ -32,7 +32,7 @@ label_cols=(), sample_weight_col=None, shapes=None)``
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.data.adapters import TorchBatches, tf_dataset, torch_batches
 from spark_estimators.data.metadata import ColumnInfo, DatasetMetadata, ParquetFileInfo
@@ -40,9 +40,12 @@ from spark_estimators.data.options import ReaderOptions
 from spark_estimators.data.prepare import prepare_data
 from spark_estimators.data.reader import BatchReader, make_batch_reader
 
+if TYPE_CHECKING:
+    from spark_estimators.store.base import StoreBase
+
 
 def load_dataset_metadata(
-    store: Any,
+    store: StoreBase,
     dataset_idx: int | str | None = None,
     *,
     feature_cols: Sequence[str] | None = None,

@@ -7,18 +7,21 @@ to numpy). See :mod:`spark_estimators.data.metadata` for the column kinds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from spark_estimators.data.metadata import ColumnInfo
 from spark_estimators.errors import StoreError
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 # Spark's VectorUDT struct: type 0 = sparse, 1 = dense.
 _SPARSE_TYPE = 0
 
 
-def combined(column: Any) -> Any:
+def combined(column: pa.Array | pa.ChunkedArray) -> Any:
     """A single Arrow array from an Array or ChunkedArray."""
     import pyarrow as pa
 
@@ -91,7 +94,7 @@ class SparseParts:
         )
 
 
-def vector_udt_parts(column: Any) -> SparseParts:
+def vector_udt_parts(column: pa.Array | pa.ChunkedArray) -> SparseParts:
     """Spark's raw vector struct (dense and sparse rows mixed) as sparse parts."""
     arr = combined(column)
     values = arr.field("values")
@@ -111,7 +114,7 @@ def vector_udt_parts(column: Any) -> SparseParts:
     return SparseParts(lengths, flat_indices, flat_values)
 
 
-def vector_udt_sizes(column: Any) -> np.ndarray:
+def vector_udt_sizes(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """The size of each vector of Spark's raw struct (values length for dense rows)."""
     import pyarrow.compute as pc
 
@@ -125,7 +128,7 @@ def vector_udt_sizes(column: Any) -> np.ndarray:
     )
 
 
-def compact_parts(column: Any) -> SparseParts:
+def compact_parts(column: pa.Array | pa.ChunkedArray) -> SparseParts:
     """Our compact ``struct<indices, values>`` as sparse parts."""
     arr = combined(column)
     values = arr.field("values")
@@ -136,7 +139,9 @@ def compact_parts(column: Any) -> SparseParts:
     )
 
 
-def fixed_list_to_numpy(column: Any, width: int, name: str = "") -> np.ndarray:
+def fixed_list_to_numpy(
+    column: pa.Array | pa.ChunkedArray, width: int, name: str = ""
+) -> np.ndarray:
     """A list column whose rows all have ``width`` values, as a ``[rows, width]`` array."""
     arr = combined(column)
     flat = values_to_numpy(arr.flatten())
@@ -151,7 +156,9 @@ def fixed_list_to_numpy(column: Any, width: int, name: str = "") -> np.ndarray:
     return flat.reshape(len(arr), width)
 
 
-def column_to_numpy(column: Any, info: ColumnInfo, writable: bool = True) -> np.ndarray:
+def column_to_numpy(
+    column: pa.Array | pa.ChunkedArray, info: ColumnInfo, writable: bool = True
+) -> np.ndarray:
     """Decode one Arrow column to numpy with the shape of ``info`` (rows first).
 
     ``writable=False`` allows read-only views of Arrow memory (no copy).
@@ -204,7 +211,9 @@ def _null_mask(values: Any) -> np.ndarray | None:
     return np.asarray(pc.is_null(values).to_numpy(zero_copy_only=False), dtype=bool)
 
 
-def invalid_rows(column: Any, info: ColumnInfo) -> tuple[np.ndarray, np.ndarray]:
+def invalid_rows(
+    column: pa.Array | pa.ChunkedArray, info: ColumnInfo
+) -> tuple[np.ndarray, np.ndarray]:
     """Two boolean masks: rows that are null or hold a NaN, and rows of the wrong length.
 
     ``info`` describes the column as it reaches the writer (``sparse_vector`` columns arrive as

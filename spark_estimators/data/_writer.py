@@ -15,7 +15,7 @@ import json
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,10 @@ from spark_estimators.data._arrow import invalid_rows, vector_udt_parts, vector_
 from spark_estimators.data.metadata import SCHEMA_METADATA_KEY, ColumnInfo
 from spark_estimators.errors import StoreError
 from spark_estimators.store._filesystems import FilesystemSpec
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import pyarrow.fs as pafs
 
 INFO_SCHEMA = "info string"
 _WRITE_BUFFER_BYTES = 1 << 20
@@ -49,7 +53,7 @@ def stored_schema(columns: tuple[ColumnInfo, ...]) -> Any:
     )
 
 
-def _dictionary_columns(schema: Any) -> list[str]:
+def _dictionary_columns(schema: pa.Schema) -> list[str]:
     """Dictionary-encode integer and boolean scalars only.
 
     Floating-point features almost never repeat, and trying a dictionary on them first doubled the
@@ -65,11 +69,11 @@ class _RollingParquetWriter:
 
     def __init__(
         self,
-        fs: Any,
+        fs: pafs.FileSystem,
         dir_url: str,
         dir_fs: str,
         stem: str,
-        schema: Any,
+        schema: pa.Schema,
         row_group_bytes: int,
         max_file_bytes: int,
     ) -> None:
@@ -222,7 +226,9 @@ class PartitionWriter:
         lines.append(json.dumps({"stats": stats, "partition": part}))
         yield pa.RecordBatch.from_pydict({"info": lines})
 
-    def _convert(self, batch: Any, schema: Any, stats: dict[str, Any]) -> tuple[Any, Any, bool]:
+    def _convert(
+        self, batch: Any, schema: pa.Schema, stats: dict[str, Any]
+    ) -> tuple[Any, Any, bool]:
         """Check and convert one batch; returns (stored batch, validation mask, has_errors)."""
         import pyarrow as pa
 
@@ -282,7 +288,7 @@ def _store_errors(dir_url: str) -> Iterator[None]:
         raise StoreError(f"cannot write the prepared data under {dir_url!r}: {exc}") from exc
 
 
-def _delete_quietly(fs: Any, path: str) -> None:
+def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
     try:
         fs.delete_file(path)
     except OSError:

@@ -39,10 +39,13 @@ import hashlib
 import json
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_estimators.data.metadata import FORMAT_VERSION
 from spark_estimators.store.base import StoreBase
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +61,7 @@ _NAMED_RELATIONS = frozenset(
 )
 
 
-def compute_cache_key(df: Any, params: dict[str, Any], store: StoreBase) -> str:
+def compute_cache_key(df: DataFrame, params: dict[str, Any], store: StoreBase) -> str:
     """sha256 of the plan's fingerprint, input files (size, mtime), params and store paths."""
     material = {
         "format": FORMAT_VERSION,
@@ -71,7 +74,7 @@ def compute_cache_key(df: Any, params: dict[str, Any], store: StoreBase) -> str:
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def plan_fingerprint(df: Any) -> Any:
+def plan_fingerprint(df: DataFrame) -> Any:
     """What identifies ``df``'s plan: its semantic hash, or its content (see the module doc).
 
     An int (the semantic hash) for plans it is stable for (``spark.range``, local data), or a
@@ -88,7 +91,7 @@ def plan_fingerprint(df: Any) -> Any:
     return content if content is not None else int(df.semanticHash())
 
 
-def _classic_content_plan(df: Any) -> dict[str, Any] | None:
+def _classic_content_plan(df: DataFrame) -> dict[str, Any] | None:
     plan = df._jdf.queryExecution().analyzed().canonicalized()
     text = str(plan.toJSON())
     leaves = plan.collectLeaves()
@@ -100,6 +103,7 @@ def _classic_content_plan(df: Any) -> dict[str, Any] | None:
         if node.get("num-children", 0) and _opaque(node):
             return None
     jvm = df.sparkSession.sparkContext._jvm
+    assert jvm is not None  # a classic session (Connect has its own path)
     functions = [
         hashlib.sha256(bytes(jvm.org.apache.spark.util.Utils.serialize(udf.function()))).hexdigest()
         for udf in _scala_udfs(plan)
@@ -178,7 +182,7 @@ def _scala_udfs(plan: Any) -> list[Any]:
     return found
 
 
-def _connect_ml_plan(df: Any) -> dict[str, Any] | None:
+def _connect_ml_plan(df: DataFrame) -> dict[str, Any] | None:
     plan = getattr(df, "_plan", None)
     session = getattr(df, "sparkSession", None)
     if plan is None or session is None:
@@ -239,7 +243,7 @@ def _strip_ids(message: Any, plan_ids: dict[int, int] | None = None) -> None:
             _strip_ids(item, plan_ids)
 
 
-def input_file_stats(df: Any) -> list[list[Any]]:
+def input_file_stats(df: DataFrame) -> list[list[Any]]:
     """``[path, size, mtime]`` of every file the plan reads (sizes/mtimes from Hadoop's FS)."""
     files = sorted(df.inputFiles())
     if not files:
@@ -247,6 +251,7 @@ def input_file_stats(df: Any) -> list[list[Any]]:
     try:
         spark = df.sparkSession
         jvm = spark.sparkContext._jvm
+        assert jvm is not None  # a classic session
         conf = spark.sparkContext._jsc.hadoopConfiguration()
         by_dir: dict[str, dict[str, tuple[int, int]]] = {}
         out: list[list[Any]] = []

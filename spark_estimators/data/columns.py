@@ -8,11 +8,14 @@ unsupported column, or a shape that cannot be inferred fails in milliseconds wit
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_estimators.data.metadata import ColumnInfo
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.store.base import StoreBase
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 #: Rows read to infer shapes when the schema does not give them.
 SAMPLE_ROWS = 32
@@ -43,8 +46,8 @@ def _as_list(value: Sequence[str] | str | None, what: str) -> list[str]:
 
 def check_args(
     num_proc: Any,
-    store: Any,
-    df: Any,
+    store: StoreBase,
+    df: DataFrame,
     feature_cols: Any,
     label_cols: Any,
     validation: Any,
@@ -117,7 +120,7 @@ def check_args(
     return features, labels, validation_col, fraction
 
 
-def kind_of(df: Any, name: str, for_validation: bool = False) -> str:
+def kind_of(df: DataFrame, name: str, for_validation: bool = False) -> str:
     """The stored kind of a column from its Spark type, or a ConfigurationError saying why not."""
     from pyspark.ml.linalg import VectorUDT
     from pyspark.mllib.linalg import VectorUDT as OldVectorUDT
@@ -157,7 +160,7 @@ def _scalar_column(name: str, dt: Any) -> ColumnInfo:
 
 
 def columns_from_schema(
-    df: Any, used: list[str], kinds: dict[str, str], compress_sparse: bool
+    df: DataFrame, used: list[str], kinds: dict[str, str], compress_sparse: bool
 ) -> list[ColumnInfo] | None:
     """The columns when the schema alone describes them, else None (then a sample is read).
 
@@ -184,11 +187,12 @@ def columns_from_schema(
 
 
 def infer_columns(
-    df: Any, used: list[str], kinds: dict[str, str], compress_sparse: bool
+    df: DataFrame, used: list[str], kinds: dict[str, str], compress_sparse: bool
 ) -> list[ColumnInfo]:
     """Shapes from the first rows (one small job), which also proves the DataFrame is not empty."""
     from pyspark.ml.linalg import SparseVector
     from pyspark.mllib.linalg import SparseVector as OldSparseVector
+    from pyspark.sql.types import ArrayType
 
     rows = df.select(*used).limit(SAMPLE_ROWS).collect()
     if not rows:
@@ -214,6 +218,7 @@ def infer_columns(
                 "first rows); every row of an array or vector column must have the same length"
             )
         if kind == "array":
+            assert isinstance(dt, ArrayType)
             dtype = SCALAR_DTYPES[dt.elementType.simpleString()]
         else:
             dtype = "float64"

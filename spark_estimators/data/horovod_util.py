@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.data.prepare import prepare_data as _prepare_data
 from spark_estimators.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from spark_estimators.store.base import StoreBase
 
 
 @contextlib.contextmanager
 def prepare_data(
     num_processes: int,
-    store: Any,
-    df: Any,
+    store: StoreBase,
+    df: DataFrame,
     label_columns: Sequence[str] | None = None,
     feature_columns: Sequence[str] | None = None,
     validation: float | str | None = None,

@@ -24,9 +24,14 @@ import json
 import posixpath
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_estimators.errors import ConfigurationError, StoreError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from spark_estimators.store.base import StoreBase
 
 FORMAT_VERSION = 1
 SCHEMA_METADATA_KEY = b"spark_estimators.columns"
@@ -234,14 +239,14 @@ class DatasetMetadata:
         """The metadata of a :meth:`to_json` text."""
         return cls.from_dict(json.loads(text))
 
-    def save(self, store: Any) -> str:
+    def save(self, store: StoreBase) -> str:
         """Write the metadata next to the data (atomically); returns its path."""
         path = store.get_dataset_metadata_path(self.dataset_idx)
         store.write_text(path, self.to_json(), atomic=True)
         return str(path)
 
     @classmethod
-    def load(cls, store: Any, dataset_idx: int | str | None = None) -> DatasetMetadata:
+    def load(cls, store: StoreBase, dataset_idx: int | str | None = None) -> DatasetMetadata:
         """Read the metadata of dataset ``dataset_idx`` from ``store``.
 
         With ``dataset_idx=None``: the un-indexed dataset if the store has one (horovod's
@@ -266,7 +271,7 @@ class DatasetMetadata:
     @classmethod
     def from_parquet(
         cls,
-        store: Any,
+        store: StoreBase,
         train_path: str | None = None,
         val_path: str | None = None,
         *,
@@ -319,7 +324,7 @@ def now_iso() -> str:
     return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
-def list_parquet_files(store: Any, path: str) -> list[ParquetFileInfo]:
+def list_parquet_files(store: StoreBase, path: str) -> list[ParquetFileInfo]:
     """Footer facts of every Parquet file under ``path`` (hidden ``_``/``.`` names skipped)."""
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
@@ -352,7 +357,7 @@ def list_parquet_files(store: Any, path: str) -> list[ParquetFileInfo]:
     return out
 
 
-def infer_columns(store: Any, file_path: str) -> dict[str, ColumnInfo]:
+def infer_columns(store: StoreBase, file_path: str) -> dict[str, ColumnInfo]:
     """Column facts of one Parquet file: from our schema metadata, else from its data."""
     import pyarrow.parquet as pq
 
@@ -367,7 +372,7 @@ def infer_columns(store: Any, file_path: str) -> dict[str, ColumnInfo]:
     return {name: infer_column(name, first.column(name)) for name in schema.names}
 
 
-def infer_column(name: str, column: Any) -> ColumnInfo:
+def infer_column(name: str, column: pa.Array | pa.ChunkedArray) -> ColumnInfo:
     """Kind, dtype and shape of an Arrow column (lengths and sizes from its first valid row)."""
     import pyarrow as pa
     import pyarrow.compute as pc

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from spark_estimators.data.metadata import DatasetMetadata
 from spark_estimators.data.options import TransformFn
 from spark_estimators.data.shards import rank_and_size, steps_per_epoch
 from spark_estimators.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from spark_estimators.store.base import StoreBase
 
 
 def _import_petastorm() -> Any:
@@ -66,7 +69,7 @@ class PetastormBatchReader:
 
     def __init__(
         self,
-        store: Any,
+        store: StoreBase,
         metadata: DatasetMetadata,
         *,
         split: str = "train",

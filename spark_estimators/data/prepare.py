@@ -46,7 +46,7 @@ import math
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_estimators.data._writer import INFO_SCHEMA, PartitionWriter
 from spark_estimators.data.cache_key import compute_cache_key
@@ -66,6 +66,9 @@ from spark_estimators.data.metadata import (
 from spark_estimators.errors import ConfigurationError, StoreError
 from spark_estimators.store.base import StoreBase
 
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
 logger = logging.getLogger(__name__)
 
 TARGET_PARTITION_BYTES = 64 << 20
@@ -82,7 +85,7 @@ _locks: dict[str, threading.Lock] = {}
 def prepare_data(
     num_proc: int,
     store: StoreBase,
-    df: Any,
+    df: DataFrame,
     feature_cols: Sequence[str] | str,
     label_cols: Sequence[str] | str | None = None,
     validation: float | str | None = None,
@@ -234,7 +237,7 @@ def _load_complete(store: StoreBase, idx: str, cache_key: str) -> DatasetMetadat
 
 
 # ------------------------------------------------------------------------ shapes and write
-def auto_partitions_per_process(df: Any, num_proc: int) -> int:
+def auto_partitions_per_process(df: DataFrame, num_proc: int) -> int:
     """Partitions per process so each holds about 64 MiB by Spark's estimate (see module docs)."""
     try:
         # A scala BigInt; py4j answers it as a Python int (``.longValue()`` on it failed, so
@@ -251,7 +254,7 @@ def auto_partitions_per_process(df: Any, num_proc: int) -> int:
 
 def _write(
     store: StoreBase,
-    df: Any,
+    df: DataFrame,
     idx: str,
     cache_key: str,
     columns: list[ColumnInfo],

@@ -19,7 +19,7 @@ import threading
 import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import cloudpickle
 
@@ -47,6 +47,9 @@ from spark_estimators.errors import (
     TrainingFailedError,
 )
 
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_ELASTIC_TIMEOUT = 600.0
@@ -62,7 +65,7 @@ def _positive_int(name: str, value: Any) -> int:
 
 
 def _policy(
-    spark: Any,
+    spark: SparkSession,
     num_proc: int | None,
     min_num_proc: int | None,
     max_num_proc: int | None,
@@ -117,7 +120,7 @@ def run_elastic(
     backend: str = "gloo",
     use_gpu: bool | None = None,
     rejoin_wait: float = DEFAULT_REJOIN_WAIT,
-    spark: Any = None,
+    spark: SparkSession | None = None,
     event_callback: Callable[[int, str, Any], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as an elastic job; return the final ranks' results.
@@ -223,7 +226,9 @@ def run_elastic(
 
 
 class _Supervisor:
-    def __init__(self, spark: Any, svc: ElasticDriverService, config: Any, policy: ElasticPolicy):
+    def __init__(
+        self, spark: SparkSession, svc: ElasticDriverService, config: Any, policy: ElasticPolicy
+    ):
         self.spark, self.svc, self.config, self.policy = spark, svc, config, policy
         self.box: dict[str, Any] = {"done": False}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators._base.child import (
     exit_now,
@@ -22,11 +22,14 @@ from spark_estimators._base.child import (
 )
 from spark_estimators.task import lazy_dynamo
 
+if TYPE_CHECKING:
+    from spark_estimators.driver.rpc import RpcClient
+
 
 class _Rendezvous:
     """The link of this worker to the elastic driver service."""
 
-    def __init__(self, client: Any, worker_id: str, backend: str):
+    def __init__(self, client: RpcClient, worker_id: str, backend: str):
         self.client, self.worker_id, self.backend = client, worker_id, backend
         self.round = 0
         self.rank = -1

@@ -20,11 +20,14 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from spark_estimators.errors import StoreError
 from spark_estimators.store._filesystems import FilesystemSpec
 from spark_estimators.store.layout import FileStat, StoreLayout, is_absolute_path, join_path
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 _SPOOL_BYTES = 64 << 20
 _COPY_CHUNK = 8 << 20
@@ -144,10 +147,10 @@ class StoreIO:
         With ``atomic=True`` the target holds either its old content or the complete new one,
         never a part, even when the ``with`` body raises (see the module docstring).
         """
+        self._check_fence(path)
         target = self.fs_path(path)
         fs = self.filesystem
         self._ensure_parent(target, path)
-        self._check_fence(path)
         if not atomic:
             with self._io_errors("write", path), fs.open_output_stream(target) as out:
                 yield out
@@ -218,23 +221,23 @@ class StoreIO:
         """Delete a file, or a directory with everything under it; missing paths are ignored."""
         import pyarrow.fs as pafs
 
+        self._check_fence(path)
         info = self._info(path)
         with self._io_errors("delete", path):
             if info.type == pafs.FileType.Directory:
-        self._check_fence(path)
                 self.filesystem.delete_dir(info.path)
             elif info.type != pafs.FileType.NotFound:
                 self.filesystem.delete_file(info.path)
 
     # ------------------------------------------------------------------------------ helpers
-    def _is_local(self) -> bool:
-        from spark_estimators.store._filesystems import LocalFilesystemSpec
-
     def _check_fence(self, path: str) -> None:
         """Refuse to write a run this store's fit no longer owns (see ``store/lock.py``)."""
         fence = self.__dict__.get("_write_fence")
         if fence is not None:
             fence(self, path)
+
+    def _is_local(self) -> bool:
+        from spark_estimators.store._filesystems import LocalFilesystemSpec
 
         return isinstance(self._spec, LocalFilesystemSpec)
 
@@ -257,7 +260,7 @@ class StoreIO:
             raise StoreError(f"cannot {op} {path!r} in {self!r}: {exc}") from exc
 
 
-def _replace(fs: Any, src: str, dst: str) -> None:
+def _replace(fs: pafs.FileSystem, src: str, dst: str) -> None:
     """Rename ``src`` over ``dst`` (HDFS refuses to rename onto an existing file: delete first)."""
     try:
         fs.move(src, dst)
@@ -270,6 +273,6 @@ def _replace(fs: Any, src: str, dst: str) -> None:
         fs.move(src, dst)
 
 
-def _delete_quietly(fs: Any, path: str) -> None:
+def _delete_quietly(fs: pafs.FileSystem, path: str) -> None:
     with contextlib.suppress(OSError):
         fs.delete_file(path)

@@ -19,7 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from spark_estimators.collective.backends.base import DTYPES, FLOATING_DTYPES, Buffer, ReduceOp
+from spark_estimators.collective.backends.base import (
+    DTYPES,
+    FLOATING_DTYPES,
+    Backend,
+    Buffer,
+    ReduceOp,
+)
 from spark_estimators.collective.runtime import adasum as _adasum
 from spark_estimators.collective.runtime import engine as eng
 from spark_estimators.collective.runtime.arrays import ArrayOps, numel_of, scale_array, write_result
@@ -30,6 +36,7 @@ from spark_estimators.errors import ConfigurationError
 
 
 def check_scaling(op: ReduceOp, dtype: str, prescale: float, postscale: float, name: str) -> None:
+    """Refuse, before anything is sent, a reduction or scaling that ``dtype`` cannot take."""
     if dtype.startswith("complex") and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
         # Gloo/MPI have no such reduction: refuse it here, before anything is sent.
         raise ConfigurationError(
@@ -171,7 +178,7 @@ class _FusedPart:
     wire_op: ReduceOp
     prescale: float
     post: float
-    backend: Any
+    backend: Backend
 
 
 def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_estimators.collective.api.elastic import (
     HostsUpdatedInterrupt,
@@ -29,6 +29,9 @@ from spark_estimators.collective.api.elastic import (
     reset,
     run,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 class TorchState(ObjectState):
@@ -48,8 +51,8 @@ class TorchState(ObjectState):
 
     def __init__(
         self,
-        model: Any = None,
-        optimizer: Any = None,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         bcast_object: Callable[..., Any] | None = None,
         get_rank: Callable[[], int] | None = None,
         **kwargs: Any,
