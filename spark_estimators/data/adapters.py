@@ -134,4 +134,6 @@ def tf_dataset(
             yield item
 
     dataset = tf.data.Dataset.from_generator(generate, output_signature=signature)
+    if reader.steps_per_epoch is None:  # data="stream" before its data is read: unknown length
+        return dataset
     return dataset.apply(tf.data.experimental.assert_cardinality(int(reader.steps_per_epoch)))

@@ -153,6 +153,11 @@ def make_dataset(feed: EpochFeed, spec: KerasTrainSpec) -> Any:
 
 def _steps(reader: Any, limit: int | None) -> tuple[int | None, bool]:
     """Keras ``steps_per_epoch`` and whether the dataset must repeat to provide them."""
+    if reader.steps_per_epoch is None:
+        # data="stream": the count is agreed while the data is read; the reader ends each epoch
+        # (limit applied) and Keras runs each pass until its dataset ends.
+        reader.plan(limit, 1)
+        return None, False
     if limit is None or int(limit) >= int(reader.steps_per_epoch):
         return None, False
     return int(limit), True

@@ -36,6 +36,10 @@ def test_standalone_cluster_master_and_two_workers():
     losses = out["fit"]["history"]
     assert len(losses) == 4 and losses[-1] < 0.01 < losses[0]
     assert out["fit"]["transform_mse"] < 0.01
+    # data="stream" (issue 29): each executor's task spills its partition for its rank.
+    streamed = out["stream_fit"]["history"]
+    assert len(streamed) == 4 and streamed[-1] < 0.01 < streamed[0]
+    assert out["stream_fit"]["transform_mse"] < 0.01
     assert out["server_pids_alive"] == []
 
 

@@ -50,7 +50,7 @@ def where(salted_host: str) -> dict:
     return {"rank": int(os.environ["RANK"]), "host": os.environ["SPARK_ESTIMATORS_HOSTNAME"]}
 
 
-def fit(spark, workdir: str) -> dict:
+def fit(spark, workdir: str, data: str = "parquet") -> dict:
     import torch
     from pyspark.ml.linalg import Vectors
 
@@ -67,7 +67,8 @@ def fit(spark, workdir: str) -> dict:
     model = torch.nn.Linear(3, 1)
     est = TorchEstimator(
         num_proc=2,
-        store=LocalStore(os.path.join(workdir, "store")),
+        # data="stream" with no store: the ranks read the DataFrame from their Spark tasks
+        store=LocalStore(os.path.join(workdir, "store")) if data == "parquet" else None,
         model=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
         loss=torch.nn.MSELoss(),
@@ -77,6 +78,7 @@ def fit(spark, workdir: str) -> dict:
         epochs=4,
         random_seed=1,
         verbose=0,
+        data=data,
     )
     fitted = est.fit(df)
     pred = fitted.transform(df).select("y", "y__output").collect()
@@ -157,6 +159,7 @@ def main() -> None:
             where, args=("x",), num_proc=2, spark=spark, start_timeout=120
         )
         result["fit"] = fit(spark, workdir)
+        result["stream_fit"] = fit(spark, workdir, data="stream")
     finally:
         if spark is not None:
             spark.stop()
