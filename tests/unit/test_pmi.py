@@ -255,8 +255,8 @@ def test_rank_killed_inside_mpi_is_reported_while_its_peer_hangs(failures):
 
 # -- the driver side of spark_estimators.run(..., backend="mpi") ------------------------------
 def test_serve_mpi_job_sets_rank_env_and_fails_the_job_on_a_lost_rank():
-    from spark_estimators.driver.pmi import serve_mpi_job
     from spark_estimators.driver.frames import new_secret
+    from spark_estimators.driver.pmi import serve_mpi_job
     from spark_estimators.driver.rpc import RpcClient
     from spark_estimators.driver.service import DriverService
     from spark_estimators.errors import RemoteError
