@@ -32,7 +32,7 @@ def main() -> None:
             spark.stop()
 
 
-def _fit_and_report(spark: Any, store: Any, rows: int = 20_000, epochs: int = 6) -> None:
+def _fit_and_report(spark: Any, store: Any, n_rows: int = 20_000, epochs: int = 6) -> None:
     import torch
     from pyspark.ml.functions import array_to_vector
     from pyspark.sql import functions as F
@@ -42,7 +42,7 @@ def _fit_and_report(spark: Any, store: Any, rows: int = 20_000, epochs: int = 6)
 
     spark.sparkContext.setLogLevel("ERROR")
     rng = np.random.default_rng(7)
-    n, d = rows, 8
+    n, d = n_rows, 8
     x = rng.normal(size=(n, d)).astype(np.float64)
     w = rng.normal(size=d)
     y = np.tanh(x @ w) * 2.0 + 0.3 * x[:, 0] ** 2 + rng.normal(scale=0.05, size=n)

@@ -8,8 +8,10 @@ it holds it muted, and restores it after the last one.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,15 @@ class _SparkConsoleBar:
                     field.set(bar, original)
                 except Exception as exc:  # noqa: BLE001
                     logger.debug("cannot restore Spark's console progress bar: %r", exc)
+
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[bool]:
+        """Mute for the block (e.g. a fit's ``prepare_data`` jobs); yields :meth:`mute`'s answer."""
+        ok = self.mute()
+        try:
+            yield ok
+        finally:
+            self.unmute()
 
 
 _NO_JVM: Any = object()

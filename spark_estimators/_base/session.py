@@ -46,8 +46,17 @@ def get_spark(spark: SparkSession | None = None) -> SparkSession:
 
 
 def create_local_session(master: str = EMBEDDED_MASTER, **conf: str) -> SparkSession:
-    """Create the embedded session used by the demo, the tests and users without a cluster."""
+    """Create the embedded session used by the demo, the tests and users without a cluster.
+
+    Quiet in a notebook (issue 27): the JVM's start-up banner is dropped from stderr
+    (:func:`~spark_estimators._base.output.quiet_jvm_start`), Spark's console stage bar is off
+    (``spark__ui__showConsoleProgress="true"`` turns it on), and a TensorFlow imported later in
+    this driver prints no start-up lines
+    (:func:`~spark_estimators._base.output.quiet_driver_tensorflow`).
+    """
     from pyspark.sql import SparkSession
+
+    from spark_estimators._base.output import quiet_driver_tensorflow, quiet_jvm_start
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -61,10 +70,18 @@ def create_local_session(master: str = EMBEDDED_MASTER, **conf: str) -> SparkSes
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.python.worker.reuse", "true")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.ui.showConsoleProgress", "false")
     )
     for key, value in conf.items():
         builder = builder.config(key.replace("__", "."), value)
-    return builder.getOrCreate()
+    from pyspark import SparkContext
+
+    if SparkContext._gateway is not None:  # the JVM runs already: nothing to quieten
+        return builder.getOrCreate()
+    with quiet_jvm_start():
+        session = builder.getOrCreate()
+    quiet_driver_tensorflow()
+    return session
 
 
 def _local_cores(master: str) -> int | None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pyspark.ml import Estimator
 
+from spark_estimators._base.console_bar import SPARK_CONSOLE_BAR
 from spark_estimators.core import checks
 from spark_estimators.core.backend import Backend, SparkBackend
 from spark_estimators.core.checkpoint import CheckpointInfo, start_fields
@@ -220,6 +221,7 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
         with (
             self._hold_run(store),
             checks.explain_null_vectors(df, self.getFeatureCols() + self.getLabelCols()),
+            SPARK_CONSOLE_BAR.muted(),  # no stage bar between a fit's lines (issue 27)
         ):
             meta = prepare_data(
                 self._num_proc(),

@@ -9,9 +9,11 @@ with ``epoch`` 0, like Keras' progress output (:func:`epoch_label`, :func:`histo
 What a fit shows (``verbose >= 1``):
 
 - In a terminal: a tqdm bar of epochs on stderr, with each epoch's metrics printed above it once.
-- In a Jupyter notebook: an ipywidgets bar (``tqdm.notebook``) when ipywidgets is installed;
-  otherwise only the epoch lines (a text bar would be redrawn as separate output blocks between
-  the lines, and tqdm would warn "IProgress not found").
+- In a Jupyter notebook: an ipywidgets bar (``tqdm.notebook``) when ipywidgets is installed
+  (the ``[notebook]`` extra); otherwise only the epoch lines, after one line saying how to get
+  the widget (a text bar would be redrawn as separate output blocks between the lines, and
+  tqdm would warn "IProgress not found"). :func:`plot_history` plots a history (matplotlib,
+  also in the extra) or prints it as a text chart.
 - Several fits at once (threads): once fits overlap, each one's lines start with ``[run_id]``
   and a bar started then is named by its run id; in a terminal only the first fit draws a text
   bar, as two bars redrawing with ``\\r`` garble each other.
@@ -58,16 +60,34 @@ def history_lines(history: list[dict[str, Any]], epochs: int | None = None) -> l
 
 
 def format_metrics(logs: dict[str, Any]) -> str:
-    """``key=value`` for each metric (the epoch number is not repeated)."""
+    """``key=value`` for each metric (the epoch number is not repeated).
+
+    ``loss`` is left out when another training metric shows the same value (a LightningModule
+    that logs its loss as ``train_loss``): each value is shown once, under the user's name.
+
+    >>> format_metrics({"epoch": 0, "loss": 0.5, "train_loss": 0.5, "val_loss": 0.25})
+    'train_loss=0.5 val_loss=0.25'
+    """
     parts = []
+    shown = {k: _shown(v) for k, v in logs.items() if k != "epoch"}
+    loss = shown.get("loss")
+    twin = loss is not None and any(
+        v == loss for k, v in shown.items() if k != "loss" and not k.startswith("val")
+    )
     for key, value in logs.items():
-        if key == "epoch" or isinstance(value, bool):
+        if key == "epoch" or isinstance(value, bool) or (key == "loss" and twin):
             continue
         if isinstance(value, float):
             parts.append(f"{key}={value:.4g}")
         elif isinstance(value, int):
             parts.append(f"{key}={value}")
     return " ".join(parts)
+
+
+def _shown(value: Any) -> str | None:
+    if isinstance(value, float) and not isinstance(value, bool):
+        return f"{value:.4g}"
+    return None
 
 
 def in_notebook() -> bool:
@@ -88,6 +108,64 @@ def _has_widgets() -> bool:
     except ImportError:
         return False
     return True
+
+
+NOTEBOOK_HINT = (
+    "(epoch lines only: pip install 'spark-estimators[notebook]' for a progress bar widget "
+    "and plot_history plots)"
+)
+_hinted = False
+
+
+def _hint_once() -> None:
+    """Say once per process how to get the widget, where a notebook has no ipywidgets."""
+    global _hinted
+    if not _hinted:
+        _hinted = True
+        print(NOTEBOOK_HINT, flush=True)
+
+
+def plot_history(
+    history: list[dict[str, Any]],
+    keys: tuple[str, ...] = ("loss", "val_loss"),
+    title: str = "loss per epoch",
+) -> Any:
+    """Plot metrics per epoch (``model.getHistory()``); a text chart without matplotlib.
+
+    The x axis counts epochs from 1, as the epoch lines do; the y axis is logarithmic when every
+    value is positive. Keys a history lacks are skipped. Shows the figure (``plt.show()``) and
+    returns None; without matplotlib it prints the text chart, which says how to get the plot
+    (``pip install 'spark-estimators[notebook]'``).
+    """
+    keys = tuple(k for k in keys if any(k in h for h in history))
+    numbers = [int(h["epoch"]) + 1 for h in history]
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        top = max((abs(float(h[k])) for h in history for k in keys if k in h), default=1.0)
+        print(f"{title} (text chart: pip install 'spark-estimators[notebook]' for a plot)")
+        for n, h in zip(numbers, history, strict=True):
+            for k in keys:
+                if k in h:
+                    bar = "#" * round(40 * abs(float(h[k])) / (top or 1.0))
+                    print(f"epoch {n:>3} {k:>12} {float(h[k]):10.4g} {bar}")
+        return None
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for k in keys:
+        ax.plot(
+            [n for n, h in zip(numbers, history, strict=True) if k in h],
+            [float(h[k]) for h in history if k in h],
+            marker="o",
+            label=k,
+        )
+    values = [float(h[k]) for h in history for k in keys if k in h]
+    ax.set(xlabel="epoch", xticks=numbers, title=title)
+    if values and min(values) > 0:
+        ax.set_yscale("log")
+    ax.legend()
+    plt.show()
+    plt.close(fig)
+    return None
 
 
 class EpochProgress:
@@ -133,6 +211,8 @@ class EpochProgress:
                 self._bar = notebook_tqdm(
                     total=epochs, initial=start_epoch, desc=desc, unit="epoch"
                 )
+            else:
+                _hint_once()
         elif spark_bar_muted and not concurrent:
             from tqdm.std import tqdm
 

@@ -126,11 +126,16 @@ class _DropAdvert(logging.Filter):
 
 
 def quiet_lightning(verbose: int, rank: int) -> None:
-    """Keep the ranks' output to what helps: Lightning's info lines on rank 0 with verbose >= 1."""
+    """Keep the ranks' output to what helps: Lightning's info lines on rank 0 with verbose >= 2.
+
+    At ``verbose=1`` (the default) a fit shows only its epoch lines: Lightning's banner ("GPU
+    available", "Initializing distributed", the process-group box, "`Trainer.fit` stopped") is a
+    notebook's noise, not news (issue 27).
+    """
     import warnings
 
     names = ("pytorch_lightning", "lightning_fabric")
-    if verbose < 1 or rank != 0:
+    if verbose < 2 or rank != 0:
         for name in names:
             logging.getLogger(name).setLevel(logging.WARNING)
     for name in names:

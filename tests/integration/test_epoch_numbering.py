@@ -75,7 +75,7 @@ def test_live_lines_history_callbacks_and_mlflow_steps_agree(spark, tmp_path, ca
 
 
 def test_the_demo_prints_the_same_lines_as_the_live_ones(spark, tmp_path, capsys):
-    demo._fit_and_report(spark, LocalStore(str(tmp_path / "store")), rows=512, epochs=2)
+    demo._fit_and_report(spark, LocalStore(str(tmp_path / "store")), n_rows=512, epochs=2)
     out = capsys.readouterr().out.splitlines()
     live = [line for line in out if LINE.match(line)]
     summary = [line.strip() for line in out if line.startswith("  epoch ")]
