@@ -142,3 +142,38 @@ def test_stream_refuses_parquet_only_params_in_the_driver(spark):
         make_estimator(run_id="r1").fit(df)
     with pytest.raises(ConfigurationError, match="data='bogus' is invalid"):
         make_estimator(data="bogus").fit(df)
+
+
+class SpillProbe:
+    """Records where this rank's spill lives while it trains; can fail the rank at an epoch."""
+
+    def __init__(self, fail_at=None):
+        self.fail_at = fail_at
+
+    def on_epoch_end(self, epoch, logs):
+        from spark_estimators.data.stream_reader import rank_stream
+
+        paths = [p for p, _ in rank_stream().segments("train")]
+        logs["spill_files"] = float(sum(os.path.exists(p) for p in paths))
+        logs["spill_dir"] = os.path.dirname(paths[0])
+        if epoch == self.fail_at:
+            raise RuntimeError("probe: this rank fails")
+
+
+def _spills(spark):
+    root = spark.conf.get("spark.local.dir")
+    return [d for base, dirs, _ in os.walk(root) for d in dirs if d.startswith("se-stream-")]
+
+
+def test_spill_lives_in_spark_local_dir_and_is_removed_also_on_failure(spark):
+    from spark_estimators.errors import TrainingFailedError
+
+    df = make_df(spark)
+    model = make_estimator(callbacks=[SpillProbe()], epochs=1).fit(df)
+    last = model.getHistory()[-1]
+    assert last["spill_files"] >= 1
+    assert last["spill_dir"].startswith(spark.conf.get("spark.local.dir"))
+    assert _spills(spark) == []  # removed after the fit
+    with pytest.raises(TrainingFailedError, match="probe: this rank fails"):
+        make_estimator(callbacks=[SpillProbe(fail_at=0)], epochs=2).fit(df)
+    assert _spills(spark) == []
