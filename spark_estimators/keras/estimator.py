@@ -50,6 +50,7 @@ model's input fails in the driver before training, naming the column, the shape 
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 from spark_estimators.core.estimator import SparkEstimator, listify
@@ -277,6 +278,7 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
             optimizer_recipe,
         )
 
+        self._check_output_width(meta)
         user = KerasUserObjects(
             optimizer_recipe=optimizer_recipe(self._optimizer()),
             loss=self.getLoss(),
@@ -313,6 +315,35 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
             verbose=self.getVerbose(),
         )
 
+    def _check_output_width(self, meta: Any) -> None:
+        """One output and one label with a loss that needs equal widths: compare them.
+
+        The driver-side check of issue 27 (Keras builds its model with shapes, so no forward
+        pass is needed): ``loss="mse"`` on a 2-wide output and a scalar label would broadcast.
+        """
+        outputs = list(getattr(self.getModel(), "outputs", None) or [])
+        labels = self.getLabelCols()
+        loss = self.getLoss()
+        if len(outputs) != 1 or len(labels) != 1 or isinstance(loss, list | tuple | dict):
+            return
+        name = loss if isinstance(loss, str) else getattr(loss, "name", None)
+        name = name or getattr(loss, "__name__", "")
+        if str(name).lower() not in _SAME_WIDTH_LOSSES:
+            return
+        dims = list(outputs[0].shape[1:])
+        info = dict(meta.columns).get(labels[0])
+        if info is None or any(d is None for d in dims):
+            return
+        width, label_width = math.prod(dims), math.prod(info.shape)
+        if width != label_width:
+            raise ConfigurationError(
+                f"the model outputs {width} value(s) per row but label column {labels[0]!r} "
+                f"holds {label_width}: make the last layer output {label_width} (e.g. "
+                f"keras.layers.Dense({label_width})), or use a label with {width} values per row "
+                f"(loss={name!r} needs both the same width; for class indices use "
+                "'sparse_categorical_crossentropy')"
+            )
+
     def _remote_trainer(self) -> Any:
         from spark_estimators.keras.remote import train
 
@@ -329,6 +360,24 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         keras_model = self._wrap_model(KerasModel, model, results, run_id, custom_objects=custom)
         keras_model._rank_fingerprints = fingerprints
         return keras_model
+
+
+# Losses whose output and label have the same width (not the sparse categorical ones).
+_SAME_WIDTH_LOSSES = {
+    "mse",
+    "mae",
+    "mape",
+    "msle",
+    "mean_squared_error",
+    "mean_absolute_error",
+    "mean_absolute_percentage_error",
+    "mean_squared_logarithmic_error",
+    "huber",
+    "huber_loss",
+    "log_cosh",
+    "binary_crossentropy",
+    "categorical_crossentropy",
+}
 
 
 def _pickling_roots(value: Any) -> list[Any]:

@@ -150,3 +150,27 @@ def test_lightning_class_ids_stored_as_double(vector_df, tmp_path):
     line = first_line(info)
     assert "Classifier.training_step needs int64 class indices" in line, line
     assert "label column 'label'" in line and ".cast('long')" in line, line
+
+
+def test_keras_output_width_differs_from_the_label(vector_df, tmp_path):
+    keras = pytest.importorskip("keras")
+    from spark_estimators.keras import KerasEstimator
+
+    model = keras.Sequential([keras.layers.Input((3,)), keras.layers.Dense(2)])
+    est = KerasEstimator(
+        num_proc=2,
+        store=LocalStore(str(tmp_path / "store")),
+        model=model,
+        optimizer=keras.optimizers.SGD(learning_rate=0.01),
+        loss="mse",
+        feature_cols=["features"],
+        label_cols=["label"],
+        batch_size=16,
+        epochs=1,
+        verbose=0,
+    )
+    with pytest.raises(ConfigurationError) as info:
+        est.fit(vector_df)
+    line = first_line(info)
+    assert "outputs 2 value(s) per row but label column 'label' holds 1" in line, line
+    assert "keras.layers.Dense(1)" in line, line
