@@ -282,17 +282,20 @@ def _example_inputs(est: Any, meta: Any, store: Any, index_cols: Sequence[str] =
     from spark_estimators.core import tensors
     from spark_estimators.data import make_batch_reader
 
-    reader = make_batch_reader(
-        store,
-        meta,
-        split="train",
-        rank=0,
-        size=1,
-        batch_size=_EXAMPLE_ROWS,
-        columns=list(est.getFeatureCols()),
-        shuffle=False,
-        prefetch=0,
-    )
+    if getattr(meta, "streamed", False):  # data="stream": no prepared files, rows from the df
+        rows = meta.peek(list(est.getFeatureCols()), _EXAMPLE_ROWS)
+    else:
+        rows = make_batch_reader(
+            store,
+            meta,
+            split="train",
+            rank=0,
+            size=1,
+            batch_size=_EXAMPLE_ROWS,
+            columns=list(est.getFeatureCols()),
+            shuffle=False,
+            prefetch=0,
+        ).peek()
     return tensors.model_inputs(
-        reader.peek(), est.getFeatureCols(), est.getInputShapes(), index_cols=index_cols
+        rows, est.getFeatureCols(), est.getInputShapes(), index_cols=index_cols
     )

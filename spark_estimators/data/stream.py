@@ -58,6 +58,25 @@ class StreamMetadata:
             raise ConfigurationError(f"split {split!r} is not one of {SPLITS!r}")
         return []
 
+    def peek(self, columns: Sequence[str], rows: int) -> dict[str, Any]:
+        """The first ``rows`` rows of ``columns`` as the ranks decode them (driver; one job).
+
+        Used for MLflow's example inputs: the DataFrame's first rows, vectors as arrays.
+        """
+        from spark_estimators.data._arrow import table_to_numpy
+
+        if self.source is None:
+            raise ConfigurationError("peek() needs the driver's StreamMetadata of a fit")
+        frame = self.source.dataframe.select(*columns).limit(rows)
+        to_arrow = getattr(frame, "toArrow", None)
+        if to_arrow is not None:
+            table = to_arrow()
+        else:  # pyspark 3.5
+            import pyarrow as pa
+
+            table = pa.Table.from_pandas(frame.toPandas(), preserve_index=False)
+        return table_to_numpy(table, {c: self.columns[c] for c in columns})
+
     @property
     def train_rows(self) -> int:
         """0: the driver never counts streamed rows (only the ranks learn their counts)."""

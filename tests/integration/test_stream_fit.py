@@ -177,3 +177,26 @@ def test_spill_lives_in_spark_local_dir_and_is_removed_also_on_failure(spark):
     with pytest.raises(TrainingFailedError, match="probe: this rank fails"):
         make_estimator(callbacks=[SpillProbe(fail_at=0)], epochs=2).fit(df)
     assert _spills(spark) == []
+
+
+def test_mlflow_logs_a_streamed_fit_with_example_rows_from_the_dataframe(
+    spark, tmp_path, monkeypatch
+):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    try:
+        with mlflow.start_run() as run:
+            fitted = make_estimator(epochs=1).fit(make_df(spark))
+        (logged,) = mlflow.search_logged_models(
+            filter_string=f"source_run_id = '{run.info.run_id}'", output_format="list"
+        )
+        info = mlflow.models.get_model_info(logged.model_uri)
+        assert [s.shape for s in info.signature.inputs.inputs] == [(-1, N_FEATURES)]
+        loaded = mlflow.pytorch.load_model(logged.model_uri)
+        x = torch.ones(2, N_FEATURES)
+        with torch.no_grad():
+            np.testing.assert_allclose(loaded(x).numpy(), fitted.getModel()(x).numpy())
+    finally:
+        mlflow.set_tracking_uri(None)
