@@ -215,7 +215,9 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
         from spark_estimators.data import prepare_data
 
         if self.getOrDefault("data") == "stream":  # no Parquet copy: the ranks read df itself
-            return self._fit_streaming(df)
+            from spark_estimators.data.stream import fit_streaming
+
+            return fit_streaming(self, df)
         store = self._store()
         self._preflight(store)
         with (
@@ -237,24 +239,6 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
                 verbose=self.getVerbose(),
                 check_columns=self._check_data_shapes,
             )
-            return self._fit_on_prepared(meta)
-
-    def _fit_streaming(self, df: Any) -> Any:
-        from spark_estimators.data.stream import prepare_stream
-
-        store = self._store()
-        self._preflight(store)
-        with self._hold_run(store):
-            source, meta = prepare_stream(
-                self._num_proc(),
-                df,
-                feature_cols=self.getFeatureCols(),
-                label_cols=self.getLabelCols(),
-                validation=self.getValidation(),
-                sample_weight_col=self.getSampleWeightCol(),
-                check_columns=self._check_data_shapes,
-            )
-            meta.source = source
             return self._fit_on_prepared(meta)
 
     def fit_on_parquet(self, params: Any = None, dataset_idx: Any = None) -> Any:
@@ -385,12 +369,9 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
                 on_epoch=None if tracker is None else tracker.log_epoch,
             )
             try:
-                stream = getattr(meta, "source", None)  # data="stream": the barrier stage's input
+                stream = {"stream_input": meta.source} if getattr(meta, "source", None) else {}
                 results = backend.run(
-                    self._remote_trainer(),
-                    args=(spec,),
-                    event_callback=progress,
-                    **({} if stream is None else {"stream_input": stream}),
+                    self._remote_trainer(), (spec,), event_callback=progress, **stream
                 )
                 break
             except TrainingFailedError as exc:

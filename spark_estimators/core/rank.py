@@ -120,7 +120,10 @@ def open_readers(spec: Any, rank: int, size: int, transformation_fn: Any) -> tup
     if getattr(spec.meta, "streamed", False):  # data="stream": the task's spill, not Parquet
         from spark_estimators.data.stream_reader import open_stream_readers
 
-        return open_stream_readers(spec, rank, transformation_fn)
+        def options_of(split: str) -> Any:
+            return reader_options(spec, split, transformation_fn)
+
+        return open_stream_readers(spec.meta, options_of, rank, transformation_fn)
 
     def open_split(split: str) -> Any:
         options = reader_options(spec, split, transformation_fn)

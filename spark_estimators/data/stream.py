@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 from spark_estimators.data.metadata import SPLITS, ColumnInfo, ParquetFileInfo
 from spark_estimators.errors import ConfigurationError
@@ -97,13 +100,13 @@ class StreamMetadata:
 class StreamInput:
     """The DataFrame the training stage maps over (driver only) and its validation flag column."""
 
-    dataframe: Any
+    dataframe: DataFrame
     split_col: str | None
 
 
 def prepare_stream(
     num_proc: int,
-    df: Any,
+    df: DataFrame,
     feature_cols: Sequence[str] | str,
     label_cols: Sequence[str] | str | None = None,
     validation: float | str | None = None,
@@ -244,3 +247,21 @@ def check_data_mode(est: Any) -> None:
                     "Pass store=Store.create('/shared/path') (checkpoints and logs go there; the "
                     "data still streams), or drop it"
                 )
+
+
+def fit_streaming(est: Any, df: Any) -> Any:
+    """``est.fit(df)`` with ``data="stream"``: the store only for checkpoints, no Parquet copy."""
+    store = est._store()
+    est._preflight(store)
+    with est._hold_run(store):
+        source, meta = prepare_stream(
+            est._num_proc(),
+            df,
+            feature_cols=est.getFeatureCols(),
+            label_cols=est.getLabelCols(),
+            validation=est.getValidation(),
+            sample_weight_col=est.getSampleWeightCol(),
+            check_columns=est._check_data_shapes,
+        )
+        meta.source = source
+        return est._fit_on_prepared(meta)

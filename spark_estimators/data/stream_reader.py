@@ -35,8 +35,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -54,12 +54,19 @@ from spark_estimators.data._pipeline import (
     take,
 )
 from spark_estimators.data.metadata import ColumnInfo
+from spark_estimators.data.options import TransformFn
 from spark_estimators.data.reader import (
     DEFAULT_SHUFFLE_BUFFER_ROWS,
     _apply_transformation,
     _block_rows,
 )
 from spark_estimators.errors import ConfigurationError, StoreError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from spark_estimators.data.options import ReaderOptions
+    from spark_estimators.data.stream import StreamMetadata
 
 __all__ = ["StreamBatchReader", "StreamSource", "rank_stream"]
 
@@ -186,7 +193,7 @@ class StreamBatchReader:
         seed: int | None = 0,
         epoch: int = 0,
         shuffle_buffer_size: int | None = None,
-        transformation_fn: Any = None,
+        transformation_fn: TransformFn | None = None,
         prefetch: int = 2,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -377,7 +384,7 @@ class StreamBatchReader:
             for i in range(reader.num_record_batches):
                 yield self._decode(reader.get_batch(i))
 
-    def _decode(self, batch: Any) -> Batch:
+    def _decode(self, batch: pa.RecordBatch) -> Batch:
         arrays = table_to_numpy(batch, self.columns, writable=not self.shuffle)
         if self.transformation_fn is not None:
             arrays = _apply_transformation(self.transformation_fn, arrays)
@@ -399,16 +406,21 @@ class StreamBatchReader:
         return take(chunk, 0, min(self.batch_size, rows_of(chunk)))
 
 
-def open_stream_readers(spec: Any, rank: int, transformation_fn: Any) -> tuple[Any, Any]:
-    """The rank's train reader and its val reader (None without validation) for ``spec``."""
-    from spark_estimators.core.rank import reader_options
+def open_stream_readers(
+    meta: StreamMetadata,
+    options_of: Callable[[str], ReaderOptions],
+    rank: int,
+    transformation_fn: TransformFn | None,
+) -> tuple[StreamBatchReader, StreamBatchReader | None]:
+    """The rank's train reader and its val reader (None without validation).
 
+    ``options_of(split)`` gives the split's :class:`~spark_estimators.data.ReaderOptions`.
+    """
     source = rank_stream()
-    meta = spec.meta
 
     def open_split(split: str) -> StreamBatchReader:
-        options = reader_options(spec, split, transformation_fn)
-        columns = {c: meta.columns[c] for c in options.columns}
+        options = options_of(split)
+        columns = {c: meta.columns[c] for c in options.columns or meta.columns}
         return StreamBatchReader(
             source,
             columns,

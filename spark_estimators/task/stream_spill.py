@@ -30,7 +30,11 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark import BarrierTaskContext
 
 #: Environment variable naming the notification pipe's fd in the rank process.
 STREAM_FD_ENV = "SPARK_ESTIMATORS_STREAM_FD"
@@ -72,10 +76,12 @@ class SpillWriter:
         self.settings = settings
         self.rows = {"train": 0, "val": 0}
         self._notify: IO[str] | None = notify
-        self._open: dict[str, tuple[Any, Any, str, int, int]] = {}
+        # split -> (file, IPC writer, final path, rows, bytes) of its open segment
+        self._open: dict[str, tuple[pa.NativeFile, pa.ipc.RecordBatchFileWriter, str, int, int]]
+        self._open = {}
         self._segments = 0
 
-    def write(self, batch: Any) -> None:
+    def write(self, batch: pa.RecordBatch) -> None:
         """Append one Arrow record batch (its validation rows go to the val segments)."""
         import pyarrow.compute as pc
 
@@ -88,7 +94,7 @@ class SpillWriter:
         self._append("train", kept.filter(pc.invert(flag)))
         self._append("val", kept.filter(flag))
 
-    def _append(self, split: str, batch: Any) -> None:
+    def _append(self, split: str, batch: pa.RecordBatch) -> None:
         import pyarrow as pa
 
         if batch.num_rows == 0:
@@ -153,8 +159,8 @@ RankRunner = Callable[[int, dict[str, Any]], int]
 
 def run_streaming_rank(
     settings: StreamTaskSettings,
-    batches: Iterator[Any],
-    ctx: Any,
+    batches: Iterator[pa.RecordBatch],
+    ctx: BarrierTaskContext,
     run_rank: RankRunner,
 ) -> int:
     """Start the rank (``run_rank(stream_fd, outcome)`` on a thread) and spill ``batches`` for it.
@@ -168,14 +174,15 @@ def run_streaming_rank(
     read_fd, write_fd = os.pipe()
     writer = SpillWriter(directory, os.fdopen(write_fd, "w", encoding="utf-8"), settings)
     done = threading.Event()
-    box: dict[str, Any] = {}
+    ranks: list[int] = []
+    errors: list[BaseException] = []
     outcome: dict[str, Any] = {}
 
     def rank_main() -> None:
         try:
-            box["rank"] = run_rank(read_fd, outcome)
+            ranks.append(run_rank(read_fd, outcome))
         except BaseException as exc:  # raised again in the task's thread
-            box["error"] = exc
+            errors.append(exc)
         finally:
             os.close(read_fd)  # the rank process has its own copy; it has exited now
             done.set()
@@ -196,6 +203,6 @@ def run_streaming_rank(
     finally:
         writer.close()
         shutil.rmtree(directory, ignore_errors=True)
-    if "error" in box:
-        raise box["error"]
-    return int(box["rank"])
+    if errors:
+        raise errors[0]
+    return ranks[0]
