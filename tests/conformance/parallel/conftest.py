@@ -10,6 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+
+# horovod's test/utils (common.py), which test_tensorflow_process_sets.py imports without adding
+# it to sys.path itself (horovod's CI ran from a directory that had it).
+sys.path.append(os.path.join(os.path.dirname(__file__), os.pardir, "utils"))
 
 _outcomes: dict[str, str] = {}
 

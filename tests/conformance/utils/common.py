@@ -215,3 +215,23 @@ def skip_or_fail_gpu_test(test, message):
         test.fail(message)
     else:
         test.skipTest(message)
+
+
+# From horovod/runner/common/util/env.py (horovod 2626dc87), which test_tensorflow_process_sets.py
+# imports; copied here because horovod.runner is not part of this project.
+def get_env_rank_and_size():
+    rank_env = ['HOROVOD_RANK', 'OMPI_COMM_WORLD_RANK', 'PMI_RANK']
+    size_env = ['HOROVOD_SIZE', 'OMPI_COMM_WORLD_SIZE', 'PMI_SIZE']
+
+    for rank_var, size_var in zip(rank_env, size_env):
+        rank = os.environ.get(rank_var)
+        size = os.environ.get(size_var)
+        if rank is not None and size is not None:
+            return int(rank), int(size)
+        elif rank is not None or size is not None:
+            raise RuntimeError(
+                'Could not determine process rank and size: only one of {} and {} '
+                'found in environment'.format(rank_var, size_var))
+
+    # Default to rank zero and size one if there are no environment variables
+    return 0, 1
