@@ -54,9 +54,16 @@ def create_local_session(master: str = EMBEDDED_MASTER, **conf: str) -> SparkSes
     this driver prints no start-up lines
     (:func:`~spark_estimators._base.output.quiet_driver_tensorflow`).
     """
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
 
     from spark_estimators._base.output import quiet_driver_tensorflow, quiet_jvm_start
+
+    if SparkContext._active_spark_context is not None and not conf:
+        # A session runs already (another thread's): reuse it as it is. Our defaults would be
+        # static settings it may not share, and Spark warns about each ("Using an existing
+        # Spark session; only runtime SQL configurations will take effect").
+        return SparkSession.builder.getOrCreate()
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
@@ -74,8 +81,6 @@ def create_local_session(master: str = EMBEDDED_MASTER, **conf: str) -> SparkSes
     )
     for key, value in conf.items():
         builder = builder.config(key.replace("__", "."), value)
-    from pyspark import SparkContext
-
     if SparkContext._gateway is not None:  # the JVM runs already: nothing to quieten
         return builder.getOrCreate()
     with quiet_jvm_start():
