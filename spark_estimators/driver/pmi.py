@@ -19,7 +19,7 @@ network cannot join the job by guessing small numbers; each token is accepted on
 must identify itself with ``initack`` within ``auth_timeout`` seconds, at most
 ``max_unauthenticated`` connections may be waiting to do so (more are closed at once), and
 refused connections are logged as one WARNING per ``log_interval`` (the driver service's
-:class:`~spark_estimators.driver.rpc.RpcLimits`, ``SPARK_ESTIMATORS_RPC_*``).
+:class:`~spark_estimators.driver.limits.RpcLimits`, ``SPARK_ESTIMATORS_RPC_*``).
 
 Failure detection: the PMI socket of a rank stays open until the process exits. A connection
 that closes before ``finalize`` means the rank died or exited while possibly inside MPI, where
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from spark_estimators.driver.limits import RefusalLog, RpcLimits
 from spark_estimators.driver.pmi_protocol import (
     KEYLEN_MAX,
     KVSNAME_MAX,
@@ -49,7 +50,6 @@ from spark_estimators.driver.pmi_protocol import (
     parse_command,
     process_mapping,
 )
-from spark_estimators.driver.rpc import RefusalLog, RpcLimits
 
 if TYPE_CHECKING:
     from spark_estimators.driver.service import DriverService

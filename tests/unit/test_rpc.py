@@ -24,7 +24,8 @@ from spark_estimators.driver.frames import (
     new_secret,
     session_id,
 )
-from spark_estimators.driver.rpc import RpcClient, RpcLimits, RpcServer
+from spark_estimators.driver.limits import RpcLimits
+from spark_estimators.driver.rpc import RpcClient, RpcServer
 from spark_estimators.errors import RpcError
 
 pytestmark = pytest.mark.timeout(60)

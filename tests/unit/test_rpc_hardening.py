@@ -425,7 +425,7 @@ def test_fuzz_random_oversized_truncated_replayed_slow_and_idle(served):
 
 
 def test_limits_from_env_are_checked(monkeypatch):
-    from spark_estimators.driver.rpc import RpcLimits
+    from spark_estimators.driver.limits import RpcLimits
 
     monkeypatch.setenv("SPARK_ESTIMATORS_RPC_AUTH_TIMEOUT", "2.5")
     monkeypatch.setenv("SPARK_ESTIMATORS_RPC_MAX_UNAUTHENTICATED", "7")

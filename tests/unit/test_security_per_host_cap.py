@@ -11,7 +11,8 @@ import socket
 import pytest
 
 from spark_estimators.driver.frames import HELLO_BYTES, MAGIC, ConnectionClosed, _recv_exact
-from spark_estimators.driver.rpc import RpcClient, RpcLimits, RpcServer
+from spark_estimators.driver.limits import RpcLimits
+from spark_estimators.driver.rpc import RpcClient, RpcServer
 
 SECRET = b"c" * 32
 
