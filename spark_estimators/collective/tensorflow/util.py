@@ -95,7 +95,10 @@ def to_array(tensor: Any) -> Any:
         import torch
 
         return torch.from_dlpack(tf.experimental.dlpack.to_dlpack(tensor))
-    return np.asarray(tensor.numpy())
+    try:
+        return np.from_dlpack(tensor)  # zero-copy, read-only (the ops copy what they write)
+    except (TypeError, RuntimeError, BufferError, ValueError, AttributeError):
+        return np.asarray(tensor.numpy())  # e.g. dtypes DLPack does not carry
 
 
 def to_tensor(array: Any) -> tf.Tensor:
