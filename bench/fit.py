@@ -3,6 +3,7 @@
 Usage:
     .venv/bin/python bench/fit.py --preset horovod   # 100k x 10, MLP 10-64-64-1, Adam, 2 epochs
     .venv/bin/python bench/fit.py --preset large     # 1M x 32, MLP, 1 epoch
+    .venv/bin/python bench/fit.py --preset cv --rounds 2  # CrossValidator, bench/fit_cv.py
     .venv/bin/python bench/fit.py --preset horovod --horovod-python /work/venv-hvd/bin/python
     .venv/bin/python bench/fit.py --preset large --data stream   # + data="stream" side by side
     .venv/bin/python bench/fit.py --preset large --data stream --cases stream --rows 5000000
@@ -56,7 +57,7 @@ BATCH = 256
 HOROVOD_MEDIAN_S = 17.1  # horovod 0.28.1's median on the horovod preset, side by side (issue 20)
 
 
-def build_data(spark: Any, rows: int, nf: int) -> Any:
+def build_data(spark: Any, rows: int, nf: int, cache: bool = True) -> Any:
     """The preset's cached DataFrames: ``nf`` uniform float columns and ``y`` linear in them, and
     the same rows with the floats as one ML vector (``features``, ``y``).
 
@@ -68,9 +69,13 @@ def build_data(spark: Any, rows: int, nf: int) -> Any:
 
     cols = [F.rand(seed=i).alias(f"f{i}") for i in range(nf)]
     df = spark.range(rows, numPartitions=2).select(*cols)
-    df = df.withColumn("y", sum(F.col(f"f{i}") * (i + 1) for i in range(nf)) / nf).cache()
-    df.count()
+    df = df.withColumn("y", sum(F.col(f"f{i}") * (i + 1) for i in range(nf)) / nf)
     assembler = VectorAssembler(inputCols=[f"f{i}" for i in range(nf)], outputCol="features")
+    vdf = assembler.transform(df).select("features", "y")
+    if not cache:  # --no-cache: recomputed by every fit (5M rows do not fit the driver's heap)
+        return df, vdf
+    df = df.cache()
+    df.count()
     vdf = assembler.transform(df).select("features", "y").cache()
     vdf.count()
     return df, vdf
@@ -252,7 +257,7 @@ class HorovodServer:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="horovod")
+    parser.add_argument("--preset", choices=[*sorted(PRESETS), "cv"], default="horovod")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument(
         "--horovod-python",
@@ -267,7 +272,15 @@ def main() -> None:
     )
     parser.add_argument("--epochs", type=int, help="override the preset's epochs")
     parser.add_argument("--rows", type=int, help="override the preset's rows")
+    parser.add_argument(
+        "--no-cache", action="store_true", help="do not cache the DataFrames (large --rows)"
+    )
     args = parser.parse_args()
+    if args.preset == "cv":  # CrossValidator vs the same fits by TorchDistributor (bench/fit_cv.py)
+        from fit_cv import main_cv
+
+        main_cv(args.rounds)
+        return
     cfg = dict(PRESETS[args.preset])
     if args.epochs:
         cfg["epochs"] = args.epochs
@@ -282,7 +295,7 @@ def main() -> None:
 
     spark = create_local_session("local[2]")
     spark.sparkContext.setLogLevel("ERROR")
-    df, vdf = build_data(spark, cfg["rows"], cfg["features"])
+    df, vdf = build_data(spark, cfg["rows"], cfg["features"], cache=not args.no_cache)
 
     ours_name, td_name = "spark_estimators TorchEstimator", "TorchDistributor + Arrow"
     stream_name = 'TorchEstimator(data="stream")'
