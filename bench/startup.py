@@ -1,19 +1,27 @@
-"""Rank start-up: time from a rank's Spark task start to its first optimizer step.
+"""Where a fit's time goes, and the first-step latency of the first and of later fits.
 
 Usage:
-    .venv/bin/python bench/startup.py --rounds 6
+    .venv/bin/python bench/startup.py --rounds 4
 
 Runs ``TorchEstimator.fit`` on the horovod preset's data (100k x 10 floats, MLP 10-64-64-1,
-Adam, 1 epoch, batch 256, 2 processes, local[2]) and alternates two cases in the same session,
-so both see the same machine: the default rank (``torch._dynamo`` imported only when something
-needs TorchDynamo, see ``spark_estimators/task/lazy_dynamo.py``) and the rank as before, with
-``SPARK_ESTIMATORS_LAZY_DYNAMO=0`` in ``env=``. The first fit of the session is a warm-up (it
-starts Spark's Python workers) and is not counted.
+Adam, 1 epoch, batch 256, 2 processes, local[2]) in one session: the session's first fit
+(Spark's Python workers still cold), then ``--rounds`` later fits, each on a new DataFrame (a
+different filter, so ``prepare_data`` writes every time, as each fold of a CrossValidator
+does) followed by one on the same DataFrame again (the prepared data is reused: no write).
 
-Per fit, from rank 0: task start -> the user's function starts (registration, rank process
-start, fetching and unpickling the function), task start -> the first optimizer step (the
-estimator's ``first_batch`` event, sent right after ``optimizer.step()``), and whether the rank
-imported the real ``torch._dynamo``. Printed: each round, then the medians and their ratio.
+Per fit, wall clock on this machine (driver and ranks share the clock), rank 0's view:
+
+- ``prep``: ``prepare_data`` (the Parquet write; ~0 when reused);
+- ``pre-launch``: prepare_data's end -> the backend's ``run`` (spec building, pickling);
+- ``job->task``: ``run`` called -> rank 0's Spark task starts (driver service, job submission,
+  scheduling the barrier stage);
+- ``task->fn``: the task starts -> the user's function starts (registration, rank process
+  start, fetching and unpickling the function);
+- ``fn->step``: the function starts -> the first optimizer step (import torch, unpickle the
+  model, join the process group, open the readers, the first batch);
+- ``tail``: the first step -> ``fit`` returns (the epoch, results, the model);
+- ``job->step``: ``run`` called -> the first optimizer step (the issue's "first optimizer step
+  after its Spark job starts").
 """
 
 from __future__ import annotations
@@ -25,29 +33,27 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fit import PRESETS, build_mlp  # noqa: E402
+from fit import PRESETS, build_data, build_mlp  # noqa: E402
 
 from spark_estimators.core.backend import SparkBackend  # noqa: E402
+from spark_estimators.task import spare  # noqa: E402
+
+PHASES = ("prep", "pre-launch", "job->task", "task->fn", "fn->step", "tail", "job->step", "fit")
 
 
 def timed(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Runs on the rank: report when the task started and the function began, then run it."""
-    import sys
     import time
 
     from spark_estimators.task import context, send_event
 
     send_event("startup", {"task_started": context.task_started(), "fn_started": time.time()})
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        module = sys.modules.get("torch._dynamo")
-        real = module is not None and not module.__dict__.get("__se_stand_in__")
-        send_event("dynamo", real)
+    return fn(*args, **kwargs)
 
 
 class TimedBackend(SparkBackend):
@@ -57,31 +63,50 @@ class TimedBackend(SparkBackend):
         super().__init__(**kwargs)
         self.marks = marks
 
-    def run(self, fn, args=(), kwargs=None, env=None, event_callback=None):  # type: ignore[override]
+    def run(self, fn, args=(), kwargs=None, env=None, event_callback=None, **extra):  # type: ignore[override]
+        self.marks["run"] = time.time()
+
         def record(rank: int, kind: str, data: Any) -> None:
-            if rank == 0 and kind in ("startup", "first_batch", "dynamo"):
+            if rank == 0 and kind in ("startup", "first_batch"):
                 self.marks[kind] = data
             if event_callback is not None:
                 event_callback(rank, kind, data)
 
-        return super().run(timed, (fn, tuple(args), dict(kwargs or {})), None, env, record)
+        wrapped = partial(timed)  # keeps the estimator's spare-process imports
+        setattr(wrapped, spare.PREIMPORT_ATTR, spare.preimports(fn))
+        args = (fn, tuple(args), dict(kwargs or {}))
+        return super().run(wrapped, args, None, env, record, **extra)
 
 
-def fit_once(vdf: Any, lazy: bool) -> dict[str, float]:
+def install_prepare_timer(marks: dict[str, Any]) -> None:
+    """Time ``prepare_data`` (the estimator imports it from ``spark_estimators.data`` per fit)."""
+    import spark_estimators.data as data
+
+    original = data.prepare_data
+
+    def prepare_data(*args: Any, **kwargs: Any) -> Any:
+        marks["prep_start"] = time.time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            marks["prep_end"] = time.time()
+
+    data.prepare_data = prepare_data  # type: ignore[assignment]
+
+
+def fit_once(vdf: Any, store_dir: str, marks: dict[str, Any]) -> dict[str, float]:
     import torch
 
     from spark_estimators.store import LocalStore
     from spark_estimators.torch import TorchEstimator
 
     cfg = PRESETS["horovod"]
-    tmp = tempfile.mkdtemp(prefix="bench-startup-")
     torch.manual_seed(0)
     model = build_mlp(cfg["features"], cfg["hidden"])
-    marks: dict[str, Any] = {}
-    env = {} if lazy else {"SPARK_ESTIMATORS_LAZY_DYNAMO": "0"}
+    marks.clear()
     est = TorchEstimator(
-        backend=TimedBackend(marks, num_proc=2, verbose=0, env=env),
-        store=LocalStore(tmp),
+        backend=TimedBackend(marks, num_proc=2, verbose=0),
+        store=LocalStore(store_dir),
         model=model,
         optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
         loss=torch.nn.MSELoss(),
@@ -93,23 +118,31 @@ def fit_once(vdf: Any, lazy: bool) -> dict[str, float]:
     )
     t0 = time.time()
     est.fit(vdf)
-    total = time.time() - t0
-    shutil.rmtree(tmp, ignore_errors=True)
-    started = marks["startup"]["task_started"]
+    end = time.time()
+    task, fn = marks["startup"]["task_started"], marks["startup"]["fn_started"]
+    step = float(marks["first_batch"])
+    prep_end = marks.get("prep_end", t0)
     return {
-        "fn_s": marks["startup"]["fn_started"] - started,
-        "first_step_s": float(marks["first_batch"]) - started,
-        "total_s": total,
-        "real_dynamo": float(bool(marks.get("dynamo"))),
+        "prep": prep_end - marks.get("prep_start", t0),
+        "pre-launch": marks["run"] - prep_end,
+        "job->task": task - marks["run"],
+        "task->fn": fn - task,
+        "fn->step": step - fn,
+        "tail": end - step,
+        "job->step": step - marks["run"],
+        "fit": end - t0,
     }
+
+
+def show(label: str, r: dict[str, float]) -> None:
+    print(f"{label:22s} " + " ".join(f"{r[p]:10.2f}" for p in PHASES), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
 
-    from pyspark.ml.feature import VectorAssembler
     from pyspark.sql import functions as F
 
     from spark_estimators.core.session import create_local_session
@@ -117,46 +150,25 @@ def main() -> None:
     spark = create_local_session("local[2]")
     spark.sparkContext.setLogLevel("ERROR")
     cfg = PRESETS["horovod"]
-    nf = cfg["features"]
-    df = spark.range(cfg["rows"], numPartitions=2).select(
-        *[F.rand(seed=i).alias(f"f{i}") for i in range(nf)]
-    )
-    df = df.withColumn("y", sum(F.col(f"f{i}") * (i + 1) for i in range(nf)) / nf)
-    assembler = VectorAssembler(inputCols=[f"f{i}" for i in range(nf)], outputCol="features")
-    vdf = assembler.transform(df).select("features", "y").cache()
-    vdf.count()
-    fit_once(vdf, lazy=True)  # warm-up: Spark's Python workers, the prepared data's cache
-
-    cases = {"lazy torch._dynamo (default)": True, "torch._dynamo imported (before)": False}
-    results: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
-    print("rank 0, seconds from its Spark task's start; load average at start:", os.getloadavg())
-    print(f"{'round':>5s} {'case':34s} {'fn starts':>9s} {'1st step':>9s} {'fit':>7s} dynamo")
+    _, vdf = build_data(spark, cfg["rows"], cfg["features"])
+    marks: dict[str, Any] = {}
+    install_prepare_timer(marks)
+    root = tempfile.mkdtemp(prefix="bench-startup-")
+    print("load average at start:", os.getloadavg())
+    print(f"{'fit':22s} " + " ".join(f"{p:>10s}" for p in PHASES))
+    show("first of the session", fit_once(vdf, os.path.join(root, "s0"), marks))
+    written, reused = [], []
     for rnd in range(1, args.rounds + 1):
-        order = list(cases.items()) if rnd % 2 else list(reversed(cases.items()))
-        for name, lazy in order:
-            r = fit_once(vdf, lazy)
-            results[name].append(r)
-            print(
-                f"{rnd:5d} {name:34s} {r['fn_s']:9.2f} {r['first_step_s']:9.2f} "
-                f"{r['total_s']:7.2f} {'real' if r['real_dynamo'] else 'no'}",
-                flush=True,
-            )
-    med = {
-        name: {k: statistics.median(r[k] for r in rs) for k in ("fn_s", "first_step_s", "total_s")}
-        for name, rs in results.items()
-    }
-    for name, m in med.items():
-        print(
-            f"median {name:34s} fn starts {m['fn_s']:.2f} s, first step {m['first_step_s']:.2f} s, "
-            f"fit {m['total_s']:.2f} s"
-        )
-    new, old = (med[name] for name in cases)
-    step_ratio = new["first_step_s"] / old["first_step_s"]
-    print(
-        f"first step after task start: {new['first_step_s']:.2f} s vs {old['first_step_s']:.2f} s "
-        f"= {step_ratio:.2f}x; fit {new['total_s'] / old['total_s']:.2f}x"
-    )
+        df = vdf.where(F.col("y") > -float(rnd))  # a new plan: prepare_data writes again
+        store = os.path.join(root, f"s{rnd}")
+        written.append(fit_once(df, store, marks))
+        show(f"later, new data {rnd}", written[-1])
+        reused.append(fit_once(df, store, marks))
+        show(f"later, same data {rnd}", reused[-1])
+    for label, rows in (("median new data", written), ("median same data", reused)):
+        show(label, {p: statistics.median(r[p] for r in rows) for p in PHASES})
     print("load average at end:", os.getloadavg())
+    shutil.rmtree(root, ignore_errors=True)
     spark.stop()
 
 

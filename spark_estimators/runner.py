@@ -52,6 +52,7 @@ from spark_estimators.errors import (
     RendezvousTimeoutError,
     TrainingFailedError,
 )
+from spark_estimators.task import spare
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +254,7 @@ def run(
     launcher = _Launch(
         spark, svc, num_proc, job_id, timeout, collective_backend, use_gpu, secret, stream_input
     )
+    launcher.preimport(spare.preimports(fn))  # the estimators' ranks: spare processes
     # The barrier stage's bar says nothing while ranks run ("(0 + n) / n" until they end) and
     # Spark draws it over the ranks' forwarded lines: muted for the job, restored after it.
     SPARK_CONSOLE_BAR.mute()
@@ -299,8 +301,18 @@ class _Launch:
             use_gpu=use_gpu,
             stream=stream,
         )
+        self.config = config
         self.task_fn = partial(barrier_task, config)
         self.box: dict[str, Any] = {"done": False}
+
+    def preimport(self, modules: tuple[str, ...]) -> None:
+        """Let the tasks adopt spare rank processes with ``modules`` imported (task/spare.py)."""
+        from dataclasses import replace
+
+        from spark_estimators.task.spark_task import barrier_task
+
+        self.config = replace(self.config, preimport=modules)
+        self.task_fn = partial(barrier_task, self.config)
 
     def run(self, verbose: int) -> list[Any]:
         if verbose >= 1:
@@ -368,8 +380,7 @@ class _Launch:
                 )
             raise RendezvousTimeoutError(
                 f"only {len(registered)} of {self.num_proc} Spark tasks registered within "
-                f"start_timeout={self.start_timeout:g}s ({self.svc.registered_summary()}). "
-                + hint,
+                f"start_timeout={self.start_timeout:g}s ({self.svc.registered_summary()}). " + hint,
                 registered=registered,
                 expected=self.num_proc,
             )

@@ -36,6 +36,7 @@ from spark_estimators.errors import (
     ConfigurationError,
     TrainingFailedError,
 )
+from spark_estimators.task import spare
 
 logger = logging.getLogger(__name__)
 
@@ -370,9 +371,8 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
             )
             try:
                 stream = {"stream_input": meta.source} if getattr(meta, "source", None) else {}
-                results = backend.run(
-                    self._remote_trainer(), (spec,), event_callback=progress, **stream
-                )
+                trainer = spare.with_preimports(self._remote_trainer(), self._framework)
+                results = backend.run(trainer, (spec,), event_callback=progress, **stream)
                 break
             except TrainingFailedError as exc:
                 if not self.getElastic():

@@ -34,9 +34,13 @@ def _wait_for_other_ranks(client: Any) -> None:
         return
 
 
-def main() -> None:
-    """Run one rank: fetch the function from the driver, run it, report its result or failure."""
-    config = read_config()
+def main(config: dict[str, Any] | None = None) -> None:
+    """Run one rank: fetch the function from the driver, run it, report its result or failure.
+
+    ``config``: already read from stdin (a spare adopted as this rank, see
+    :mod:`spark_estimators.task.spare`); default read it now.
+    """
+    config = read_config() if config is None else config
     start_lifeline()
     lazy_dynamo.install()  # eager training never pays for importing torch._dynamo
     context.set_task_started(config.get("task_started"))

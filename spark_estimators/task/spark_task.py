@@ -32,6 +32,7 @@ from spark_estimators._base.ports import reserve_port, reserved_port
 from spark_estimators._base.processes import exit_words, kill_group
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import RemoteError
+from spark_estimators.task import spare
 from spark_estimators.task.scratch import create_scratch, remove_scratch
 
 STDERR_TAIL_LINES = 40
@@ -50,6 +51,8 @@ class TaskConfig:
     use_gpu: bool | None = None
     # data="stream": the task spills its input partition for its rank (task/stream_spill.py).
     stream: Any = None
+    # Modules a spare rank process imports ahead (task/spare.py); () starts plain processes.
+    preimport: tuple[str, ...] = ()
 
     def __repr__(self) -> str:  # never print the secret
         return f"TaskConfig(driver={self.driver_address}, job={self.job_id})"
@@ -282,26 +285,27 @@ def run_rank(
             from spark_estimators.task.stream_spill import STREAM_FD_ENV
 
             env[STREAM_FD_ENV] = str(stream_fd)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "spark_estimators.task.child"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-            pass_fds=() if stream_fd is None else (stream_fd,),
-        )
+        child_config = {
+            "driver_address": config.driver_address,
+            "secret": config.secret,
+            "rank": settings.rank,
+            "task_started": task_started,
+        }
+        adopted = None if stream_fd is not None else spare.take(config.preimport, env)
+        if adopted is not None:  # a fresh process with the framework imported (task/spare.py)
+            proc, child_config["env"] = adopted, env
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "spark_estimators.task.child"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+                pass_fds=() if stream_fd is None else (stream_fd,),
+            )
         code, aborted, tail_lines = supervise_child(
-            config,
-            client,
-            proc,
-            settings.rank,
-            {
-                "driver_address": config.driver_address,
-                "secret": config.secret,
-                "rank": settings.rank,
-                "task_started": task_started,
-            },
+            config, client, proc, settings.rank, child_config
         )
         remove_scratch(scratch)  # before the job can end: the driver sees it gone on return
         if outcome is not None:
@@ -385,9 +389,13 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
 
         rank = run_streaming_rank(config.stream, batches, ctx, start)
     else:
+        spare.ensure(config.preimport)  # its imports overlap the registration of all ranks
         for _ in batches:  # consume the (tiny) input partition
             pass
-        rank = run_rank(index, ctx.attemptNumber(), gpus, config, executor_address, started)
+        try:
+            rank = run_rank(index, ctx.attemptNumber(), gpus, config, executor_address, started)
+        finally:
+            spare.ensure(config.preimport)  # for the next fit this worker runs
     yield pa.RecordBatch.from_pydict(
         {"index": [index], "rank": [rank], "seconds": [time.time() - started]}
     )
