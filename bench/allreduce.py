@@ -1,6 +1,7 @@
 """Allreduce throughput: spark_estimators.collective vs the raw library underneath, same run.
 
 Usage: .venv/bin/python bench/allreduce.py [--repeats 10] [--num-proc 2] [--backends gloo,mpi]
+[--tensorflow]
 
 For each backend, N local ranks (started by spark_estimators.launch.run_local: gloo over
 127.0.0.1; mpi through the launcher's PMI server, i.e. a real MPI_COMM_WORLD as under mpiexec)
@@ -16,7 +17,10 @@ time:
   machine); the raw equivalent of the fused op is ``torch.cat`` + one ``dist.all_reduce`` + copying
   back;
 * one float32 scalar (metric averaging): ours (data inside the negotiation message, one round
-  trip) vs raw.
+  trip) vs raw;
+* with ``--tensorflow``: one 64 MiB float32 ``tf.Tensor`` through the TensorFlow adapter
+  (``spark_estimators.collective.tensorflow.allreduce(t, op=Sum)``, out of place) vs the torch
+  adapter's out-of-place ``allreduce(t, op=Sum)`` on a torch tensor (target: >= 0.9x).
 
 Every round runs each contender once, in a shuffled order (the same on every rank), so drift in
 machine load and position effects hit all of them alike; every timed op is preceded by a
@@ -102,7 +106,22 @@ def _raw_mpi(big: Any, small: list[Any], scalar: Any) -> tuple[dict[str, Any], A
     return cases, comm.Barrier
 
 
-def _bench(backend: str, repeats: int) -> dict[str, Any]:
+def _tf_cases() -> dict[str, Any]:
+    import tensorflow as tf
+    import torch
+
+    import spark_estimators.collective.tensorflow as hvd_tf
+    import spark_estimators.collective.torch as hvd
+
+    tf_big = tf.ones([BIG_ELEMENTS])
+    torch_big = torch.ones(BIG_ELEMENTS)
+    return {
+        "64MiB TF adapter allreduce (Sum)": lambda: hvd_tf.allreduce(tf_big, op=hvd_tf.Sum),
+        "64MiB torch adapter allreduce (Sum)": lambda: hvd.allreduce(torch_big, op=hvd.Sum),
+    }
+
+
+def _bench(backend: str, repeats: int, tensorflow: bool = False) -> dict[str, Any]:
     import torch
 
     import spark_estimators.collective.torch as hvd
@@ -131,6 +150,8 @@ def _bench(backend: str, repeats: int) -> dict[str, Any]:
             hvd.allreduce_(scalar, op=hvd.Sum) for _ in range(100)
         ],
     }
+    if tensorflow:
+        cases.update(_tf_cases())
     times: dict[str, list[float]] = {name: [] for name in cases}
     order = random.Random(0)  # same sequence on every rank
     for round_ in range(repeats + 1):  # round 0 warms up
@@ -168,6 +189,8 @@ RATIOS = (
      "100x4KiB raw per tensor", ">= 2x"),
     ("scalar: ours vs raw", "scalar ours allreduce_ (Sum) x100", "scalar raw x100", "none"),
 )  # fmt: skip
+TF_RATIO = ("64MiB Sum: TF adapter vs torch adapter", "64MiB TF adapter allreduce (Sum)",
+            "64MiB torch adapter allreduce (Sum)", ">= 0.9x")  # fmt: skip
 
 
 def main() -> None:
@@ -177,10 +200,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated")
+    parser.add_argument("--tensorflow", action="store_true", help="add the TF adapter cases")
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     rounds = {
-        b: run_local(_bench, num_proc=args.num_proc, args=(b, args.repeats), backend=b)[0]
+        b: run_local(
+            _bench, num_proc=args.num_proc, args=(b, args.repeats, args.tensorflow), backend=b
+        )[0]
         for b in backends
     }
     timings = {
@@ -202,7 +228,7 @@ def main() -> None:
         f" {gb / timings[b]['64MiB ours allreduce_ (Sum)'][0]:13.2f} {'':10s}" for b in backends
     ))  # fmt: skip
     print()
-    for label, ours, theirs, target in RATIOS:
+    for label, ours, theirs, target in RATIOS + ((TF_RATIO,) if args.tensorflow else ()):
         cells = []
         for b in backends:
             median = timings[b][theirs][0] / timings[b][ours][0]
