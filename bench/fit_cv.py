@@ -62,7 +62,13 @@ def cv_ours(vdf: Any, cfg: dict[str, Any]) -> float:
 
 
 def cv_distributor(df: Any, cfg: dict[str, Any]) -> float:
+    import cloudpickle
+    import fit
     from fit import fit_distributor
+    from pyspark import cloudpickle as spark_cloudpickle
+
+    for pickler in (cloudpickle, spark_cloudpickle):  # the train function travels by value
+        pickler.register_pickle_by_value(fit)
     from pyspark.sql import functions as F
 
     t0 = time.time()

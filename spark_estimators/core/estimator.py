@@ -239,6 +239,7 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
                 partitions_per_process=self.getPartitionsPerProcess(),
                 verbose=self.getVerbose(),
                 check_columns=self._check_data_shapes,
+                rank_imports=spare.PREIMPORTS.get(self._framework, ()),
             )
             return self._fit_on_prepared(meta)
 

@@ -178,10 +178,16 @@ class PartitionWriter:
     drop_invalid: bool
     row_group_bytes: int
     max_file_bytes: int
+    rank_imports: tuple[str, ...] = ()  # a spare rank process imports these meanwhile
 
     def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
         import pyarrow as pa
         from pyspark import TaskContext
+
+        if self.rank_imports:  # the training stage's rank adopts it (task/spare.py)
+            from spark_estimators.task import spare
+
+            spare.ensure(self.rank_imports)
 
         ctx = TaskContext.get()
         part, attempt = (ctx.partitionId(), ctx.attemptNumber()) if ctx else (0, 0)

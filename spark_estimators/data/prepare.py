@@ -97,6 +97,7 @@ def prepare_data(
     seed: int = 42,
     drop_invalid_rows: bool = False,
     check_columns: Callable[[dict[str, ColumnInfo]], None] | None = None,
+    rank_imports: Sequence[str] = (),
 ) -> DatasetMetadata:
     """Write train/validation Parquet for ``df`` into ``store`` (or reuse it) and describe it.
 
@@ -130,6 +131,10 @@ def prepare_data(
         Called with the columns' descriptions (shapes, dtypes) before anything is written, and
         for a reused dataset; raising there stops the preparation (estimators check
         ``input_shapes`` this way).
+    rank_imports
+        Modules the training ranks will import (the estimators pass ``("torch",)``): each write
+        task starts a spare rank process of its PySpark worker importing them while the data is
+        written (:mod:`spark_estimators.task.spare`); () starts none.
 
     Returns
     -------
@@ -202,6 +207,7 @@ def prepare_data(
             seed,
             num_proc * ppp,
             drop_invalid_rows,
+            tuple(rank_imports),
         )
         meta.params.update(num_proc=num_proc, partitions=num_proc * ppp)
         published = _publish(store, meta)
@@ -264,6 +270,7 @@ def _write(
     seed: int,
     partitions: int,
     drop_invalid: bool,
+    rank_imports: tuple[str, ...] = (),
 ) -> DatasetMetadata:
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
@@ -300,6 +307,7 @@ def _write(
         drop_invalid=drop_invalid,
         row_group_bytes=ROW_GROUP_BYTES,
         max_file_bytes=MAX_FILE_BYTES,
+        rank_imports=rank_imports,
     )
     try:
         rows = shuffled.select(*converted).mapInArrow(writer, INFO_SCHEMA).collect()

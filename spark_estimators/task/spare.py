@@ -6,10 +6,12 @@ dataset. The rank cannot start while ``prepare_data`` writes on a cluster whose 
 needed by the training stage (barrier mode runs only when all ``num_proc`` tasks have a slot, and
 the write job needs slots too), so the import is moved off the critical path instead:
 
-- the Spark task of an estimator's training stage starts a **spare** as its first act (its
-  imports then overlap the registration of all ranks), and starts one again when its rank has
-  ended, for the next fit that this PySpark worker runs (a CrossValidator's next fold, a
-  notebook's re-run);
+- each ``prepare_data`` write task starts a **spare** in its PySpark worker (its imports then
+  overlap the write; the training stage's tasks mostly run in the same workers next), the
+  Spark task of an estimator's training stage starts one as its first act if its worker has
+  none (the imports then overlap the registration of all ranks), and starts one again when its
+  rank has ended, for the next fit that this PySpark worker runs (a CrossValidator's next fold,
+  a notebook's re-run);
 - the next rank of that worker **adopts** the spare instead of starting a process: the spare
   receives the rank's whole environment and settings on stdin and becomes an ordinary rank
   process (:mod:`spark_estimators.task.child`).

@@ -134,3 +134,40 @@ def test_a_failed_write_fails_the_fit_before_any_rank_starts(spark, tmp_path):
     assert rank_processes() == []
     tracker = spark.sparkContext.statusTracker()
     assert set(tracker.getActiveJobsIds()) - before == set()
+
+
+def _spares_importing(module: str) -> list[int]:
+    """Live spare processes of this test session that import ``module``."""
+    import os
+
+    import psutil
+
+    from tests.conftest import SESSION_MARKER
+
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        cmd = proc.info.get("cmdline") or []
+        if "spark_estimators.task.spare_process" not in cmd or module not in cmd[-1:]:
+            continue
+        try:
+            if proc.environ().get(SESSION_MARKER) == os.environ[SESSION_MARKER]:
+                found.append(proc.info["pid"])
+        except (psutil.AccessDenied, psutil.NoSuchProcess):
+            continue
+    return found
+
+
+def test_the_write_tasks_start_the_spares_so_imports_overlap_the_write(spark, tmp_path):
+    from spark_estimators.data import prepare_data
+    from spark_estimators.store import LocalStore
+
+    df = spark.range(64, numPartitions=2).select(
+        F.col("id").cast("double").alias("x"), (F.col("id") * 2.0).alias("y")
+    )
+    assert _spares_importing("colorsys") == []
+    meta = prepare_data(
+        2, LocalStore(str(tmp_path)), df, ["x"], ["y"], verbose=0, rank_imports=("colorsys",)
+    )
+    assert meta.train_rows == 64
+    assert len(_spares_importing("colorsys")) >= 1  # one per PySpark worker that wrote
+    assert rank_processes() == []
