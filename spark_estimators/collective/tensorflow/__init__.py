@@ -59,9 +59,9 @@ from spark_estimators.collective.tensorflow.ops import (
     grouped_reducescatter,
     reducescatter,
 )
+from spark_estimators.collective.tensorflow.optimizer import DistributedOptimizer
 from spark_estimators.collective.tensorflow.tape import (
     DistributedGradientTape,
-    DistributedOptimizer,
     PartialDistributedGradientTape,
     allgather_object,
     broadcast_global_variables,
