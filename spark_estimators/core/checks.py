@@ -12,12 +12,13 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from spark_estimators.errors import ConfigurationError
+from spark_estimators.errors import ConfigurationError, TrainingFailedError
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "check_dataframe",
+    "check_fingerprints",
     "check_model_object",
     "cap_batch_size",
     "explain_null_vectors",
@@ -173,3 +174,26 @@ def _find_unpicklable(obj: Any, path: str, depth: int) -> tuple[str, Any] | None
             if found is not None:
                 return found
     return path, obj
+
+
+def check_fingerprints(results: list[Any]) -> list[str]:
+    """Every rank must end with the same parameters; returns the fingerprints by rank.
+
+    The fingerprints cover the trainable parameters only (see
+    :mod:`spark_estimators.core.checkpoint`): per-rank state such as BatchNorm running
+    statistics may differ and never fails a fit.
+    """
+    fingerprints = [r["fingerprint"] for r in results]
+    if len(set(fingerprints)) != 1:
+        groups: dict[str, list[int]] = {}
+        for i, r in enumerate(results):
+            groups.setdefault(r["fingerprint"], []).append(int(r.get("rank", i)))
+        ranks = "; ".join(f"ranks {g}" for g in groups.values())
+        raise TrainingFailedError(
+            f"ranks ended with different weights ({len(groups)} distinct: {ranks}): the "
+            "trainable parameters diverged, so some rank updated them outside the "
+            "DistributedOptimizer (a skipped or extra optimizer step, weights changed in "
+            "place, a callback that edits weights on one rank). Running statistics "
+            "(BatchNorm) are not compared; if no such code is yours, please report it"
+        )
+    return fingerprints

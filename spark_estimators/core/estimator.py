@@ -442,28 +442,8 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
             **start_fields(info),
         }
 
-    @staticmethod
-    def _check_fingerprints(results: list[Any]) -> list[str]:
-        """Every rank must end with the same parameters; returns the fingerprints by rank.
-
-        The fingerprints cover the trainable parameters only (see
-        :mod:`spark_estimators.core.checkpoint`): per-rank state such as BatchNorm running
-        statistics may differ and never fails a fit.
-        """
-        fingerprints = [r["fingerprint"] for r in results]
-        if len(set(fingerprints)) != 1:
-            groups: dict[str, list[int]] = {}
-            for i, r in enumerate(results):
-                groups.setdefault(r["fingerprint"], []).append(int(r.get("rank", i)))
-            ranks = "; ".join(f"ranks {g}" for g in groups.values())
-            raise TrainingFailedError(
-                f"ranks ended with different weights ({len(groups)} distinct: {ranks}): the "
-                "trainable parameters diverged, so some rank updated them outside the "
-                "DistributedOptimizer (a skipped or extra optimizer step, weights changed in "
-                "place, a callback that edits weights on one rank). Running statistics "
-                "(BatchNorm) are not compared; if no such code is yours, please report it"
-            )
-        return fingerprints
+    # Every rank must end with the same trainable parameters (see core.checks).
+    _check_fingerprints = staticmethod(checks.check_fingerprints)
 
     def _model_params(self) -> dict[str, Any]:
         """Params every fitted model copies from its estimator."""
