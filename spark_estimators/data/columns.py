@@ -227,3 +227,46 @@ def infer_columns(
                 kind = "sparse_vector"
         out.append(ColumnInfo(name, kind, dtype, (sizes[0],), dt.simpleString()))
     return out
+
+
+#: The boolean column that marks validation rows in the DataFrame handed to the writers/ranks.
+SPLIT_COL = "__spark_estimators_is_val__"
+
+
+def training_frame(
+    df: DataFrame,
+    columns: Sequence[ColumnInfo],
+    validation_col: str | None,
+    fraction: float,
+    seed: int,
+    partitions: int,
+) -> tuple[DataFrame, bool]:
+    """The used columns, the validation flag (:data:`SPLIT_COL`), ``partitions`` partitions.
+
+    Vectors become ``array<double>`` after the shuffle. The flag is the validation column (> 0
+    or true; null is training) or ``rand(seed) < fraction``, so the Parquet path and
+    ``data="stream"`` pick the same rows. Returns the frame and whether it has the flag.
+    """
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.sql import functions as F
+
+    split = None
+    if validation_col is not None:
+        vtype = df.schema[validation_col].dataType.simpleString()
+        flag = F.col(validation_col) if vtype == "boolean" else F.col(validation_col) > 0
+        split = F.coalesce(flag, F.lit(False))
+    elif fraction > 0:
+        split = F.rand(seed) < F.lit(fraction)
+    selected = [F.col(c.name) for c in columns]
+    if split is not None:
+        selected.append(split.alias(SPLIT_COL))
+    shuffled = df.select(*selected).repartition(partitions)
+    converted = [
+        vector_to_array(F.col(c.name), "float64").alias(c.name)
+        if c.kind == "vector"
+        else F.col(c.name)
+        for c in columns
+    ]
+    if split is not None:
+        converted.append(F.col(SPLIT_COL))
+    return shuffled.select(*converted), split is not None

@@ -52,10 +52,12 @@ from spark_estimators.data._writer import INFO_SCHEMA, PartitionWriter
 from spark_estimators.data.cache_key import compute_cache_key
 from spark_estimators.data.columns import (
     EMPTY_MESSAGE,
+    SPLIT_COL,
     check_args,
     columns_from_schema,
     infer_columns,
     kind_of,
+    training_frame,
 )
 from spark_estimators.data.metadata import (
     ColumnInfo,
@@ -76,7 +78,6 @@ MAX_FILE_BYTES = 128 << 20
 ROW_GROUP_BYTES = 8 << 20
 DEFAULT_PARTITIONS_PER_PROCESS = 4
 MAX_AUTO_PARTITIONS_PER_PROCESS = 32
-SPLIT_COL = "__spark_estimators_is_val__"
 
 _locks_guard = threading.Lock()
 _locks: dict[str, threading.Lock] = {}
@@ -272,45 +273,24 @@ def _write(
     drop_invalid: bool,
     rank_imports: tuple[str, ...] = (),
 ) -> DatasetMetadata:
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.sql import functions as F
-
-    split = None
-    if validation_col is not None:
-        vtype = df.schema[validation_col].dataType.simpleString()
-        flag = F.col(validation_col) if vtype == "boolean" else F.col(validation_col) > 0
-        split = F.coalesce(flag, F.lit(False))
-    elif fraction > 0:
-        split = F.rand(seed) < F.lit(fraction)
-    selected = [F.col(c.name) for c in columns]
-    if split is not None:
-        selected.append(split.alias(SPLIT_COL))
-    shuffled = df.select(*selected).repartition(partitions)
-    converted = [
-        vector_to_array(F.col(c.name), "float64").alias(c.name)
-        if c.kind == "vector"
-        else F.col(c.name)
-        for c in columns
-    ]
-    if split is not None:
-        converted.append(F.col(SPLIT_COL))
+    frame, has_split = training_frame(df, columns, validation_col, fraction, seed, partitions)
     token = uuid.uuid4().hex[:10]
     train_dir = store.get_train_data_path(idx)
-    val_dir = store.get_val_data_path(idx) if split is not None else None
+    val_dir = store.get_val_data_path(idx) if has_split else None
     writer = PartitionWriter(
         spec=store.filesystem_spec,
         train_dir=train_dir,
         val_dir=val_dir,
         token=token,
         columns=tuple(columns),
-        split_col=SPLIT_COL if split is not None else None,
+        split_col=SPLIT_COL if has_split else None,
         drop_invalid=drop_invalid,
         row_group_bytes=ROW_GROUP_BYTES,
         max_file_bytes=MAX_FILE_BYTES,
         rank_imports=rank_imports,
     )
     try:
-        rows = shuffled.select(*converted).mapInArrow(writer, INFO_SCHEMA).collect()
+        rows = frame.mapInArrow(writer, INFO_SCHEMA).collect()
     except Exception as exc:
         store_error = _executor_store_error(exc)
         if store_error is None:

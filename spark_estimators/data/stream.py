@@ -26,7 +26,6 @@ from spark_estimators.data.metadata import SPLITS, ColumnInfo, ParquetFileInfo
 from spark_estimators.errors import ConfigurationError
 
 #: The bool column that marks validation rows on their way to the tasks (dropped there).
-SPLIT_COL = "__spark_estimators_is_val__"
 DATA_MODES = ("parquet", "stream")
 
 
@@ -136,15 +135,14 @@ def prepare_stream(
     tuple
         ``(StreamInput, StreamMetadata)``.
     """
-    from pyspark.ml.functions import vector_to_array
-    from pyspark.sql import functions as F
-
     from spark_estimators._base.session import ensure_driver_side
     from spark_estimators.data.columns import (
+        SPLIT_COL,
         check_args,
         columns_from_schema,
         infer_columns,
         kind_of,
+        training_frame,
     )
     from spark_estimators.store.base import StoreBase
 
@@ -167,34 +165,16 @@ def prepare_stream(
         columns = infer_columns(df, used, kinds, False)
     if check_columns is not None:
         check_columns({c.name: c for c in columns})
-    split = None
-    if validation_col is not None:
-        vtype = df.schema[validation_col].dataType.simpleString()
-        flag = F.col(validation_col) if vtype == "boolean" else F.col(validation_col) > 0
-        split = F.coalesce(flag, F.lit(False))
-    elif fraction > 0:
-        split = F.rand(seed) < F.lit(fraction)
-    selected = [F.col(c.name) for c in columns]
-    if split is not None:
-        selected.append(split.alias(SPLIT_COL))
-    shuffled = df.select(*selected).repartition(num_proc)
-    converted = [
-        vector_to_array(F.col(c.name), "float64").alias(c.name)
-        if c.kind == "vector"
-        else F.col(c.name)
-        for c in columns
-    ]
-    if split is not None:
-        converted.append(F.col(SPLIT_COL))
+    frame, has_split = training_frame(df, columns, validation_col, fraction, seed, num_proc)
     meta = StreamMetadata(
         columns={c.name: c for c in columns},
         feature_cols=features,
         label_cols=labels,
         sample_weight_col=sample_weight_col,
-        has_val=split is not None,
+        has_val=has_split,
         params={"validation": validation, "seed": seed if fraction else None},
     )
-    source = StreamInput(shuffled.select(*converted), SPLIT_COL if split is not None else None)
+    source = StreamInput(frame, SPLIT_COL if has_split else None)
     return source, meta
 
 
