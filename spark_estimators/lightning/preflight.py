@@ -35,10 +35,7 @@ def check_training_step_on_rows(
     from spark_estimators.torch.preflight import read_rows
 
     start = time.perf_counter()
-    columns = list(spec.feature_cols) + list(spec.label_cols)
-    if spec.sample_weight_col:
-        columns.append(spec.sample_weight_col)
-    rows = read_rows(store, meta, columns)
+    rows = read_rows(store, meta, spec)
     if rows is None:
         return 0.0
     batch = converter(spec)(rows)

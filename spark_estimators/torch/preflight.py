@@ -33,8 +33,14 @@ logger = logging.getLogger(__name__)
 ROWS = 4
 
 
-def read_rows(store: Any, meta: Any, columns: list[str], rows: int = ROWS) -> Any:
-    """The first ``rows`` prepared training rows (``{column: ndarray}``), or None."""
+def read_rows(store: Any, meta: Any, spec: Any, rows: int = ROWS) -> Any:
+    """The first ``rows`` prepared training rows of the spec's columns (``{column: ndarray}``).
+
+    None when nothing can be read (a streaming fit prepares no files).
+    """
+    columns = list(spec.feature_cols) + list(spec.label_cols)
+    if spec.sample_weight_col:
+        columns.append(spec.sample_weight_col)
     if not getattr(meta, "train_files", None):
         return None  # nothing prepared to read (a streaming fit)
     from spark_estimators.data import make_batch_reader
@@ -76,10 +82,7 @@ def check_model_on_rows(
     ):
         return 0.0
     start = time.perf_counter()
-    columns = list(spec.feature_cols) + list(spec.label_cols)
-    if spec.sample_weight_col:
-        columns.append(spec.sample_weight_col)
-    rows = read_rows(store, meta, columns)
+    rows = read_rows(store, meta, spec)
     if rows is None:
         return 0.0
     from spark_estimators.torch import losses as loss_lib
