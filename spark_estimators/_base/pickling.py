@@ -166,7 +166,10 @@ def dumps_by_value(obj: Any, roots: Sequence[Any] = ()) -> bytes:
     Executors and rank processes can import installed packages but not a user's own modules
     (a test file, a script next to the notebook), so those are pickled by value.
     """
-    modules = user_modules([obj, *roots])
+    # Only the modules registered here are unregistered after: one the caller registered
+    # itself (``cloudpickle.register_pickle_by_value``) stays registered.
+    registered: set[str] = getattr(cloudpickle.cloudpickle, "_PICKLE_BY_VALUE_MODULES", set())
+    modules = [m for m in user_modules([obj, *roots]) if m.__name__ not in registered]
     for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:

@@ -186,6 +186,8 @@ def test_mlflow_logs_a_streamed_fit_with_example_rows_from_the_dataframe(
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
     mlflow.set_tracking_uri((tmp_path / "mlruns").as_uri())
+    # An experiment of this store: mlflow keeps the one an earlier test made active.
+    mlflow.set_experiment("stream_fit")
     try:
         with mlflow.start_run() as run:
             fitted = make_estimator(epochs=1).fit(make_df(spark))
