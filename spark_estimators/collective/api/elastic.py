@@ -31,7 +31,7 @@ import copy
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from spark_estimators.collective.api import lifecycle as _lifecycle
 from spark_estimators.collective.api.numpy_ops import broadcast_object
@@ -39,6 +39,17 @@ from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.errors import CollectiveError
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class BroadcastObject(Protocol):
+    """``bcast_object(obj, root_rank)``: ``root_rank``'s ``obj`` on every rank."""
+
+    def __call__(self, obj: T, root_rank: int, /) -> T: ...
+
 
 #: Set by the elastic rank process: meets the driver and sets the new rank's environment.
 _rendezvous_hook: Callable[[], None] | None = None
@@ -67,11 +78,11 @@ class HostsUpdatedInterrupt(RuntimeError):  # noqa: N818 - Horovod's name
         super().__init__("the set of workers changed")
         self.skip_sync = skip_sync
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[HostsUpdatedInterrupt], tuple[bool]]:
         return (type(self), (self.skip_sync,))
 
 
-def _broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+def _broadcast_object(obj: T, root_rank: int = 0) -> T:
     return broadcast_object(obj, root_rank=root_rank, name="elastic.state")
 
 
@@ -89,7 +100,7 @@ class State:
 
     def __init__(
         self,
-        bcast_object: Callable[..., Any] | None = None,
+        bcast_object: BroadcastObject | None = None,
         get_rank: Callable[[], int] | None = None,
     ) -> None:
         self._bcast_object = bcast_object or _broadcast_object
@@ -143,9 +154,9 @@ class ObjectState(State):
 
     def __init__(
         self,
-        bcast_object: Callable[..., Any] | None = None,
+        bcast_object: BroadcastObject | None = None,
         get_rank: Callable[[], int] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         super().__init__(bcast_object, get_rank)
         self._saved_state = copy.deepcopy(kwargs)
@@ -168,6 +179,9 @@ class ObjectState(State):
             self.restore()
 
 
+S = TypeVar("S", bound=State)
+
+
 def _group_broken() -> bool:
     current = _engine.current()
     return current is not None and current.broken is not None
@@ -181,7 +195,7 @@ def reset() -> None:
     _lifecycle.init()
 
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
+def run(func: Callable[Concatenate[S, P], R]) -> Callable[Concatenate[S, P], R]:
     """Decorate ``func(state, *args, **kwargs)`` to survive failed and added workers.
 
     See the module docstring. A :class:`CollectiveError` that did not break the group (e.g.
@@ -189,7 +203,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     @functools.wraps(func)
-    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(state: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         if not _lifecycle.is_initialized():
             _lifecycle.init()
         skip_sync = False

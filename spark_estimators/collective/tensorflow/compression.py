@@ -7,8 +7,6 @@ Horovod's TensorFlow interface: ``compress(tensor) -> (compressed, ctx)`` and
 
 from __future__ import annotations
 
-from typing import Any
-
 import tensorflow as tf
 
 
@@ -16,12 +14,12 @@ class Compressor:
     """Interface for compressing and decompressing a given tensor."""
 
     @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.DType | None]:
         """Return the compressed tensor and the context :meth:`decompress` needs."""
         raise NotImplementedError
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
+    def decompress(tensor: tf.Tensor, ctx: tf.DType | None) -> tf.Tensor:
         """Return the tensor restored with ``ctx``."""
         raise NotImplementedError
 
@@ -30,12 +28,12 @@ class NoneCompressor(Compressor):
     """Default no-op compression."""
 
     @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.DType | None]:
         """Return the tensor unchanged and no context."""
         return tensor, None
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
+    def decompress(tensor: tf.Tensor, ctx: tf.DType | None) -> tf.Tensor:
         """Return the tensor unchanged."""
         return tensor
 
@@ -44,7 +42,7 @@ class FP16Compressor(Compressor):
     """Floating tensors travel as float16 and are cast back to their dtype."""
 
     @staticmethod
-    def compress(tensor: Any) -> tuple[Any, Any]:
+    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.DType | None]:
         """Cast a floating tensor to float16; the context is the original dtype."""
         compressed = tensor
         if tensor.dtype.is_floating:
@@ -52,7 +50,7 @@ class FP16Compressor(Compressor):
         return compressed, tensor.dtype
 
     @staticmethod
-    def decompress(tensor: Any, ctx: Any) -> Any:
+    def decompress(tensor: tf.Tensor, ctx: tf.DType | None) -> tf.Tensor:
         """Cast back to the original floating dtype."""
         if ctx is not None and ctx.is_floating:
             return tf.cast(tensor, dtype=ctx)

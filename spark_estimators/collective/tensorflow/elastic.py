@@ -23,17 +23,22 @@ broadcasts rank 0's variables (one broadcast per dtype) and attributes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from spark_estimators.collective.api.elastic import (
+    BroadcastObject,
     HostsUpdatedInterrupt,
     ObjectState,
     State,
     reset,
     run,
 )
+
+if TYPE_CHECKING:
+    import keras
+    import tensorflow as tf
 
 
 class TensorFlowState(ObjectState):
@@ -50,10 +55,10 @@ class TensorFlowState(ObjectState):
 
     def __init__(
         self,
-        variables: Sequence[Any] | None = None,
-        bcast_object: Callable[..., Any] | None = None,
+        variables: Sequence[tf.Variable] | None = None,
+        bcast_object: BroadcastObject | None = None,
         get_rank: Callable[[], int] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         if variables is None:
             import tensorflow as tf
@@ -64,7 +69,7 @@ class TensorFlowState(ObjectState):
         super().__init__(bcast_object, get_rank, **kwargs)
         self._save_variables()
 
-    def _all_variables(self) -> list[Any]:
+    def _all_variables(self) -> list[tf.Variable]:
         return self.variables
 
     def _save_variables(self) -> None:
@@ -112,17 +117,17 @@ class TensorFlowKerasState(TensorFlowState):
 
     def __init__(
         self,
-        model: Any,
-        optimizer: Any = None,
-        bcast_object: Callable[..., Any] | None = None,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer | None = None,
+        bcast_object: BroadcastObject | None = None,
         get_rank: Callable[[], int] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
         super().__init__([], bcast_object, get_rank, **kwargs)
 
-    def _all_variables(self) -> list[Any]:
+    def _all_variables(self) -> list[tf.Variable]:
         variables = list(self.model.variables)
         opt = self.optimizer
         if opt is not None:

@@ -10,13 +10,14 @@ API are not implemented (refused). Keras 3 optimizers go to
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Hashable, Sequence
 
 import tensorflow as tf
 
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime.process_sets import global_process_set
 from spark_estimators.collective.tensorflow import util
+from spark_estimators.collective.tensorflow._types import Gradient, Groups, ProcessSetArg, Variable
 from spark_estimators.collective.tensorflow.compression import Compression, Compressor
 from spark_estimators.collective.tensorflow.tape import _Reducer, _ref
 from spark_estimators.errors import ConfigurationError
@@ -27,25 +28,25 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
 
     def __init__(
         self,
-        optimizer: Any,
+        optimizer: tf.compat.v1.train.Optimizer,
         name: str | None,
         use_locking: bool,
-        reducer: Any,
+        reducer: _Reducer,
         scale_local_gradients: bool,
     ):
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}",
                          use_locking=use_locking)  # fmt: skip
         self._optimizer = optimizer
         self._reducer = reducer
-        self._local_vars: set[Any] = set()
+        self._local_vars: set[Hashable] = set()
         self.process_set = reducer.process_set
         self.scale_local_gradients = scale_local_gradients
 
-    def register_local_var(self, var: Any) -> None:
+    def register_local_var(self, var: Variable) -> None:
         """Keep ``var``'s gradient local (no allreduce)."""
         self._local_vars.add(_ref(var))
 
-    def compute_gradients(self, *args: Any, **kwargs: Any) -> list[tuple[Any, Any]]:
+    def compute_gradients(self, *args: object, **kwargs: object) -> list[tuple[Gradient, Variable]]:
         """The wrapped optimizer's gradients, averaged across ranks."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = [list(t) for t in zip(*pairs, strict=True)] if pairs else ([], [])
@@ -61,26 +62,29 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         return list(zip(grads, variables, strict=True))
 
     def apply_gradients(
-        self, grads_and_vars: Any, global_step: Any = None, name: Any = None
-    ) -> Any:
+        self,
+        grads_and_vars: Sequence[tuple[Gradient, Variable]],
+        global_step: tf.Variable | None = None,
+        name: str | None = None,
+    ) -> tf.Operation:
         """The wrapped optimizer's ``apply_gradients``."""
         return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
 
-    def get_slot(self, *args: Any, **kwargs: Any) -> Any:
+    def get_slot(self, *args: object, **kwargs: object) -> tf.Variable | None:
         """The wrapped optimizer's ``get_slot``."""
         return self._optimizer.get_slot(*args, **kwargs)
 
-    def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
+    def get_slot_names(self, *args: object, **kwargs: object) -> list[str]:
         """The wrapped optimizer's ``get_slot_names``."""
         return self._optimizer.get_slot_names(*args, **kwargs)
 
-    def variables(self, *args: Any, **kwargs: Any) -> Any:
+    def variables(self, *args: object, **kwargs: object) -> list[tf.Variable]:
         """The wrapped optimizer's ``variables``."""
         return self._optimizer.variables(*args, **kwargs)
 
 
 def legacy_distributed_optimizer(
-    optimizer: Any,
+    optimizer: tf.compat.v1.train.Optimizer,
     name: str | None = None,
     use_locking: bool = False,
     compression: type[Compressor] = Compression.none,
@@ -88,10 +92,10 @@ def legacy_distributed_optimizer(
     op: ReduceOp | int | None = ReduceOp.AVERAGE,
     gradient_predivide_factor: float = 1.0,
     backward_passes_per_step: int = 1,
-    groups: Any = None,
-    process_set: Any = global_process_set,
+    groups: Groups = None,
+    process_set: ProcessSetArg = global_process_set,
     scale_local_gradients: bool = True,
-) -> Any:
+) -> _DistributedOptimizer:
     """Wrap a ``tf.compat.v1.train.Optimizer`` (see the module docstring)."""
     resolved = resolve_op(op, None, adasum=True)
     if resolved is ReduceOp.ADASUM or backward_passes_per_step != 1:

@@ -10,8 +10,7 @@ NCCL) are the ones every adapter shares. ``allreduce``, ``grouped_allreduce``, `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -21,17 +20,27 @@ from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import process_sets
 from spark_estimators.collective.runtime.process_sets import global_process_set
 from spark_estimators.collective.tensorflow import util
+from spark_estimators.collective.tensorflow._types import (
+    Array,
+    Body,
+    ProcessSetArg,
+    TensorLike,
+    Variable,
+)
 from spark_estimators.collective.tensorflow.compression import Compression, Compressor
 from spark_estimators.collective.tensorflow.util import InvalidCollectiveArgument, run
 
 Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
 
+#: The gradient function a ``tf.custom_gradient`` forward returns.
+Grad = Callable[..., "tf.Tensor | list[tf.Tensor]"]
 
-def _tensor(x: Any) -> tf.Tensor:
+
+def _tensor(x: TensorLike) -> tf.Tensor:
     return x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x)
 
 
-def _ps(process_set: Any) -> Any:
+def _ps(process_set: ProcessSetArg) -> ProcessSetArg:
     ps = util.resolve_process_set(process_set)
     if ps is not None and ps not in process_sets.registered():
         raise InvalidCollectiveArgument(
@@ -55,7 +64,7 @@ def _label(name: str | None, i: int, n: int) -> str | None:
 _BYTE_VIEWED = frozenset({"int16", "uint16", "uint32", "uint64"})
 
 
-def _wire(array: Any) -> tuple[Any, Any]:
+def _wire(array: Array) -> tuple[Array, Callable[[Array], Array]]:
     """The array to move (allgather/alltoall) and a function restoring a received array.
 
     Rows of no elements (shape ``(n, 0, ...)``) travel as ``(n, 1)`` uint8 rows, and the dtypes
@@ -76,29 +85,36 @@ def _wire(array: Any) -> tuple[Any, Any]:
 
 
 # -- allreduce ----------------------------------------------------------------------------------
-def _reduce_body(op: ReduceOp, pre: float, post: float, name: str | None, ps: Any) -> Any:
-    def body(*arrays: Any) -> list[Any]:
+def _reduce_body(
+    op: ReduceOp, pre: float, post: float, name: str | None, ps: ProcessSetArg
+) -> Body:
+    def body(*arrays: Array) -> list[Array]:
         core = util.core_for(arrays)
-        kwargs = dict(op=op, prescale_factor=pre, postscale_factor=post, process_set=ps)
         if core is not _core:  # pragma: no cover - torch CUDA tensors (nccl)
-            return list(core.grouped_allreduce(list(arrays), name=name, **kwargs))
-        bufs = [util.aligned_copy(a) for a in arrays]
+            return list(core.grouped_allreduce(list(arrays), op=op, name=name,
+                        prescale_factor=pre, postscale_factor=post, process_set=ps))  # fmt: skip
+        bufs = [util.aligned_copy(np.asarray(a)) for a in arrays]
         if len(bufs) == 1:
-            _core.allreduce_(bufs[0], name=name, **kwargs)
+            _core.allreduce_(bufs[0], op, name, pre, post, process_set=ps)
         else:
-            _core.grouped_allreduce_(bufs, name=name, **kwargs)
-        return bufs
+            _core.grouped_allreduce_(bufs, op, name, pre, post, ps)
+        return list(bufs)
 
     return body
 
 
 def _grouped_allreduce_raw(
-    tensors: Sequence[tf.Tensor], op: ReduceOp, pre: float, post: float, name: str | None, ps: Any
+    tensors: Sequence[tf.Tensor],
+    op: ReduceOp,
+    pre: float,
+    post: float,
+    name: str | None,
+    ps: ProcessSetArg,
 ) -> list[tf.Tensor]:
     """Differentiable fused allreduce of dense tensors (gradient: the same reduction)."""
 
     @tf.custom_gradient
-    def forward(*xs: tf.Tensor) -> Any:
+    def forward(*xs: tf.Tensor) -> tuple[list[tf.Tensor], Grad]:
         outs = run(
             _reduce_body(op, pre, post, name, ps),
             xs,
@@ -106,7 +122,7 @@ def _grouped_allreduce_raw(
             [x.shape for x in xs],
         )
 
-        def grad(*dys: Any) -> list[tf.Tensor]:
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
             return _grouped_allreduce_raw([_tensor(d) for d in dys], op, pre, post, None, ps)
 
         return outs, grad
@@ -114,13 +130,13 @@ def _grouped_allreduce_raw(
     return list(forward(*[_tensor(t) for t in tensors]))
 
 
-def _check_adasum(op: ReduceOp, process_set: Any) -> None:
+def _check_adasum(op: ReduceOp, process_set: ProcessSetArg) -> None:
     if op is Adasum and _ps(process_set) is not None:
         raise NotImplementedError("Adasum does not support non-global process sets yet.")
 
 
 def _sparse_allreduce(
-    tensor: tf.IndexedSlices, op: ReduceOp, pre: float, post: float, process_set: Any
+    tensor: tf.IndexedSlices, op: ReduceOp, pre: float, post: float, process_set: ProcessSetArg
 ) -> tf.IndexedSlices:
     if op is Adasum:
         raise NotImplementedError(
@@ -138,7 +154,7 @@ def _sparse_allreduce(
 
 
 def allreduce(
-    tensor: Any,
+    tensor: TensorLike | tf.IndexedSlices,
     average: bool | None = None,
     device_dense: str = "",
     device_sparse: str = "",
@@ -147,9 +163,9 @@ def allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: ProcessSetArg = global_process_set,
     ignore_name_scope: bool = False,
-) -> Any:
+) -> tf.Tensor | tf.IndexedSlices:
     """Reduce a ``tf.Tensor``, ``tf.Variable`` or ``tf.IndexedSlices`` across ranks.
 
     Parameters
@@ -191,7 +207,7 @@ def allreduce(
 
 
 def grouped_allreduce(
-    tensors: Sequence[Any],
+    tensors: Sequence[TensorLike | tf.IndexedSlices],
     average: bool | None = None,
     device_dense: str = "",
     device_sparse: str = "",
@@ -199,10 +215,10 @@ def grouped_allreduce(
     op: ReduceOp | int | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-    process_set: Any = global_process_set,
+    process_set: ProcessSetArg = global_process_set,
     ignore_name_scope: bool = False,
     name: str | None = None,
-) -> list[Any]:
+) -> list[tf.Tensor | tf.IndexedSlices]:
     """Reduce several tensors in one fused operation per dtype (see :func:`allreduce`).
 
     ``IndexedSlices`` among them are allgathered (values and indices), the dense ones go
@@ -211,7 +227,7 @@ def grouped_allreduce(
     if not tensors:
         return list(tensors)
     resolved = resolve_op(op, average, adasum=True)
-    out: list[Any] = [None] * len(tensors)
+    out: list[tf.Tensor | tf.IndexedSlices] = [None] * len(tensors)
     sparse = [i for i, t in enumerate(tensors) if isinstance(t, tf.IndexedSlices)]
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     for i in sparse:
@@ -231,8 +247,8 @@ def grouped_allreduce(
 
 
 # -- allgather ----------------------------------------------------------------------------------
-def _gather_body(name: str | None, ps: Any) -> Any:
-    def body(*arrays: Any) -> list[Any]:
+def _gather_body(name: str | None, ps: ProcessSetArg) -> Body:
+    def body(*arrays: Array) -> list[Array]:
         core = util.core_for(arrays)
         out = []
         for i, a in enumerate(arrays):
@@ -245,7 +261,7 @@ def _gather_body(name: str | None, ps: Any) -> Any:
     return body
 
 
-def _gathered_sizes(x: tf.Tensor, ps: Any) -> tf.Tensor:
+def _gathered_sizes(x: tf.Tensor, ps: ProcessSetArg) -> tf.Tensor:
     with tf.device("/cpu:0"):
         d0 = tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1])
         (sizes,) = run(_gather_body(None, ps), [d0], [tf.int64], [tf.TensorShape([None])])
@@ -253,10 +269,10 @@ def _gathered_sizes(x: tf.Tensor, ps: Any) -> tf.Tensor:
 
 
 def grouped_allgather(
-    tensors: Sequence[Any],
+    tensors: Sequence[TensorLike],
     name: str | None = None,
     ignore_name_scope: bool = False,
-    process_set: Any = global_process_set,
+    process_set: ProcessSetArg = global_process_set,
 ) -> list[tf.Tensor]:
     """Concatenate every rank's tensors on the first dimension (which may differ by rank).
 
@@ -267,12 +283,13 @@ def grouped_allgather(
     ps = _ps(process_set)
 
     @tf.custom_gradient
-    def forward(*xs: tf.Tensor) -> Any:
+    def forward(*xs: tf.Tensor) -> tuple[list[tf.Tensor], Grad]:
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs]
         outs = run(_gather_body(name, ps), xs, [x.dtype for x in xs], shapes)
 
-        def grad(*dys: Any) -> list[tf.Tensor]:
-            me = _core.rank() if ps is None else int(ps.rank())
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            me = _core.rank() if ps is None else ps.rank()
+            assert me is not None  # _ps refused a rank outside the set
             results = []
             for x, dy in zip(xs, dys, strict=True):
                 (avg,) = _grouped_allreduce_raw([_tensor(dy)], Average, 1.0, 1.0, None, ps)
@@ -287,18 +304,18 @@ def grouped_allgather(
 
 
 def allgather(
-    tensor: Any,
+    tensor: TensorLike,
     name: str | None = None,
     ignore_name_scope: bool = False,
-    process_set: Any = global_process_set,
+    process_set: ProcessSetArg = global_process_set,
 ) -> tf.Tensor:
     """Concatenate every rank's tensor on the first dimension (which may differ by rank)."""
     return grouped_allgather([tensor], name, ignore_name_scope, process_set)[0]
 
 
 # -- broadcast ----------------------------------------------------------------------------------
-def _broadcast_body(root_rank: int, name: str | None, ps: Any) -> Any:
-    def body(*arrays: Any) -> list[Any]:
+def _broadcast_body(root_rank: int, name: str | None, ps: ProcessSetArg) -> Body:
+    def body(*arrays: Array) -> list[Array]:
         core = util.core_for(arrays)
         return [
             core.broadcast(a, root_rank, name=_label(name, i, len(arrays)), process_set=ps)
@@ -309,11 +326,11 @@ def _broadcast_body(root_rank: int, name: str | None, ps: Any) -> Any:
 
 
 def broadcast(
-    tensor: Any,
+    tensor: TensorLike,
     root_rank: int,
     name: str | None = None,
     ignore_name_scope: bool = False,
-    process_set: Any = global_process_set,
+    process_set: ProcessSetArg = global_process_set,
 ) -> tf.Tensor:
     """``root_rank``'s tensor on every rank (``root_rank`` is a global rank).
 
@@ -322,10 +339,10 @@ def broadcast(
     ps = _ps(process_set)
 
     @tf.custom_gradient
-    def forward(x: tf.Tensor) -> Any:
+    def forward(x: tf.Tensor) -> tuple[tf.Tensor, Grad]:
         (out,) = run(_broadcast_body(root_rank, name, ps), [x], [x.dtype], [x.shape])
 
-        def grad(dy: Any) -> tf.Tensor:
+        def grad(dy: tf.Tensor) -> tf.Tensor:
             (avg,) = _grouped_allreduce_raw([_tensor(dy)], Average, 1.0, 1.0, None, ps)
             return avg if _core.rank() == root_rank else avg * 0
 
@@ -335,10 +352,10 @@ def broadcast(
 
 
 def broadcast_(
-    variables: Sequence[Any],
+    variables: Sequence[Variable],
     root_rank: int,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: ProcessSetArg = global_process_set,
 ) -> list[tf.Tensor]:
     """Overwrite ``variables`` with ``root_rank``'s values, in place; returns their values."""
     variables = list(variables)
@@ -359,8 +376,8 @@ def broadcast_(
 
 
 # -- alltoall -----------------------------------------------------------------------------------
-def _alltoall_body(name: str | None, ps: Any, equal: bool) -> Any:
-    def body(array: Any, splits: Any) -> list[Any]:
+def _alltoall_body(name: str | None, ps: ProcessSetArg, equal: bool) -> Body:
+    def body(array: Array, splits: Array) -> list[Array]:
         core = util.core_for([array])
         size = util.process_set_size(ps)
         if equal:
@@ -380,12 +397,12 @@ def _alltoall_body(name: str | None, ps: Any, equal: bool) -> Any:
 
 
 def alltoall(
-    tensor: Any,
-    splits: Any = None,
+    tensor: TensorLike,
+    splits: TensorLike | Sequence[int] | None = None,
     name: str | None = None,
     ignore_name_scope: bool = False,
-    process_set: Any = global_process_set,
-) -> Any:
+    process_set: ProcessSetArg = global_process_set,
+) -> tf.Tensor | tuple[tf.Tensor, tf.Tensor]:
     """Send ``splits[r]`` rows of ``tensor`` to rank r; receive and concatenate theirs.
 
     Returns the received tensor, and with ``splits`` given also the received row counts
@@ -396,14 +413,14 @@ def alltoall(
     splits_t = tf.convert_to_tensor(splits) if given else tf.constant([], dtype=tf.int32)
 
     @tf.custom_gradient
-    def forward(x: tf.Tensor) -> Any:
+    def forward(x: tf.Tensor) -> tuple[tf.Tensor, Grad]:
         shape = tf.TensorShape([None]).concatenate(x.shape[1:]) if x.shape.rank else None
         out, received = run(
             _alltoall_body(name, ps, not given), [x, splits_t], [x.dtype, tf.int32],
             [shape, tf.TensorShape([None])],
         )  # fmt: skip
 
-        def grad(dy: Any, *unused: Any) -> tf.Tensor:
+        def grad(dy: tf.Tensor, *unused: tf.Tensor) -> tf.Tensor:
             back, _ = alltoall(_tensor(dy), splits=received, process_set=process_set)
             return back
 
@@ -414,8 +431,10 @@ def alltoall(
 
 
 # -- reducescatter ------------------------------------------------------------------------------
-def _scatter_body(op: ReduceOp, pre: float, post: float, name: str | None, ps: Any) -> Any:
-    def body(*arrays: Any) -> list[Any]:
+def _scatter_body(
+    op: ReduceOp, pre: float, post: float, name: str | None, ps: ProcessSetArg
+) -> Body:
+    def body(*arrays: Array) -> list[Array]:
         core = util.core_for(arrays)
         return [
             core.reducescatter(
@@ -429,11 +448,11 @@ def _scatter_body(op: ReduceOp, pre: float, post: float, name: str | None, ps: A
 
 
 def grouped_reducescatter(
-    tensors: Sequence[Any],
+    tensors: Sequence[TensorLike],
     device_dense: str = "",
     compression: type[Compressor] = Compression.none,
     op: ReduceOp | int | None = Average,
-    process_set: Any = global_process_set,
+    process_set: ProcessSetArg = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     name: str | None = None,
@@ -450,11 +469,11 @@ def grouped_reducescatter(
             raise InvalidCollectiveArgument("reducescatter needs tensors of at least one dimension")
 
     @tf.custom_gradient
-    def forward(*xs: tf.Tensor) -> Any:
+    def forward(*xs: tf.Tensor) -> tuple[list[tf.Tensor], Grad]:
         shapes = [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs]
         outs = run(_scatter_body(resolved, pre, post, name, ps), xs, [x.dtype for x in xs], shapes)
 
-        def grad(*dys: Any) -> list[tf.Tensor]:
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
             scale = pre * post * (util.process_set_size(ps) if resolved is Sum else 1)
             scaled = [_tensor(d) * tf.cast(scale, d.dtype) if scale != 1 else d for d in dys]
             return grouped_allgather(scaled, process_set=process_set)
@@ -466,12 +485,12 @@ def grouped_reducescatter(
 
 
 def reducescatter(
-    tensor: Any,
+    tensor: TensorLike,
     device_dense: str = "",
     compression: type[Compressor] = Compression.none,
     op: ReduceOp | int | None = Average,
     name: str | None = None,
-    process_set: Any = global_process_set,
+    process_set: ProcessSetArg = global_process_set,
     ignore_name_scope: bool = False,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,

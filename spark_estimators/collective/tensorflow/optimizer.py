@@ -7,13 +7,14 @@ in ``apply``); TF1 ``tf.compat.v1.train.Optimizer`` objects to the graph-mode wr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
 from spark_estimators.collective.backends.base import ReduceOp
 from spark_estimators.collective.runtime.process_sets import global_process_set
 from spark_estimators.collective.tensorflow import util
+from spark_estimators.collective.tensorflow._types import Groups, ProcessSetArg
 from spark_estimators.collective.tensorflow.compression import (
     Compression,
     Compressor,
@@ -22,11 +23,14 @@ from spark_estimators.collective.tensorflow.compression import (
 from spark_estimators.collective.tensorflow.legacy import legacy_distributed_optimizer
 from spark_estimators.errors import ConfigurationError
 
+if TYPE_CHECKING:
+    import keras
+
 __all__ = ["DistributedOptimizer"]
 
 
 def DistributedOptimizer(  # noqa: N802 - horovod's name
-    optimizer: Any,
+    optimizer: keras.optimizers.Optimizer | tf.compat.v1.train.Optimizer,
     name: str | None = None,
     use_locking: bool = False,
     device_dense: str = "",
@@ -38,10 +42,10 @@ def DistributedOptimizer(  # noqa: N802 - horovod's name
     gradient_predivide_factor: float = 1.0,
     average_aggregated_gradients: bool = False,
     num_groups: int = 0,
-    groups: Any = None,
-    process_set: Any = global_process_set,
+    groups: Groups = None,
+    process_set: ProcessSetArg = global_process_set,
     scale_local_gradients: bool = True,
-) -> Any:
+) -> keras.optimizers.Optimizer | tf.compat.v1.train.Optimizer:
     """Wrap an optimizer so its gradients are averaged across ranks (horovod's signature).
 
     A Keras 3 optimizer becomes :func:`spark_estimators.collective.keras.DistributedOptimizer`

@@ -18,8 +18,8 @@ A rank outside ``process_set`` gets its own gradients back (it trains locally, a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import tensorflow as tf
@@ -28,18 +28,29 @@ from spark_estimators import collective as _core
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime.process_sets import global_process_set
 from spark_estimators.collective.tensorflow import ops, util
+from spark_estimators.collective.tensorflow._types import (
+    Gradient,
+    Groups,
+    Nest,
+    ProcessSetArg,
+    T,
+    Variable,
+)
 from spark_estimators.collective.tensorflow.compression import (
     Compression,
     Compressor,
 )
 from spark_estimators.errors import ConfigurationError
 
+if TYPE_CHECKING:
+    import keras
 
-def _dtype(v: Any) -> tf.DType:
+
+def _dtype(v: Variable) -> tf.DType:
     return tf.as_dtype(getattr(v.dtype, "base_dtype", v.dtype))
 
 
-def _ref(v: Any) -> Any:
+def _ref(v: Variable) -> Hashable:
     """A hashable key of a variable: ``tf.Variable.ref()``; a Keras 3 variable has no ``ref``."""
     if hasattr(v, "ref"):
         return v.ref()
@@ -47,16 +58,16 @@ def _ref(v: Any) -> Any:
     return inner.ref() if inner is not None and hasattr(inner, "ref") else id(v)
 
 
-def _value(v: Any) -> tf.Tensor:
+def _value(v: Variable) -> tf.Tensor:
     return tf.convert_to_tensor(v)
 
 
 def broadcast_variables(
-    variables: Sequence[Any],
+    variables: Sequence[Variable],
     root_rank: int,
-    process_set: Any = global_process_set,
+    process_set: ProcessSetArg = global_process_set,
     inplace: bool = False,
-) -> Any:
+) -> tf.Operation | None:
     """Overwrite ``variables`` with ``root_rank``'s values: one broadcast per dtype.
 
     Works eagerly and inside ``tf.function``; takes ``tf.Variable`` and Keras 3 variables
@@ -66,7 +77,7 @@ def broadcast_variables(
     variables = [v for v in variables if v is not None]
     if not variables:
         return None
-    groups: dict[str, list[Any]] = {}
+    groups: dict[str, list[Variable]] = {}
     for v in variables:
         groups.setdefault(_dtype(v).name, []).append(v)
     assigns = []
@@ -84,7 +95,7 @@ def broadcast_variables(
     return tf.group(*[a for a in assigns if a is not None and hasattr(a, "op")])
 
 
-def broadcast_global_variables(root_rank: int) -> Any:
+def broadcast_global_variables(root_rank: int) -> tf.Operation | None:
     """TF1 only in horovod; raises in eager mode like horovod (use broadcast_variables)."""
     if tf.executing_eagerly():
         raise RuntimeError(
@@ -95,33 +106,36 @@ def broadcast_global_variables(root_rank: int) -> Any:
 
 
 def broadcast_object(
-    obj: Any,
+    obj: T,
     root_rank: int = 0,
-    session: Any = None,
+    session: object = None,
     name: str | None = None,
-    process_set: Any = global_process_set,
-) -> Any:
+    process_set: ProcessSetArg = global_process_set,
+) -> T:
     """``root_rank``'s picklable ``obj`` on every rank (eager)."""
     return _core.broadcast_object(obj, root_rank, name, util.resolve_process_set(process_set))
 
 
 def broadcast_object_fn(
     root_rank: int = 0,
-    session: Any = None,
+    session: object = None,
     name: str | None = None,
-    process_set: Any = global_process_set,
-) -> Any:
+    process_set: ProcessSetArg = global_process_set,
+) -> Callable[[object], object]:
     """A function ``fn(obj)`` that broadcasts ``obj`` from ``root_rank`` (horovod's TF1 helper)."""
 
-    def fn(obj: Any) -> Any:
+    def fn(obj: object) -> object:
         return broadcast_object(obj, root_rank, session, name, process_set)
 
     return fn
 
 
 def allgather_object(
-    obj: Any, session: Any = None, name: str | None = None, process_set: Any = global_process_set
-) -> list[Any]:
+    obj: T,
+    session: object = None,
+    name: str | None = None,
+    process_set: ProcessSetArg = global_process_set,
+) -> list[T]:
     """Every rank's picklable ``obj``, in rank order (eager)."""
     return _core.allgather_object(obj, name, util.resolve_process_set(process_set))
 
@@ -135,8 +149,8 @@ class _Reducer:
         sparse_as_dense: bool,
         op: ReduceOp,
         gradient_predivide_factor: float,
-        groups: Any,
-        process_set: Any,
+        groups: Groups,
+        process_set: ProcessSetArg,
     ):
         self.compression, self.sparse_as_dense, self.op = compression, sparse_as_dense, op
         self.groups, self.process_set = groups, process_set
@@ -147,12 +161,12 @@ class _Reducer:
             self.prescale = self.postscale = 1.0
 
     def active(self) -> bool:
-        ps = self.process_set
-        if util.resolve_process_set(ps) is None:
+        ps = util.resolve_process_set(self.process_set)
+        if ps is None:
             return _core.size() > 1
-        return bool(ps.included()) and int(ps.size()) > 1
+        return bool(ps.included()) and util.process_set_size(ps) > 1
 
-    def __call__(self, grads: Sequence[Any], sources: Sequence[Any]) -> list[Any]:
+    def __call__(self, grads: Sequence[Gradient], sources: Sequence[Variable]) -> list[Gradient]:
         grads = list(grads)
         if self.sparse_as_dense:
             grads = [
@@ -172,7 +186,7 @@ class _Reducer:
                 out[i] = r
         return out
 
-    def _split(self, present: list[int], sources: Sequence[Any]) -> list[list[int]]:
+    def _split(self, present: list[int], sources: Sequence[Variable]) -> list[list[int]]:
         groups = self.groups
         if not present:
             return []
@@ -202,21 +216,21 @@ class _DistributedGradientTape:
     """Mixin of the run-time tape class: ``gradient()`` reduces across ranks."""
 
     _se_reducer: _Reducer
-    _se_local: set[Any]
+    _se_local: set[Hashable]
     _se_scale_local: bool
 
-    def register_local_source(self, source: Any) -> None:
+    def register_local_source(self, source: Variable) -> None:
         """Keep the gradient of ``source`` local (no allreduce)."""
         self._se_local.add(_ref(source))
 
     def gradient(
         self,
-        target: Any,
-        sources: Any,
-        output_gradients: Any = None,
+        target: Nest,
+        sources: Nest,
+        output_gradients: Nest = None,
         use_generic_names: bool = False,
-        unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
-    ) -> Any:
+        unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
+    ) -> Nest:
         grads = super().gradient(  # type: ignore[misc]
             target, sources, output_gradients, unconnected_gradients=unconnected_gradients
         )
@@ -242,15 +256,18 @@ class _DistributedGradientTape:
 
     def get_local_and_global_gradients(
         self,
-        target: Any,
-        sources: Sequence[Any],
-        output_gradients: Any = None,
+        target: Nest,
+        sources: Sequence[Variable],
+        output_gradients: Nest = None,
         use_generic_names: bool = False,
-    ) -> tuple[list[Any], list[Any]]:
+    ) -> tuple[list[tuple[Variable, Gradient]], list[tuple[Variable, Gradient]]]:
         """``([(local source, grad)], [(global source, grad)])`` of one ``gradient()`` call."""
-        grads = self.gradient(target, sources, output_gradients, use_generic_names)
-        local: list[Any] = []
-        shared: list[Any] = []
+        grads = cast(
+            "Sequence[Gradient]",
+            self.gradient(target, sources, output_gradients, use_generic_names),
+        )
+        local: list[tuple[Variable, Gradient]] = []
+        shared: list[tuple[Variable, Gradient]] = []
         for s, g in zip(sources, grads, strict=True):
             (local if _ref(s) in self._se_local else shared).append((s, g))
         return local, shared
@@ -265,8 +282,8 @@ def DistributedGradientTape(  # noqa: N802 - horovod's name
     op: ReduceOp | int | None = ReduceOp.AVERAGE,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
-    groups: Any = None,
-    process_set: Any = global_process_set,
+    groups: Groups = None,
+    process_set: ProcessSetArg = global_process_set,
     scale_local_gradients: bool = True,
 ) -> tf.GradientTape:
     """Wrap a ``tf.GradientTape`` so ``gradient()`` averages the gradients across ranks.
@@ -303,7 +320,9 @@ def DistributedGradientTape(  # noqa: N802 - horovod's name
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups and groups is None:
         groups = num_groups
-    if groups is not None and not (isinstance(groups, list) or int(groups) > 0):
+    if groups is not None and not (
+        isinstance(groups, list) or (isinstance(groups, int) and groups > 0)
+    ):
         raise ValueError(
             "groups should be a non-negative integer or a list of list of tf.Variable."
         )
@@ -335,9 +354,9 @@ def PartialDistributedGradientTape(  # noqa: N802 - horovod's name
     op: ReduceOp | int | None = ReduceOp.AVERAGE,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
-    groups: Any = None,
-    process_set: Any = global_process_set,
-    local_layers: Any = None,
+    groups: Groups = None,
+    process_set: ProcessSetArg = global_process_set,
+    local_layers: keras.layers.Layer | Sequence[keras.layers.Layer] | None = None,
     scale_local_gradients: bool = True,
 ) -> tf.GradientTape:
     """A :func:`DistributedGradientTape` whose ``local_layers``' gradients stay local."""

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import tensorflow as tf
 
 from spark_estimators import collective as _core
 from spark_estimators.collective.runtime import process_sets
-from spark_estimators.collective.runtime.process_sets import global_process_set
+from spark_estimators.collective.runtime.process_sets import ProcessSet, global_process_set
 from spark_estimators.collective.tensorflow import util
 from spark_estimators.collective.tensorflow.util import run
 
@@ -20,7 +18,7 @@ def join() -> tf.Tensor:
     return out
 
 
-def barrier(process_set: Any = global_process_set) -> None:
+def barrier(process_set: ProcessSet | None = global_process_set) -> None:
     """Block until every rank (of ``process_set``) has called ``barrier()``."""
     _core.barrier(util.resolve_process_set(process_set))
 
@@ -54,7 +52,7 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
     return _int_op(_core.local_size(), name)
 
 
-def _set_by_id(process_set_id: int) -> Any:
+def _set_by_id(process_set_id: int) -> ProcessSet:
     if process_set_id == 0:
         return global_process_set
     for ps in process_sets.registered():

@@ -26,16 +26,18 @@ bad arguments :class:`InvalidCollectiveArgument` (a ``tf.errors.InvalidArgumentE
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from types import ModuleType
 
 import numpy as np
 import tensorflow as tf
+from numpy.typing import DTypeLike
 
+from spark_estimators.collective.tensorflow._types import Array, Body, ProcessSetArg, TensorLike
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 #: The last collective op created in each TF1 graph (see :func:`run`).
-_LAST_OP: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_LAST_OP: weakref.WeakKeyDictionary[tf.Graph, tf.Operation] = weakref.WeakKeyDictionary()
 
 #: Alignment TensorFlow requires for zero-copy DLPack import on the CPU.
 ALIGNMENT = 64
@@ -47,7 +49,7 @@ class CollectiveFailedError(tf.errors.FailedPreconditionError, CollectiveError):
     def __init__(self, message: str):
         tf.errors.FailedPreconditionError.__init__(self, None, None, message)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[CollectiveFailedError], tuple[str]]:
         return (type(self), (self.message,))
 
 
@@ -57,7 +59,7 @@ class InvalidCollectiveArgument(tf.errors.InvalidArgumentError, ConfigurationErr
     def __init__(self, message: str):
         tf.errors.InvalidArgumentError.__init__(self, None, None, message)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[InvalidCollectiveArgument], tuple[str]]:
         return (type(self), (self.message,))
 
 
@@ -77,7 +79,7 @@ def translate(exc: BaseException) -> BaseException:
     return exc
 
 
-def _use_torch(tensor: Any) -> bool:
+def _use_torch(tensor: TensorLike) -> bool:
     """True for a GPU tensor under the nccl backend (NCCL path through torch)."""
     if "GPU" not in (getattr(tensor, "device", "") or "").upper():
         return False
@@ -87,7 +89,7 @@ def _use_torch(tensor: Any) -> bool:
     return current is not None and current.backend.name == "nccl"
 
 
-def to_array(tensor: Any) -> Any:
+def to_array(tensor: tf.Tensor | np.ndarray) -> Array:
     """A numpy array (CPU) or, under nccl, a CUDA torch tensor sharing the GPU memory."""
     if isinstance(tensor, np.ndarray):
         return tensor
@@ -101,7 +103,7 @@ def to_array(tensor: Any) -> Any:
         return np.asarray(tensor.numpy())  # e.g. dtypes DLPack does not carry
 
 
-def to_tensor(array: Any) -> tf.Tensor:
+def to_tensor(array: Array) -> tf.Tensor:
     """A tensor of ``array`` (zero-copy for aligned contiguous numpy, DLPack for torch)."""
     if not isinstance(array, np.ndarray):  # pragma: no cover - torch CUDA result (nccl)
         import torch.utils.dlpack
@@ -119,7 +121,7 @@ def to_tensor(array: Any) -> tf.Tensor:
     return tf.convert_to_tensor(array)
 
 
-def aligned_empty(n: int, dtype: Any) -> np.ndarray:
+def aligned_empty(n: int, dtype: DTypeLike) -> np.ndarray:
     """A 1-d numpy array of ``n`` elements whose data starts on a 64-byte boundary."""
     dt = np.dtype(dtype)
     raw = np.empty(n * dt.itemsize + ALIGNMENT, dtype=np.uint8)
@@ -134,7 +136,7 @@ def aligned_copy(array: np.ndarray) -> np.ndarray:
     return out
 
 
-def core_for(arrays: Sequence[Any]) -> Any:
+def core_for(arrays: Sequence[Array]) -> ModuleType:
     """The module whose ops take these arrays: the numpy core, or the torch adapter (nccl)."""
     if arrays and not isinstance(arrays[0], np.ndarray):  # pragma: no cover - needs a GPU
         import spark_estimators.collective.torch as torch_ops
@@ -146,15 +148,15 @@ def core_for(arrays: Sequence[Any]) -> Any:
 
 
 def run(
-    body: Callable[..., Sequence[Any]],
-    inputs: Sequence[Any],
+    body: Body,
+    inputs: Sequence[TensorLike],
     out_dtypes: Sequence[tf.DType],
-    out_shapes: Sequence[Any] | None = None,
+    out_shapes: Sequence[tf.TensorShape | None] | None = None,
 ) -> list[tf.Tensor]:
     """Run ``body(*arrays) -> arrays`` eagerly, or in one ``tf.py_function`` in a graph."""
     tensors = [tf.convert_to_tensor(x) for x in inputs]
 
-    def eager(*values: Any) -> list[tf.Tensor]:
+    def eager(*values: tf.Tensor) -> list[tf.Tensor]:
         arrays = [to_array(v) for v in values]
         try:
             results = body(*arrays)
@@ -182,19 +184,26 @@ def run(
     return outs
 
 
-def resolve_process_set(process_set: Any) -> Any:
+def resolve_process_set(process_set: ProcessSetArg) -> ProcessSetArg:
     """``None`` for the global set (what the core takes), else the set itself."""
     from spark_estimators.collective.runtime.process_sets import is_global
 
     return None if process_set is None or is_global(process_set) else process_set
 
 
-def process_set_size(process_set: Any) -> int:
+def process_set_size(process_set: ProcessSetArg) -> int:
     """The number of ranks of ``process_set`` (``size()`` for the global set)."""
     from spark_estimators import collective
 
     ps = resolve_process_set(process_set)
-    return collective.size() if ps is None else int(ps.size())
+    if ps is None:
+        return collective.size()
+    size = ps.size()
+    if size is None:
+        raise InvalidCollectiveArgument(
+            f"{ps!r} is not registered: register it on every rank with hvd.add_process_set(...)"
+        )
+    return size
 
 
 __all__ = [

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.collective.api.elastic import (
+    BroadcastObject,
     HostsUpdatedInterrupt,
     ObjectState,
     State,
@@ -53,14 +54,14 @@ class TorchState(ObjectState):
         self,
         model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        bcast_object: Callable[..., Any] | None = None,
+        bcast_object: BroadcastObject | None = None,
         get_rank: Callable[[], int] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        self._saved_model: Any = None
-        self._saved_optimizer: Any = None
+        self._saved_model: dict[str, torch.Tensor] | None = None
+        self._saved_optimizer: dict[str, object] | None = None
         super().__init__(bcast_object, get_rank, **kwargs)
         self._save_torch()
 
@@ -91,7 +92,9 @@ class TorchState(ObjectState):
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
             opt_state = self.optimizer.state_dict() if self._get_rank() == 0 else None
-            self.optimizer.load_state_dict(self._bcast_object(opt_state, 0))
+            opt_state = self._bcast_object(opt_state, 0)
+            assert opt_state is not None  # rank 0's, on every rank
+            self.optimizer.load_state_dict(opt_state)
         if self._saved_state:
             # ObjectState.sync would call self.restore(), which reloads this rank's own saved
             # model over the one just broadcast: sync only the attributes here.
