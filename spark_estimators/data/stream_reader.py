@@ -17,10 +17,15 @@ next segment when it is ahead of Spark), and only when its own rows are out does
 which arrives once every task has read its partition (the tasks exchange their row counts with
 ``BarrierTaskContext.allGather``). No collective op runs in the data path, so the agreement
 cannot interleave with the framework's own collectives (Keras and Lightning fetch batches on other
-threads). Until then ``steps_per_epoch`` is None (the epoch ends when the reader says so); later
-epochs know it. ``plan(limit, multiple)`` applies ``train_steps_per_epoch`` and
-``backward_passes_per_step`` exactly as :func:`~spark_estimators.core.rank.epoch_steps` does for a
-known count.
+threads). ``steps_per_epoch`` is always None and ``len()`` always raises ``TypeError``: every
+epoch, also after the first, ends when the reader has given the agreed count, so every framework
+runs each epoch until its loader ends. A count reported only once the totals had arrived differed
+between ranks with timing (one rank built its loader before the totals came, the other after),
+and a framework may run a collective for a sized loader only: Lightning's ``has_len_all_ranks``
+reduces the lengths, and that reduce met the other rank's first gradient allreduce (a hang until
+the collective timeout). ``agreed_steps`` reports the count for information once known.
+``plan(limit, multiple)`` applies ``train_steps_per_epoch`` and ``backward_passes_per_step``
+exactly as :func:`~spark_estimators.core.rank.epoch_steps` does for a known count.
 
 Shuffling: the first epoch shuffles the rows in arrival order inside the shuffle buffer; later
 epochs (and wrap-around passes) first permute the order of the segments (about 4 MB each, as the
@@ -234,8 +239,20 @@ class StreamBatchReader:
         return max(-(-n // self.batch_size) for n in rows)
 
     @property
-    def steps_per_epoch(self) -> int | None:
-        """Batches per epoch on every rank, or None until every task has read its partition."""
+    def steps_per_epoch(self) -> None:
+        """Always None: the reader ends every epoch itself (see the module docstring).
+
+        Whether the count is known yet depends on timing, which differs between ranks; a
+        framework that shapes its loop (or runs a collective) by a known length would diverge.
+        """
+        return None
+
+    @property
+    def agreed_steps(self) -> int | None:
+        """Batches per epoch on every rank (before ``plan``), None until the row counts arrive.
+
+        For information only: it becomes known at different times on each rank.
+        """
         totals = self.source.known_totals()
         return None if totals is None else self._raw_steps(totals)
 
@@ -246,10 +263,11 @@ class StreamBatchReader:
         return _steps_rule(self._raw_steps(totals), self._limit, self._multiple)
 
     def __len__(self) -> int:
-        target = self._target(wait=False)
-        if target is None:  # like an unsized iterable until every task has read its partition
-            raise TypeError("the batches per epoch are not known before the data is read")
-        return target
+        # Unsized on every rank at every moment (see steps_per_epoch): like an IterableDataset.
+        raise TypeError(
+            "a data='stream' reader has no len(): each epoch ends at the count the ranks agree "
+            "on while reading (agreed_steps)"
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch (and so the shuffle order) of the next ``iter()``."""

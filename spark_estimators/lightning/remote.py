@@ -78,8 +78,9 @@ class ReaderLoader:
 
     def __len__(self) -> int:
         if self.steps is None:
-            # data="stream": the reader ends each epoch at the count the ranks agree on, which
-            # is not known before the data is read; Lightning then runs until the loader ends.
+            # data="stream": the reader ends each epoch at the count the ranks agree on. Never
+            # sized on one rank only: Lightning reduces the lengths of sized loaders (a
+            # collective), so a length known on some ranks only hung DDP (issue 29).
             raise TypeError("the number of batches per epoch is not known (data='stream')")
         return self.steps
 

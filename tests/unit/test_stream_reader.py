@@ -87,7 +87,7 @@ def test_equal_steps_every_row_and_exact_extra_reads(tmp_path, shuffle):
         # with the shards Spark's partitions give, here deliberately unequal).
         assert extra == 7 * 8 * 2 - 87
         np.testing.assert_array_equal(epochs[0][0]["arr"][:, 1], -epochs[0][0]["id"])
-    assert readers[0].steps_per_epoch == 7 and readers[0].epoch == 2
+    assert readers[0].agreed_steps == 7 and readers[0].epoch == 2
 
 
 def test_first_epoch_trains_before_the_count_is_known(tmp_path):
@@ -95,7 +95,7 @@ def test_first_epoch_trains_before_the_count_is_known(tmp_path):
     spill = Spill(tmp_path / "0", segment_bytes=1)  # every task batch is a segment
     reader = spill.reader(shuffle=False)
     spill.write(list(range(20)))  # 2 full batches and 4 rows so far
-    assert reader.steps_per_epoch is None
+    assert reader.agreed_steps is None
     epoch = iter(reader)
     first_two = [next(epoch), next(epoch)]
     assert ids(first_two) == list(range(16))
@@ -104,10 +104,32 @@ def test_first_epoch_trains_before_the_count_is_known(tmp_path):
     # The other rank had 40 rows: 5 steps, so this rank wraps around its 26 rows.
     spill.writer.totals([{"train": 26, "val": 0}, {"train": 40, "val": 0}])
     rest = list(epoch)
-    assert len(rest) == 3 and reader.steps_per_epoch == 5
+    assert len(rest) == 3 and reader.agreed_steps == 5
     assert ids(rest)[:10] == list(range(16, 26))
     assert set(ids(rest)[10:]) <= set(range(26))
     assert len(list(reader)) == 5  # later epochs know the count
+
+
+def test_the_count_is_never_a_length_whether_or_not_the_totals_are_in(tmp_path):
+    """No rank may look sized when another does not: frameworks shape their loop by len().
+
+    (Lightning's has_len_all_ranks reduces the lengths of sized loaders only; a rank whose
+    totals had arrived ran that reduce alone and met the other rank's gradient allreduce.)
+    """
+    spills = [Spill(tmp_path / "0"), Spill(tmp_path / "1")]
+    spills[0].write(list(range(50)))
+    spills[1].write(list(range(100, 112)))
+    before = spills[1].reader(rank=1)
+    finish_all(spills)
+    after = spills[0].reader(rank=0)
+    assert after.source.totals()  # the totals are in for both readers now
+    for reader in (before, after):
+        assert reader.steps_per_epoch is None
+        with pytest.raises(TypeError, match="no len"):
+            len(reader)
+    # Each still ends every epoch at the agreed count: ceil(50 / 8) = 7 on both ranks.
+    assert [len(list(r)) for r in (before, after, before)] == [7, 7, 7]
+    assert before.agreed_steps == after.agreed_steps == 7
 
 
 def test_step_limit_and_multiple_before_the_count_is_known(tmp_path):
