@@ -34,15 +34,9 @@ from spark_estimators import envvars as ev
 from spark_estimators import run_options
 from spark_estimators._base.child import exit_now, start_lifeline
 from spark_estimators._base.processes import exit_words
+from spark_estimators.driver.launch_job import LaunchOptions
 from spark_estimators.errors import ConfigurationError, RemoteError, TrainingFailedError
-from spark_estimators.local_ranks import (
-    DEFAULT_GRACE_S,
-    Supervisor,
-    launcher_env,
-    local_pmi_server,
-    rank_envs,
-    rendezvous_port,
-)
+from spark_estimators.local_ranks import DEFAULT_GRACE_S, Supervisor, run_ranks
 
 __all__ = ["main", "run_local"]
 
@@ -51,10 +45,10 @@ _WORKER_FLAG = "--run-pickled-function"
 
 # -- run_local: a Python function in N processes --------------------------------------------
 def run_local(
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     num_proc: int = 2,
-    args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
+    args: Sequence[object] = (),
+    kwargs: dict[str, object] | None = None,
     *,
     env: dict[str, str] | None = None,
     backend: str = "auto",
@@ -110,31 +104,18 @@ def run_local(
     """
     import cloudpickle
 
-    if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
-        raise ConfigurationError(f"num_proc must be a positive int, got {num_proc!r}")
-    run_options.check_backend(backend)
+    options = LaunchOptions(
+        num_proc=num_proc, env=env, backend=backend, stdout=stdout, stderr=stderr
+    )
     with tempfile.TemporaryDirectory(prefix="se-launch-") as tmp:
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
             pickle.dump((list(sys.path), cloudpickle.dumps((fn, tuple(args), kwargs or {}))), f)
-        base = launcher_env(env, backend)
-        with local_pmi_server(num_proc, backend) as pmi, rendezvous_port(None) as port:
-            envs = [
-                {**base, **rank_env}
-                for rank_env in rank_envs(num_proc, backend, master_port=port, pmi=pmi)
-            ]
-            command = [sys.executable, "-m", "spark_estimators.launch", _WORKER_FLAG, payload]
-            supervisor = Supervisor(
-                [command] * num_proc,
-                envs,
-                stdout,
-                stderr,
-                fail_fast=fail_fast,
-                grace=grace,
-                stdin_lifeline=True,
-            )
-            codes = supervisor.run()
-        results, failures, stopped = _collect(tmp, codes, supervisor)
+        command = [sys.executable, "-m", "spark_estimators.launch", _WORKER_FLAG, payload]
+        supervisor = run_ranks(
+            command, options, fail_fast=fail_fast, grace=grace, stdin_lifeline=True
+        )
+        results, failures, stopped = _collect(tmp, supervisor)
     if failures and not return_failures:
         first = supervisor.first_failure
         raise TrainingFailedError(
@@ -147,16 +128,16 @@ def run_local(
 
 
 def _collect(
-    tmp: str, codes: dict[int, int], supervisor: Supervisor
-) -> tuple[dict[int, Any], dict[int, RemoteError], dict[int, RemoteError]]:
+    tmp: str, supervisor: Supervisor
+) -> tuple[dict[int, object], dict[int, RemoteError], dict[int, RemoteError]]:
     """Results, genuine failures, and ranks the launcher stopped after another one failed."""
     import cloudpickle
 
-    results: dict[int, Any] = {}
+    results: dict[int, object] = {}
     failures: dict[int, RemoteError] = {}
     stopped: dict[int, RemoteError] = {}
     host = socket.gethostname()
-    for rank, code in codes.items():
+    for rank, code in supervisor.codes.items():
         path = os.path.join(tmp, f"result.{rank}.pkl")
         report = None
         if os.path.exists(path):
@@ -195,7 +176,7 @@ def _worker_main(payload_path: str) -> None:
             sys_path, blob = pickle.load(f)
         sys.path[:0] = [p for p in sys_path if p not in sys.path]
         fn, args, kwargs = cloudpickle.loads(blob)
-        report: tuple[Any, ...] = ("ok", fn(*args, **kwargs))
+        report: tuple[object, ...] = ("ok", fn(*args, **kwargs))
     except BaseException as exc:  # report everything, SystemExit included
         code = 1
         report = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
@@ -323,8 +304,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     own, target = split_command(parser, argv)
     opts = parser.parse_args(own)
-    if opts.num_proc < 1:
-        parser.error(f"-np must be >= 1, got {opts.num_proc}")
     if not target or target == ["-m"]:
         parser.error("give a script (train.py ...) or -m module")
     extra: dict[str, str] = {}
@@ -336,34 +315,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra[ev.FUSION_THRESHOLD] = str(int(opts.fusion_threshold_mb * 1024 * 1024))
     if opts.cycle_time_ms is not None:
         extra[ev.CYCLE_TIME] = str(opts.cycle_time_ms)
-    if opts.timeline_filename:
-        extra[ev.TIMELINE] = opts.timeline_filename
-    if opts.nics:
-        from spark_estimators.run_options import nics_env
-
-        try:
-            extra.update(nics_env(opts.nics.split(",")))
-        except ConfigurationError as exc:
-            _parser().error(str(exc))
-    base = launcher_env(extra, opts.backend)
-    pmi_server = local_pmi_server(opts.num_proc, opts.backend)
-    with pmi_server as pmi, rendezvous_port(opts.master_port) as port:
-        envs = [
-            {**base, **e} for e in rank_envs(opts.num_proc, opts.backend, "127.0.0.1", port, pmi)
-        ]
-        supervisor = Supervisor(
-            [[sys.executable, "-u", *target]] * opts.num_proc,
-            envs,
-            None,
-            None,
-            timestamp=opts.prefix_output_with_timestamp,
-            grace=opts.grace,
+    try:
+        nics = opts.nics.split(",") if opts.nics else None
+        options = LaunchOptions(
+            num_proc=opts.num_proc,
+            env=run_options.rank_env(extra, nics=nics, timeline=opts.timeline_filename or None),
+            backend=opts.backend,
+            prefix_output_with_timestamp=opts.prefix_output_with_timestamp,
         )
-        try:
-            codes = supervisor.run()
-        except KeyboardInterrupt:
-            sys.stderr.write("spark_estimators.launch: interrupted; all ranks were killed\n")
-            return 130
+    except ConfigurationError as exc:
+        parser.error(str(exc))
+    command = [sys.executable, "-u", *target]
+    try:
+        supervisor = run_ranks(command, options, master_port=opts.master_port, grace=opts.grace)
+    except KeyboardInterrupt:
+        sys.stderr.write("spark_estimators.launch: interrupted; all ranks were killed\n")
+        return 130
+    codes = supervisor.codes
     failed = supervisor.first_failure
     if failed is None:
         return 0

@@ -19,12 +19,13 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from spark_estimators._base.ports import reserve_port, reserved_port
 from spark_estimators._base.processes import kill_group
 
 if TYPE_CHECKING:
+    from spark_estimators.driver.launch_job import LaunchOptions
     from spark_estimators.driver.pmi import PMIServer
 
 DEFAULT_GRACE_S = 5.0
@@ -94,13 +95,52 @@ def launcher_env(extra: dict[str, str] | None, backend: str) -> dict[str, str]:
     return base
 
 
-def local_pmi_server(num_proc: int, backend: str) -> contextlib.AbstractContextManager[Any]:
+def local_pmi_server(
+    num_proc: int, backend: str
+) -> contextlib.AbstractContextManager[PMIServer | None]:
     """A PMI server for an mpi job (every rank on this host), else nothing."""
     if backend != "mpi":
         return contextlib.nullcontext()
     from spark_estimators.driver.pmi import PMIServer, process_mapping
 
     return PMIServer(num_proc, "127.0.0.1", mapping=process_mapping(["localhost"] * num_proc))
+
+
+def run_ranks(
+    command: Sequence[str],
+    options: LaunchOptions,
+    *,
+    master_port: int | None = None,
+    fail_fast: bool = True,
+    grace: float = DEFAULT_GRACE_S,
+    stdin_lifeline: bool = False,
+) -> Supervisor:
+    """Run ``command`` as ranks ``0..options.num_proc-1`` on this host; the finished supervisor.
+
+    What the local launcher and :func:`~spark_estimators.launch.run_local` share: each rank's
+    variables (:func:`rank_envs` over ``options.env``), a rendezvous port held until the ranks
+    are done, a PMI server for ``backend="mpi"``, and a :class:`Supervisor` run to the end
+    (its ``codes``, ``first_failure`` and ``stopped`` say how each rank ended).
+    """
+    num_proc, backend = options.ranks, options.backend
+    base = launcher_env(options.environment, backend)
+    with local_pmi_server(num_proc, backend) as pmi, rendezvous_port(master_port) as port:
+        envs = [
+            {**base, **rank_env}
+            for rank_env in rank_envs(num_proc, backend, "127.0.0.1", port, pmi)
+        ]
+        supervisor = Supervisor(
+            [command] * num_proc,
+            envs,
+            options.stdout,
+            options.stderr,
+            timestamp=options.prefix_output_with_timestamp,
+            fail_fast=fail_fast,
+            grace=grace,
+            stdin_lifeline=stdin_lifeline,
+        )
+        supervisor.run()
+    return supervisor
 
 
 def _parent_death_signal() -> Callable[[], None] | None:
@@ -138,6 +178,7 @@ class Supervisor:
         self.stdin_lifeline = stdin_lifeline
         self.procs: list[subprocess.Popen[bytes]] = []
         self.first_failure: int | None = None
+        self.codes: dict[int, int] = {}  # rank -> exit code, once run() returned
         self.stopped: set[int] = set()  # ranks still running when the launcher stopped them
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -180,6 +221,7 @@ class Supervisor:
                         self._stop_all()
             for t in readers:
                 t.join()
+            self.codes = codes
             return codes
         except BaseException:
             self._kill_all(signal.SIGKILL)

@@ -20,32 +20,24 @@ host(s) and remote traceback.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import IO, Any
-
-import cloudpickle
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from spark_estimators import envvars as ev
 from spark_estimators import run_options
 from spark_estimators._base.console_bar import SPARK_CONSOLE_BAR
-from spark_estimators._base.environ import validate_env
-from spark_estimators._base.output import OutputPrinter
-from spark_estimators._base.pickling import pickle_payload
-from spark_estimators._base.session import (
-    available_task_slots,
-    cancel_job_group,
-    default_num_proc,
-    driver_service_host,
-    end_job_group,
-    get_spark,
-    spark_master,
-    start_job_group,
+from spark_estimators._base.session import driver_service_host, get_spark
+from spark_estimators.driver.launch_job import (
+    ADMISSION_WAIT_S,
+    EventCallback,
+    LaunchOptions,
+    SparkJob,
+    check_admission,
+    check_call,
+    new_job,
+    results_by_rank,
 )
-from spark_estimators.driver.frames import new_secret
 from spark_estimators.driver.service import DriverService, JobState, is_consequence
 from spark_estimators.errors import (
     ConfigurationError,
@@ -53,13 +45,31 @@ from spark_estimators.errors import (
     TrainingFailedError,
 )
 from spark_estimators.task import spare
+from spark_estimators.task.spark_task import TaskConfig, barrier_task
+from spark_estimators.task.stream_spill import StreamTaskSettings
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
 
 logger = logging.getLogger(__name__)
 
 ABORT_GRACE_S = 5.0
-ADMISSION_WAIT_S = 30.0
+#: The barrier stage's result rows.
+TASK_SCHEMA = "index long, rank long, seconds double"
 
-EventCallback = Callable[[int, str, Any], None]
+__all__ = ["ADMISSION_WAIT_S", "EventCallback", "check_admission", "launch", "run"]
+
+
+class StreamSource(Protocol):
+    """The estimators' ``data="stream"`` input (``data.stream.StreamInput``)."""
+
+    @property
+    def dataframe(self) -> DataFrame:
+        """``num_proc`` partitions, one per rank, that the barrier stage maps over."""
+
+    @property
+    def split_col(self) -> str | None:
+        """The column that flags validation rows, if any."""
 
 
 def _resolve_backend(backend: str | None, use_mpi: bool | None, use_gloo: bool | None) -> str:
@@ -69,54 +79,13 @@ def _resolve_backend(backend: str | None, use_mpi: bool | None, use_gloo: bool |
         return "mpi"
     if use_gloo:
         return "gloo"
-    return run_options.check_backend(backend or "auto")
-
-
-def check_admission(spark: Any, num_proc: int, wait_s: float = 0.0) -> None:
-    """Fail fast when the cluster cannot run ``num_proc`` tasks at once (barrier mode).
-
-    On a cluster, executors that are still starting get up to ``wait_s`` seconds to register.
-    """
-    slots = available_task_slots(spark, needed=num_proc, wait_s=wait_s)
-    if slots is not None and num_proc > slots:
-        raise ConfigurationError(
-            f"num_proc={num_proc} needs {num_proc} concurrent Spark task slots, but the cluster "
-            f"(master {spark_master(spark)!r}) has {slots}. Use num_proc<={slots}, or add "
-            f"executors/cores (e.g. master local[{num_proc}], more spark.executor.instances, "
-            f"or a lower spark.task.cpus)."
-        )
-
-
-def _spark_job(
-    spark: Any,
-    num_proc: int,
-    task_fn: Any,
-    job_id: str,
-    box: dict[str, Any],
-    svc: DriverService,
-    source_df: Any = None,
-) -> None:
-    try:
-        start_job_group(spark, job_id, f"spark_estimators.run {num_proc} ranks")
-        # data="stream": the tasks map over the training data itself (one partition per rank).
-        df = spark.range(num_proc, numPartitions=num_proc) if source_df is None else source_df
-        out = df.mapInArrow(task_fn, "index long, rank long, seconds double", barrier=True)
-        box["rows"] = out.collect()
-    except BaseException as exc:
-        box["error"] = exc
-    finally:
-        try:
-            end_job_group(spark, job_id)
-        except Exception as exc:  # the session may be gone after an interrupt
-            logger.debug("could not clear the job tag %s: %s", job_id, exc)
-        box["done"] = True
-        svc.notify()
+    return backend or "auto"
 
 
 def run(
-    fn: Callable[..., Any],
-    args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
+    fn: Callable[..., object],
+    args: Sequence[object] = (),
+    kwargs: dict[str, object] | None = None,
     num_proc: int | None = None,
     start_timeout: float | None = None,
     env: dict[str, str] | None = None,
@@ -128,14 +97,14 @@ def run(
     backend: str = "auto",
     use_mpi: bool | None = None,
     use_gloo: bool | None = None,
-    spark: Any = None,
+    spark: SparkSession | None = None,
     event_callback: EventCallback | None = None,
     nics: str | Sequence[str] | None = None,
     timeline: str | None = None,
     extra_mpi_args: str | None = None,
     executable: str | None = None,
     driver_host: str | None = None,
-    stream_input: Any = None,
+    stream_input: StreamSource | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark tasks; return the results by rank.
 
@@ -213,53 +182,86 @@ def run(
     >>> spark_estimators.run(fn, args=(42,), num_proc=2)  # doctest: +SKIP
     [(0, 42), (1, 42)]
     """
-    if not callable(fn):
-        raise ConfigurationError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(args, list | tuple):
-        raise ConfigurationError(f"args must be a tuple or list, got {type(args).__name__}")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise ConfigurationError(f"kwargs must be a dict, got {type(kwargs).__name__}")
+    check_call(fn, args, kwargs)
     collective_backend = _resolve_backend(backend, use_mpi, use_gloo)
     run_options.check_unsupported("run", extra_mpi_args=extra_mpi_args, executable=executable)
-    extra_env = validate_env(run_options.rank_env(env, nics=nics, timeline=timeline))
-    timeout = ev.start_timeout() if start_timeout is None else float(start_timeout)
-    if timeout <= 0:
-        raise ConfigurationError(f"start_timeout must be > 0 seconds, got {start_timeout!r}")
+    options = LaunchOptions(
+        num_proc=num_proc,
+        start_timeout=start_timeout,
+        env=run_options.rank_env(env, nics=nics, timeline=timeline),
+        backend=collective_backend,
+        verbose=verbose,
+        use_gpu=use_gpu,
+        stdout=stdout,
+        stderr=stderr,
+        prefix_output_with_timestamp=prefix_output_with_timestamp,
+        driver_host=driver_host,
+    )
+    return launch(
+        options, fn, args, kwargs, spark=spark, event_callback=event_callback,
+        stream_input=stream_input,
+    )  # fmt: skip
 
+
+def launch(
+    options: LaunchOptions,
+    fn: Callable[..., object],
+    args: Sequence[object] = (),
+    kwargs: dict[str, object] | None = None,
+    *,
+    spark: SparkSession | None = None,
+    event_callback: EventCallback | None = None,
+    stream_input: StreamSource | None = None,
+) -> list[Any]:
+    """:func:`run` with its options checked: the launch of ``options.num_proc`` ranks.
+
+    What :class:`~spark_estimators.core.backend.SparkBackend` calls; the arguments are as for
+    :func:`run`, and so are the result and the errors.
+    """
     spark = get_spark(spark)
-    if num_proc is None:
-        num_proc = default_num_proc(spark)
-    if not isinstance(num_proc, int) or isinstance(num_proc, bool) or num_proc < 1:
-        raise ConfigurationError(f"num_proc must be a positive int, got {num_proc!r}")
-    check_admission(spark, num_proc, wait_s=min(timeout, ADMISSION_WAIT_S))
-
-    payload = pickle_payload(fn, tuple(args), dict(kwargs or {}))
-    job_id = "spark_estimators-" + uuid.uuid4().hex[:12]
-    secret = new_secret()
-    driver_host = driver_service_host(spark, driver_host)
+    options = options.sized(spark)
+    check_admission(spark, options.ranks, wait_s=options.admission_wait_s)
+    job = new_job("spark_estimators", fn, args, kwargs)
+    driver_host = driver_service_host(spark, options.driver_host)
     svc = DriverService(
-        num_proc,
-        secret,
-        payload,
-        env=extra_env,
+        options.ranks,
+        job.secret,
+        job.payload,
+        env=options.environment,
         host=driver_host,
-        output=OutputPrinter(stdout, stderr, prefix_output_with_timestamp),
+        output=options.output(),
         events=event_callback,
     )
     pmi = None
-    if collective_backend == "mpi":  # the driver serves PMI: the ranks form one MPI_COMM_WORLD
+    if options.backend == "mpi":  # the driver serves PMI: the ranks form one MPI_COMM_WORLD
         from spark_estimators.driver.pmi import serve_mpi_job
 
         pmi = serve_mpi_job(svc, driver_host)
-    launcher = _Launch(
-        spark, svc, num_proc, job_id, timeout, collective_backend, use_gpu, secret, stream_input
+    config = TaskConfig(
+        driver_address=svc.address,
+        secret=job.secret,
+        job_id=job.job_id,
+        start_timeout=options.timeout,
+        backend=options.backend,
+        use_gpu=options.use_gpu,
+        stream=None if stream_input is None else StreamTaskSettings(stream_input.split_col),
+        preimport=spare.preimports(fn),  # the estimators' ranks: spare processes
     )
-    launcher.preimport(spare.preimports(fn))  # the estimators' ranks: spare processes
+    # data="stream": the tasks map over the training data itself (one partition per rank).
+    tasks = spark.range(options.ranks, numPartitions=options.ranks)
+    if stream_input is not None:
+        tasks = stream_input.dataframe
+    spark_job = SparkJob(
+        spark, svc, job.job_id, f"spark_estimators.run {options.ranks} ranks", tasks,
+        partial(barrier_task, config), TASK_SCHEMA, barrier=True, join_s=ABORT_GRACE_S,
+    )  # fmt: skip
+    if options.verbose >= 1:
+        logger.info("launching %d ranks (job %s)", options.ranks, job.job_id)
     # The barrier stage's bar says nothing while ranks run ("(0 + n) / n" until they end) and
     # Spark draws it over the ranks' forwarded lines: muted for the job, restored after it.
     SPARK_CONSOLE_BAR.mute()
     try:
-        return launcher.run(verbose)
+        return _Barrier(spark_job, svc, options, streaming=stream_input is not None).run()
     finally:
         SPARK_CONSOLE_BAR.unmute()
         if pmi is not None:
@@ -267,100 +269,33 @@ def run(
         svc.close()
 
 
-class _Launch:
-    """One launch of a barrier job, waited on from the calling thread."""
+class _Barrier:
+    """Waits on one barrier job: every rank registers in time, then all report or one fails."""
 
     def __init__(
-        self,
-        spark: Any,
-        svc: DriverService,
-        num_proc: int,
-        job_id: str,
-        start_timeout: float,
-        backend: str,
-        use_gpu: bool | None,
-        secret: bytes,
-        stream_input: Any = None,
-    ):
-        from spark_estimators.task.spark_task import TaskConfig, barrier_task
+        self, job: SparkJob, svc: DriverService, options: LaunchOptions, streaming: bool
+    ) -> None:
+        self.job, self.svc, self.options, self.streaming = job, svc, options, streaming
 
-        self.spark, self.svc, self.num_proc, self.job_id = spark, svc, num_proc, job_id
-        self.start_timeout = start_timeout
-        self.source_df, stream = None, None
-        if stream_input is not None:
-            from spark_estimators.task.stream_spill import StreamTaskSettings
-
-            self.source_df = stream_input.dataframe
-            stream = StreamTaskSettings(split_col=stream_input.split_col)
-        config = TaskConfig(
-            driver_address=svc.address,
-            secret=secret,
-            job_id=job_id,
-            start_timeout=start_timeout,
-            backend=backend,
-            use_gpu=use_gpu,
-            stream=stream,
-        )
-        self.config = config
-        self.task_fn = partial(barrier_task, config)
-        self.box: dict[str, Any] = {"done": False}
-
-    def preimport(self, modules: tuple[str, ...]) -> None:
-        """Let the tasks adopt spare rank processes with ``modules`` imported (task/spare.py)."""
-        from dataclasses import replace
-
-        from spark_estimators.task.spark_task import barrier_task
-
-        self.config = replace(self.config, preimport=modules)
-        self.task_fn = partial(barrier_task, self.config)
-
-    def run(self, verbose: int) -> list[Any]:
-        if verbose >= 1:
-            logger.info("launching %d ranks (job %s)", self.num_proc, self.job_id)
-        thread = threading.Thread(
-            target=_spark_job,
-            args=(
-                self.spark,
-                self.num_proc,
-                self.task_fn,
-                self.job_id,
-                self.box,
-                self.svc,
-                self.source_df,
-            ),
-            name="se-spark-job",
-            daemon=True,
-        )
-        started = time.monotonic()
-        thread.start()
-        try:
-            self._wait_started(started)
-            self.svc.wait(lambda s: self.box["done"] or s.abort_reason is not None, timeout=None)
-        except RendezvousTimeoutError:
-            self._stop(thread, "start_timeout expired", grace=0.0)
-            raise
-        except BaseException:
-            # KeyboardInterrupt (a notebook interrupt): stop every rank and the Spark job.
-            self._stop(thread, "interrupted on the driver", grace=0.0)
-            raise
+    def run(self) -> list[Any]:
+        self.job.start()
+        with self.job.stopped_on_error():
+            self._wait_started()
+            self.job.wait(lambda s: s.abort_reason is not None, timeout=None)
         if self.svc.state.abort_reason is not None:
-            self._stop(thread, self.svc.state.abort_reason)
+            self.job.stop(self.svc.state.abort_reason, grace=ABORT_GRACE_S)
         return self._collect_results()
 
-    def _wait_started(self, started: float) -> None:
-        if self.source_df is not None:
+    def _wait_started(self) -> None:
+        if self.streaming:
             # The barrier stage starts after the data's shuffle stage, however long that takes.
-            self.svc.wait(
-                lambda s: bool(s.registrations) or s.abort_reason is not None or self.box["done"],
-                timeout=None,
-            )
-            started = time.monotonic()
-        deadline = started + self.start_timeout
+            self.job.wait(lambda s: bool(s.registrations) or s.abort_reason is not None, None)
+        timeout = self.options.timeout
 
         def registered_or_over(s: JobState) -> bool:
-            return bool(s.settings) or s.abort_reason is not None or self.box["done"]
+            return bool(s.settings) or s.abort_reason is not None
 
-        if not self.svc.wait(registered_or_over, timeout=max(0.0, deadline - time.monotonic())):
+        if not self.job.wait(registered_or_over, timeout=timeout):
             registered = sorted(self.svc.state.registrations)
             host, port = self.svc.address
             refused = self.svc.server.refusals.describe()
@@ -379,40 +314,28 @@ class _Launch:
                     f"set {ev.DRIVER_HOST}) to an address the executors can reach."
                 )
             raise RendezvousTimeoutError(
-                f"only {len(registered)} of {self.num_proc} Spark tasks registered within "
-                f"start_timeout={self.start_timeout:g}s ({self.svc.registered_summary()}). " + hint,
+                f"only {len(registered)} of {self.options.ranks} Spark tasks registered within "
+                f"start_timeout={timeout:g}s ({self.svc.registered_summary()}). " + hint,
                 registered=registered,
-                expected=self.num_proc,
+                expected=self.options.ranks,
             )
 
-    def _stop(self, thread: threading.Thread, reason: str, grace: float = ABORT_GRACE_S) -> None:
-        self.svc.abort(reason)
-        # Tasks kill their rank processes as soon as they see the abort, then return normally;
-        # cancelling the job group is the fallback (and the only way for tasks not yet started).
-        self.svc.wait(lambda s: self.box["done"], timeout=grace)
-        if not self.box["done"]:
-            try:
-                cancel_job_group(self.spark, self.job_id)
-            except Exception as exc:
-                logger.warning("could not cancel Spark job group %s: %s", self.job_id, exc)
-            thread.join(ABORT_GRACE_S)
-
     def _collect_results(self) -> list[Any]:
-        state = self.svc.state
+        state, num_proc = self.svc.state, self.options.ranks
         if state.failures:
             # A rank that dies makes its peers raise CollectiveError: name the cause first.
             primary = [r for r, f in state.failures.items() if not is_consequence(f.message)]
             ranks = ", ".join(str(r) for r in sorted(primary or state.failures))
             raise TrainingFailedError(
-                f"rank {ranks} failed ({len(state.failures)} of {self.num_proc} ranks reported "
+                f"rank {ranks} failed ({len(state.failures)} of {num_proc} ranks reported "
                 "a failure); the other ranks were stopped",
                 dict(state.failures),
             )
-        if "error" in self.box:
+        if self.job.error is not None:
             raise TrainingFailedError(
-                f"the Spark barrier job failed: {self.box['error']}"
-            ) from self.box["error"]
-        missing = [r for r in range(self.num_proc) if r not in state.results]
+                f"the Spark barrier job failed: {self.job.error}"
+            ) from self.job.error
+        missing = [r for r in range(num_proc) if r not in state.results]
         if missing:
             raise TrainingFailedError(f"ranks {missing} finished without reporting a result")
-        return [cloudpickle.loads(state.results[r]) for r in range(self.num_proc)]
+        return results_by_rank(state.results, num_proc)

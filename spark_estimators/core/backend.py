@@ -7,11 +7,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-from spark_estimators.errors import ConfigurationError
+from spark_estimators._base.session import get_spark
+from spark_estimators.driver.launch_job import EventCallback, LaunchOptions, check_admission
+from spark_estimators.runner import StreamSource, launch
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 class Backend(ABC):
@@ -20,11 +26,11 @@ class Backend(ABC):
     @abstractmethod
     def run(
         self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        fn: Callable[..., object],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
         env: dict[str, str] | None = None,
-        event_callback: Callable[[int, str, Any], None] | None = None,
+        event_callback: EventCallback | None = None,
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return results ordered by rank."""
 
@@ -38,6 +44,9 @@ class Backend(ABC):
 
 class SparkBackend(Backend):
     """Launch on Spark tasks with :func:`spark_estimators.run` (barrier mode).
+
+    The arguments are checked here, once, as a
+    :class:`~spark_estimators.driver.launch_job.LaunchOptions` (:attr:`options`).
 
     Parameters
     ----------
@@ -62,75 +71,61 @@ class SparkBackend(Backend):
         use_gpu: bool | None = None,
         collective_backend: str = "auto",
         prefix_output_with_timestamp: bool = False,
-        spark: Any = None,
+        spark: SparkSession | None = None,
     ):
-        if num_proc is not None and (not isinstance(num_proc, int) or num_proc < 1):
-            raise ConfigurationError(f"num_proc must be a positive int, got {num_proc!r}")
-        self._num_proc = num_proc
-        self.env = dict(env or {})
-        self.stdout, self.stderr = stdout, stderr
-        self.verbose = verbose
-        self.start_timeout = start_timeout
-        self.use_gpu = use_gpu
-        self.collective_backend = collective_backend
-        self.prefix_output_with_timestamp = prefix_output_with_timestamp
+        self.options = LaunchOptions(
+            num_proc=num_proc,
+            start_timeout=start_timeout,
+            env=env,
+            backend=collective_backend,
+            verbose=verbose,
+            use_gpu=use_gpu,
+            stdout=stdout,
+            stderr=stderr,
+            prefix_output_with_timestamp=prefix_output_with_timestamp,
+        )
         self.spark = spark
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The rank processes' extra variables (a dict; what is added to it is checked at run)."""
+        return self.options.environment
 
     def with_num_proc(self, num_proc: int) -> SparkBackend:
         """A copy of this backend that starts ``num_proc`` ranks."""
         clone = copy.copy(self)
-        clone._num_proc = num_proc
+        clone.options = dataclasses.replace(self.options, num_proc=num_proc)
         return clone
 
     def num_processes(self) -> int:
         """``num_proc``, or the cluster's default (its task slots) when it was not given."""
-        if self._num_proc is None:
-            from spark_estimators.core.session import default_num_proc, get_spark
-
-            return default_num_proc(get_spark(self.spark))
-        return self._num_proc
+        return self.options.sized(get_spark(self.spark)).ranks
 
     def check_admission(self) -> None:
         """Fail in the driver when the cluster has fewer task slots than ranks."""
-        from spark_estimators.core.session import get_spark
-        from spark_estimators.runner import ADMISSION_WAIT_S, check_admission
-
-        timeout = self.start_timeout if self.start_timeout is not None else ADMISSION_WAIT_S
         check_admission(
-            get_spark(self.spark), self.num_processes(), wait_s=min(timeout, ADMISSION_WAIT_S)
+            get_spark(self.spark), self.num_processes(), wait_s=self.options.admission_wait_s
         )
 
     def run(
         self,
-        fn: Callable[..., Any],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        fn: Callable[..., object],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
         env: dict[str, str] | None = None,
-        event_callback: Callable[[int, str, Any], None] | None = None,
-        stream_input: Any = None,
+        event_callback: EventCallback | None = None,
+        stream_input: StreamSource | None = None,
     ) -> list[Any]:
         """Run ``fn`` on the ranks with :func:`spark_estimators.run`; one result per rank.
 
-        ``stream_input``: the estimators' ``data="stream"`` input (see
-        :func:`~spark_estimators.run`).
+        ``env`` is added to the backend's own; ``stream_input``: the estimators'
+        ``data="stream"`` input (see :func:`~spark_estimators.run`).
         """
-        from spark_estimators.runner import run
-
-        merged = dict(self.env)
-        merged.update(env or {})
-        return run(
+        return launch(
+            dataclasses.replace(self.options, env={**self.env, **(env or {})}),
             fn,
-            args=args,
-            kwargs=kwargs,
-            num_proc=self.num_processes(),
-            start_timeout=self.start_timeout,
-            env=merged,
-            stdout=self.stdout,
-            stderr=self.stderr,
-            verbose=self.verbose,
-            use_gpu=self.use_gpu,
-            prefix_output_with_timestamp=self.prefix_output_with_timestamp,
-            backend=self.collective_backend,
+            args,
+            kwargs,
             spark=self.spark,
             event_callback=event_callback,
             stream_input=stream_input,

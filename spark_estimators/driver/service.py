@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -43,6 +44,7 @@ def is_consequence(message: str) -> bool:
 
 OutputSink = Callable[[int, str, list[str]], None]
 EventSink = Callable[[int, str, Any], None]
+Handler = Callable[[Any, Connection], object]
 
 
 @dataclass(frozen=True)
@@ -121,18 +123,63 @@ class JobState:
     abort_reason: str | None = None
 
 
-class JobServiceBase(Generic[StateT]):
-    """What the driver services of a job share: state, condition variable, output sinks.
+class JobServiceBase(ABC, Generic[StateT]):
+    """What the driver services of a job share: the RPC server, state, condition, output sinks.
 
     Shared by :class:`DriverService` and the elastic driver service; subclasses set
-    ``self.state``, ``self._cond``, ``self._output`` and ``self._events``, and change the
-    state only while holding ``_cond``.
+    ``self.state`` before calling ``__init__``, change it only while holding ``_cond``, and
+    answer request ``kind`` with a method ``_on_<kind>(data, conn)``.
+
+    Parameters
+    ----------
+    secret
+        Per-job HMAC key.
+    host
+        Address to bind (the driver's address as executors see it).
+    output
+        ``output(rank, stream, lines)`` receives each rank's stdout/stderr lines.
+    events
+        ``events(rank, kind, data)`` receives events sent by rank code (metrics, progress).
+    extra_handlers
+        ``kind -> handler(data, conn)`` for requests the service has no method for.
     """
 
     state: StateT
-    _cond: threading.Condition
-    _output: OutputSink | None
-    _events: EventSink | None
+
+    def __init__(
+        self,
+        secret: bytes,
+        host: str = "127.0.0.1",
+        output: OutputSink | None = None,
+        events: EventSink | None = None,
+        extra_handlers: Mapping[str, Handler] | None = None,
+    ) -> None:
+        self._cond = threading.Condition()
+        self._output = output
+        self._events = events
+        self._extra = dict(extra_handlers or {})
+        self._rendezvous_kv = RendezvousKV()
+        self.server = RpcServer(secret, self._handle, host=host, on_disconnect=self._disconnected)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The ``(host, port)`` the service listens on."""
+        return self.server.address
+
+    def _handle(self, kind: str, data: Any, conn: Connection) -> object:
+        method = getattr(self, "_on_" + kind, None)
+        if method is not None:
+            return method(data, conn)
+        if kind in self._extra:
+            return self._extra[kind](data, conn)
+        raise ValueError(f"unknown request {kind!r}")
+
+    def _disconnected(self, conn: Connection) -> None:
+        """A connection closed (a task or rank process may be gone)."""
+
+    @abstractmethod
+    def abort(self, reason: str) -> None:
+        """Abort the job with ``reason`` (the first reason wins) and wake every waiter."""
 
     def wait(self, predicate: Callable[[StateT], bool], timeout: float | None) -> bool:
         """Wait until ``predicate(state)`` holds; False when ``timeout`` passed first."""
@@ -154,32 +201,22 @@ class JobServiceBase(Generic[StateT]):
 
     def _on_store(self, data: Any, conn: Connection) -> Any:
         """The ranks' collective rendezvous store (:mod:`spark_estimators.driver.kvstore`)."""
-        with self._cond:
-            kv = self.__dict__.get("_rendezvous_kv")
-            if kv is None:
-                kv = self.__dict__["_rendezvous_kv"] = RendezvousKV()
-        return kv.handle(data)
+        return self._rendezvous_kv.handle(data)
 
 
 class DriverService(JobServiceBase[JobState]):
-    """Serves one job over :class:`RpcServer`; the runner waits on it.
+    """Serves one ``run`` job over :class:`RpcServer`; the runner waits on it.
 
     Parameters
     ----------
     num_proc
         Number of tasks that must register.
-    secret
-        Per-job HMAC key.
+    secret, host, output, events, extra_handlers
+        As for :class:`JobServiceBase`.
     payload
         cloudpickle of ``(fn, args, kwargs)``, handed to each rank process.
     env
         Extra environment for the rank processes.
-    host
-        Address to bind (the driver's address as executors see it).
-    output
-        ``output(rank, stream, lines)`` receives each rank's stdout/stderr lines.
-    events
-        ``events(rank, kind, data)`` receives events sent by rank code (metrics, progress).
     """
 
     def __init__(
@@ -191,23 +228,14 @@ class DriverService(JobServiceBase[JobState]):
         host: str = "127.0.0.1",
         output: OutputSink | None = None,
         events: EventSink | None = None,
-        extra_handlers: dict[str, Callable[[Any, Connection], Any]] | None = None,
+        extra_handlers: Mapping[str, Handler] | None = None,
     ):
         self.state = JobState(num_proc=num_proc, payload=payload, env=dict(env or {}))
-        self._cond = threading.Condition()
-        self._output = output
-        self._events = events
-        self._extra = dict(extra_handlers or {})
         self._rank_env: Callable[[RankSettings], dict[str, str]] | None = None
         self._unset_env: tuple[str, ...] = ()
         self._provisional: set[int] = set()  # failures a rank's own later report may replace
         self._pending_abort: threading.Timer | None = None
-        self.server = RpcServer(secret, self._handle, host=host, on_disconnect=self._disconnected)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """The ``(host, port)`` the service listens on."""
-        return self.server.address
+        super().__init__(secret, host, output, events, extra_handlers)
 
     def set_rank_env(
         self, rank_env: Callable[[RankSettings], dict[str, str]], unset: Sequence[str] = ()
@@ -220,14 +248,6 @@ class DriverService(JobServiceBase[JobState]):
         self._unset_env = tuple(unset)
 
     # -- handlers --------------------------------------------------------------------------------
-    def _handle(self, kind: str, data: Any, conn: Connection) -> Any:
-        method = getattr(self, "_on_" + kind, None)
-        if method is not None:
-            return method(data, conn)
-        if kind in self._extra:
-            return self._extra[kind](data, conn)
-        raise ValueError(f"unknown request {kind!r}")
-
     def _on_register(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
         reg = Registration(**data)
         with self._cond:

@@ -15,97 +15,50 @@ same way when slots free up, up to ``max_num_proc`` ranks.
 from __future__ import annotations
 
 import logging
-import threading
-import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import IO, TYPE_CHECKING, Any
 
-import cloudpickle
-
-from spark_estimators import envvars as ev
-from spark_estimators._base.environ import validate_env
-from spark_estimators._base.output import OutputPrinter
-from spark_estimators._base.pickling import pickle_payload
-from spark_estimators._base.session import (
-    available_task_slots,
-    cancel_job_group,
-    default_num_proc,
-    driver_service_host,
-    end_job_group,
-    ensure_driver_side,
-    get_spark,
-    spark_master,
-    start_job_group,
+from spark_estimators._base.session import driver_service_host, ensure_driver_side, get_spark
+from spark_estimators.driver.launch_job import (
+    EventCallback,
+    LaunchOptions,
+    SparkJob,
+    check_admission,
+    check_call,
+    new_job,
+    results_by_rank,
 )
-from spark_estimators.driver.frames import new_secret
-from spark_estimators.elastic.service import ElasticDriverService, ElasticPolicy, ElasticState
+from spark_estimators.elastic.service import (
+    DEFAULT_ELASTIC_TIMEOUT,
+    DEFAULT_REJOIN_WAIT,
+    ElasticDriverService,
+    ElasticPolicy,
+    ElasticState,
+)
+from spark_estimators.elastic.task import elastic_task
 from spark_estimators.errors import (
-    ConfigurationError,
     ElasticResetLimitError,
     RendezvousTimeoutError,
     TrainingFailedError,
 )
+from spark_estimators.task.spark_task import TaskConfig
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ELASTIC_TIMEOUT = 600.0
-DEFAULT_REJOIN_WAIT = 10.0
 FINISH_GRACE_S = 10.0
 TICK_S = 0.5
 
-
-def _positive_int(name: str, value: Any) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigurationError(f"{name} must be a positive int, got {value!r}")
-    return value
-
-
-def _policy(
-    spark: SparkSession,
-    num_proc: int | None,
-    min_num_proc: int | None,
-    max_num_proc: int | None,
-    start_timeout: float | None,
-    elastic_timeout: float | None,
-    reset_limit: int | None,
-    rejoin_wait: float,
-) -> ElasticPolicy:
-    if num_proc is None:
-        num_proc = default_num_proc(spark)
-    num = _positive_int("num_proc", num_proc)
-    low = _positive_int("min_num_proc", num if min_num_proc is None else min_num_proc)
-    high = _positive_int("max_num_proc", num if max_num_proc is None else max_num_proc)
-    if not low <= num <= high:
-        raise ConfigurationError(
-            f"need min_num_proc <= num_proc <= max_num_proc, got {low} <= {num} <= {high}"
-        )
-    start = ev.start_timeout() if start_timeout is None else float(start_timeout)
-    elastic = DEFAULT_ELASTIC_TIMEOUT if elastic_timeout is None else float(elastic_timeout)
-    for name, value in (("start_timeout", start), ("elastic_timeout", elastic)):
-        if value <= 0:
-            raise ConfigurationError(f"{name} must be > 0 seconds, got {value!r}")
-    if reset_limit is not None and (not isinstance(reset_limit, int) or reset_limit < 0):
-        raise ConfigurationError(f"reset_limit must be None or an int >= 0, got {reset_limit!r}")
-    if rejoin_wait < 0:
-        raise ConfigurationError(f"rejoin_wait must be >= 0 seconds, got {rejoin_wait!r}")
-    slots = available_task_slots(spark, needed=num)
-    if slots is not None and num > slots:
-        raise ConfigurationError(
-            f"num_proc={num} needs {num} concurrent Spark task slots to start, but the cluster "
-            f"(master {spark_master(spark)!r}) has {slots}; lower num_proc (ranks beyond "
-            "it can still join later up to max_num_proc)"
-        )
-    return ElasticPolicy(num, low, high, start, elastic, reset_limit, rejoin_wait)
+__all__ = ["DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_REJOIN_WAIT", "run_elastic"]
 
 
 def run_elastic(
-    fn: Callable[..., Any],
-    args: Sequence[Any] = (),
-    kwargs: dict[str, Any] | None = None,
+    fn: Callable[..., object],
+    args: Sequence[object] = (),
+    kwargs: dict[str, object] | None = None,
     num_proc: int | None = None,
     min_num_proc: int | None = None,
     max_num_proc: int | None = None,
@@ -121,7 +74,7 @@ def run_elastic(
     use_gpu: bool | None = None,
     rejoin_wait: float = DEFAULT_REJOIN_WAIT,
     spark: SparkSession | None = None,
-    event_callback: Callable[[int, str, Any], None] | None = None,
+    event_callback: EventCallback | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as an elastic job; return the final ranks' results.
 
@@ -180,127 +133,100 @@ def run_elastic(
         task, or a rank failed after others had finished; lists every worker failure seen.
     """
     ensure_driver_side("run_elastic")
-    if not callable(fn):
-        raise ConfigurationError(f"fn must be callable, got {type(fn).__name__}")
-    extra_env = validate_env(env)
+    check_call(fn, args, kwargs)
+    options = LaunchOptions(
+        num_proc=num_proc,
+        start_timeout=start_timeout,
+        env=env,
+        backend=backend,
+        verbose=verbose,
+        use_gpu=use_gpu,
+        stdout=stdout,
+        stderr=stderr,
+    )
     spark = get_spark(spark)
-    policy = _policy(
-        spark, num_proc, min_num_proc, max_num_proc, start_timeout, elastic_timeout,
-        reset_limit, float(rejoin_wait),
+    options = options.sized(spark)
+    policy = ElasticPolicy.of(
+        options.ranks, min_num_proc, max_num_proc, options.timeout, elastic_timeout,
+        reset_limit, rejoin_wait,
     )  # fmt: skip
-    from spark_estimators.task.spark_task import TaskConfig
-
-    payload = pickle_payload(fn, tuple(args), dict(kwargs or {}))
-    job_id = "spark_estimators-elastic-" + uuid.uuid4().hex[:12]
-    secret = new_secret()
-    host = driver_service_host(spark)
+    check_admission(
+        spark, policy.num_proc,
+        hint="; lower num_proc (ranks beyond it can still join later up to max_num_proc)",
+    )  # fmt: skip
+    job = new_job("spark_estimators-elastic", fn, args, kwargs)
     svc = ElasticDriverService(
         policy,
-        secret,
-        payload,
-        env=extra_env,
-        host=host,
-        output=OutputPrinter(stdout, stderr, False),
+        job.secret,
+        job.payload,
+        env=options.environment,
+        host=driver_service_host(spark),
+        output=options.output(),
         events=event_callback,
     )
     config = TaskConfig(
         driver_address=svc.address,
-        secret=secret,
-        job_id=job_id,
+        secret=job.secret,
+        job_id=job.job_id,
         start_timeout=policy.start_timeout,
-        backend=backend,
-        use_gpu=use_gpu,
+        backend=options.backend,
+        use_gpu=options.use_gpu,
     )
+    n = policy.max_num_proc
+    # Not a barrier stage: a failed task is retried by Spark and joins the next round.
+    spark_job = SparkJob(
+        spark, svc, job.job_id, f"spark_estimators.run_elastic {n} tasks",
+        spark.range(n, numPartitions=n), partial(elastic_task, config), "worker string",
+        barrier=False, join_s=FINISH_GRACE_S,
+    )  # fmt: skip
     if verbose >= 1:
         logger.info(
             "elastic job %s: %d ranks (min %d, max %d)",
-            job_id,
+            job.job_id,
             policy.num_proc,
             policy.min_num_proc,
             policy.max_num_proc,
         )
     try:
-        return _Supervisor(spark, svc, config, policy).run()
+        return _supervise(spark_job, svc)
     finally:
         svc.close()
 
 
-class _Supervisor:
-    def __init__(
-        self, spark: SparkSession, svc: ElasticDriverService, config: Any, policy: ElasticPolicy
-    ):
-        self.spark, self.svc, self.config, self.policy = spark, svc, config, policy
-        self.box: dict[str, Any] = {"done": False}
+def _supervise(job: SparkJob, svc: ElasticDriverService) -> list[Any]:
+    """Re-check the service's timeouts until the job is done, failed or interrupted."""
 
-    def _job(self) -> None:
-        from spark_estimators.elastic.task import elastic_task
+    def over(s: ElasticState) -> bool:
+        return s.done or s.abort_reason is not None
 
-        n = self.policy.max_num_proc
-        job_id = self.config.job_id
-        try:
-            start_job_group(self.spark, job_id, f"spark_estimators.run_elastic {n} tasks")
-            # Not a barrier stage: a failed task is retried by Spark and joins the next round.
-            df = self.spark.range(n, numPartitions=n)
-            out = df.mapInArrow(partial(elastic_task, self.config), "worker string")
-            self.box["rows"] = out.collect()
-        except BaseException as exc:
-            self.box["error"] = exc
-        finally:
-            try:
-                end_job_group(self.spark, job_id)
-            except Exception as exc:  # the session may be gone after an interrupt
-                logger.debug("could not clear the job tag %s: %s", job_id, exc)
-            self.box["done"] = True
-            self.svc.notify()
+    job.start()
+    with job.stopped_on_error():
+        while not job.wait(over, timeout=TICK_S):
+            svc.tick()
+    state = svc.state
+    if state.done:
+        # Workers still waiting are told the job is over; Spark's job then ends by itself.
+        job.stop(None, grace=FINISH_GRACE_S)
+        return results_by_rank(state.results, len(state.members))
+    job.stop(state.abort_reason or "the Spark job ended", grace=0.0)
+    raise _error(svc, job.error)
 
-    def run(self) -> list[Any]:
-        thread = threading.Thread(target=self._job, name="se-elastic-job", daemon=True)
-        thread.start()
 
-        def over(s: ElasticState) -> bool:
-            return s.done or s.abort_reason is not None or self.box["done"]
-
-        try:
-            while not self.svc.wait(over, timeout=TICK_S):
-                self.svc.tick()
-        except BaseException:
-            self.svc.abort("interrupted on the driver")
-            self._cancel(thread)
-            raise
-        state = self.svc.state
-        if state.done:
-            # Workers still waiting are told the job is over; Spark's job then ends by itself.
-            self.svc.wait(lambda s: self.box["done"], timeout=FINISH_GRACE_S)
-            if not self.box["done"]:
-                self._cancel(thread)
-            return [cloudpickle.loads(state.results[r]) for r in range(len(state.members))]
-        self.svc.abort(state.abort_reason or "the Spark job ended")
-        self._cancel(thread)
-        raise self._error()
-
-    def _cancel(self, thread: threading.Thread) -> None:
-        try:
-            cancel_job_group(self.spark, self.config.job_id)
-        except Exception as exc:
-            logger.warning("could not cancel Spark job group %s: %s", self.config.job_id, exc)
-        thread.join(FINISH_GRACE_S)
-
-    def _error(self) -> Exception:
-        state = self.svc.state
-        failures = {i: f for i, f in enumerate(state.failures)}
-        summary = f"after {state.resets} reset(s), {len(state.failures)} worker failure(s)"
-        if state.abort_error == "reset_limit":
-            return ElasticResetLimitError(
-                f"the elastic job stopped: {state.abort_reason} ({summary})", failures
-            )
-        if state.abort_error == "start_timeout":
-            return RendezvousTimeoutError(
-                f"the elastic job could not start: {state.abort_reason}; raise start_timeout "
-                f"or lower num_proc",
-                expected=self.policy.num_proc,
-            )
-        reason = state.abort_reason
-        if reason is None or reason == "the Spark job ended":
-            error = self.box.get("error")
-            reason = f"the Spark job ended ({error})" if error else "the Spark job ended"
-        return TrainingFailedError(f"the elastic job failed: {reason} ({summary})", failures)
+def _error(svc: ElasticDriverService, job_error: BaseException | None) -> Exception:
+    state = svc.state
+    failures = dict(enumerate(state.failures))
+    summary = f"after {state.resets} reset(s), {len(state.failures)} worker failure(s)"
+    if state.abort_error == "reset_limit":
+        return ElasticResetLimitError(
+            f"the elastic job stopped: {state.abort_reason} ({summary})", failures
+        )
+    if state.abort_error == "start_timeout":
+        return RendezvousTimeoutError(
+            f"the elastic job could not start: {state.abort_reason}; raise start_timeout "
+            f"or lower num_proc",
+            expected=svc.policy.num_proc,
+        )
+    reason = state.abort_reason
+    if reason is None or reason == "the Spark job ended":
+        reason = f"the Spark job ended ({job_error})" if job_error else "the Spark job ended"
+    return TrainingFailedError(f"the elastic job failed: {reason} ({summary})", failures)

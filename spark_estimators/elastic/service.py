@@ -15,25 +15,28 @@ is done when every rank of the current round reported a result.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from spark_estimators.driver.rpc import Connection, RpcServer
+from spark_estimators.driver.launch_job import positive_int, positive_seconds
+from spark_estimators.driver.rpc import Connection
 from spark_estimators.driver.service import (
+    EventSink,
     JobServiceBase,
+    OutputSink,
     RankSettings,
     Registration,
     assign_ranks,
 )
-from spark_estimators.errors import RemoteError
+from spark_estimators.errors import ConfigurationError, RemoteError
 
 logger = logging.getLogger(__name__)
 
 JOINING, WAITING, RUNNING, FINISHED, DEAD = "joining", "waiting", "running", "finished", "dead"
 POLL_S = 0.2
+DEFAULT_ELASTIC_TIMEOUT = 600.0
+DEFAULT_REJOIN_WAIT = 10.0
 
 
 @dataclass
@@ -53,9 +56,13 @@ class Worker:
     died_at: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ElasticPolicy:
-    """Sizes and timeouts of an elastic job (validated by ``run_elastic``)."""
+    """Sizes and timeouts of an elastic job, checked when built.
+
+    ``min_num_proc <= num_proc <= max_num_proc``, positive timeouts, ``reset_limit`` None (no
+    limit) or >= 0, ``rejoin_wait`` >= 0; :meth:`of` fills in the defaults of ``run_elastic``.
+    """
 
     num_proc: int
     min_num_proc: int
@@ -64,6 +71,45 @@ class ElasticPolicy:
     elastic_timeout: float
     reset_limit: int | None
     rejoin_wait: float
+
+    def __post_init__(self) -> None:
+        num = positive_int("num_proc", self.num_proc)
+        low = positive_int("min_num_proc", self.min_num_proc)
+        high = positive_int("max_num_proc", self.max_num_proc)
+        if not low <= num <= high:
+            raise ConfigurationError(
+                f"need min_num_proc <= num_proc <= max_num_proc, got {low} <= {num} <= {high}"
+            )
+        for name in ("start_timeout", "elastic_timeout"):
+            object.__setattr__(self, name, positive_seconds(name, getattr(self, name)))
+        limit = self.reset_limit
+        if limit is not None and (not isinstance(limit, int) or limit < 0):
+            raise ConfigurationError(f"reset_limit must be None or an int >= 0, got {limit!r}")
+        if self.rejoin_wait < 0:
+            raise ConfigurationError(f"rejoin_wait must be >= 0 seconds, got {self.rejoin_wait!r}")
+        object.__setattr__(self, "rejoin_wait", float(self.rejoin_wait))
+
+    @classmethod
+    def of(
+        cls,
+        num_proc: int,
+        min_num_proc: int | None,
+        max_num_proc: int | None,
+        start_timeout: float,
+        elastic_timeout: float | None,
+        reset_limit: int | None,
+        rejoin_wait: float = DEFAULT_REJOIN_WAIT,
+    ) -> ElasticPolicy:
+        """The policy of ``run_elastic``'s arguments: min and max default to ``num_proc``."""
+        return cls(
+            num_proc,
+            num_proc if min_num_proc is None else min_num_proc,
+            num_proc if max_num_proc is None else max_num_proc,
+            start_timeout,
+            DEFAULT_ELASTIC_TIMEOUT if elastic_timeout is None else elastic_timeout,
+            reset_limit,
+            rejoin_wait,
+        )
 
 
 @dataclass
@@ -93,29 +139,16 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
         payload: bytes,
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
-        output: Callable[[int, str, list[str]], None] | None = None,
-        events: Callable[[int, str, Any], None] | None = None,
+        output: OutputSink | None = None,
+        events: EventSink | None = None,
     ):
         self.policy = policy
         self.payload = payload
         self.env = dict(env or {})
         self.state = ElasticState()
-        self._cond = threading.Condition()
-        self._output, self._events = output, events
         self._seq = 0
         self._started = time.monotonic()
-        self.server = RpcServer(secret, self._handle, host=host, on_disconnect=self._disconnected)
-
-    @property
-    def address(self) -> tuple[str, int]:
-        """The ``(host, port)`` the service listens on."""
-        return self.server.address
-
-    def _handle(self, kind: str, data: Any, conn: Connection) -> Any:
-        method = getattr(self, "_on_" + kind, None)
-        if method is None:
-            raise ValueError(f"unknown request {kind!r}")
-        return method(data, conn)
+        super().__init__(secret, host, output, events)
 
     # -- task side -------------------------------------------------------------------------------
     def _on_join(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
