@@ -33,6 +33,13 @@ Parquet reader permutes row-group slices), seeded by ``(seed, epoch, rank, pass)
 
 Memory: the rank holds one decoded segment batch, the shuffle buffer and the prefetch queue, as
 the Parquet reader does; the spill stays on disk (``held_rows_peak`` reports the high-water mark).
+
+Bad rows: the driver checks what needs no job (columns exist, supported types, shapes); nulls,
+NaNs and wrong lengths are only seen in the rows. The first time the reader decodes a segment it
+checks every batch as the Parquet writer does (:func:`~spark_estimators.data._arrow.invalid_rows`)
+and raises a :class:`~spark_estimators.errors.ConfigurationError` naming the column, the value and
+the fix, so the fit fails with a ``TrainingFailedError`` at the first such row instead of training
+on NaN or failing in the framework's collate.
 """
 
 from __future__ import annotations
@@ -174,6 +181,34 @@ def rank_stream() -> StreamSource:
         return _source
 
 
+def check_rows(batch: pa.RecordBatch, columns: Mapping[str, ColumnInfo], where: str) -> None:
+    """Raise if a used column of ``batch`` has a null, a NaN or a row of the wrong length.
+
+    The message names the column, the first bad value, ``where`` the rows came from, and the fix.
+    """
+    from spark_estimators.data._arrow import invalid_rows
+
+    for name, info in columns.items():
+        if info.is_sparse or name not in batch.schema.names:  # stream vectors arrive dense
+            continue
+        invalid, bad_length = invalid_rows(batch.column(name), info)
+        for mask, problem in ((invalid, "null or NaN"), (bad_length, "wrong-length")):
+            bad = np.flatnonzero(mask)
+            if not len(bad):
+                continue
+            value = repr(batch.column(name)[int(bad[0])].as_py())
+            value = value if len(value) <= 80 else value[:77] + "..."
+            expected = "" if info.kind == "scalar" else f" (every row needs {info.size} values)"
+            raise ConfigurationError(
+                f"column {name!r} has {problem} values in {len(bad)} row(s) of a Spark batch "
+                f"read by {where}, e.g. {value}{expected}; data='stream' checks rows as they "
+                f"arrive, so the fit stops at the first such batch. Fill or drop these rows "
+                f"before fit (df.na.drop(subset=[{name!r}]) or df.na.fill(...) for a scalar "
+                "column; a filter for array/vector values), or use data='parquet' with "
+                "drop_invalid_rows=True to drop them"
+            )
+
+
 def _steps_rule(steps: int, limit: int | None, multiple: int) -> int:
     """``epoch_steps``'s rule: cap by ``limit``, round up to a multiple of ``multiple``."""
     if limit is not None:
@@ -220,6 +255,7 @@ class StreamBatchReader:
         self._multiple = 1
         self._held = HeldRows()
         self._spare_buffer: Batch | None = None
+        self._checked: set[str] = set()  # segments whose rows passed check_rows
 
     # ------------------------------------------------------------------------ steps
     def plan(self, limit: int | None, multiple: int = 1) -> None:
@@ -397,10 +433,15 @@ class StreamBatchReader:
     def _read_segment(self, path: str) -> Iterator[Batch]:
         import pyarrow as pa
 
+        check = path not in self._checked  # the first read only: later epochs re-read the same
         with pa.OSFile(path) as f:
             reader = pa.ipc.open_file(f)
             for i in range(reader.num_record_batches):
-                yield self._decode(reader.get_batch(i))
+                batch = reader.get_batch(i)
+                if check:
+                    check_rows(batch, self.columns, f"rank {self.rank} ({self.split} rows)")
+                yield self._decode(batch)
+        self._checked.add(path)
 
     def _decode(self, batch: pa.RecordBatch) -> Batch:
         arrays = table_to_numpy(batch, self.columns, writable=not self.shuffle)

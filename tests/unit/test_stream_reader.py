@@ -188,3 +188,26 @@ def test_a_task_that_stops_streaming_fails_the_reader(tmp_path):
     spill.writer.close()  # the task died: the pipe closes without the end of the partition
     with pytest.raises(StoreError, match="stopped streaming"):
         list(spill.reader())
+
+
+@pytest.mark.parametrize(
+    ("arr", "ids", "message"),
+    [
+        ([[1.0, 2.0], [float("nan"), 0.0]], [0, 1], r"'arr' has null or NaN .* \[nan, 0\.0\]"),
+        ([[1.0, 2.0], None], [0, 1], r"column 'arr' has null or NaN values in 1 row\(s\).* None"),
+        ([[1.0, 2.0], [1.0]], [0, 1], r"column 'arr' has wrong-length .*needs 2 values"),
+        ([[1.0, 2.0], [3.0, 4.0]], [0, None], r"column 'id' has null .*subset=\['id'\]"),
+    ],
+)
+def test_bad_rows_fail_the_reader_naming_the_column_and_value(tmp_path, arr, ids, message):
+    spill = Spill(tmp_path / "0")
+    spill.writer.write(
+        pa.record_batch(
+            {"id": pa.array(ids, pa.int64()), "arr": pa.array(arr, pa.list_(pa.float32()))}
+        )
+    )
+    finish_all([spill])
+    with pytest.raises(ConfigurationError, match=message) as caught:
+        list(spill.reader())
+    assert "rank 0 (train rows)" in str(caught.value)
+    assert "drop_invalid_rows=True" in str(caught.value)
