@@ -35,12 +35,6 @@ def stream_df(spark):
     return stream_steps.make_df(spark)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue 29, open: one fresh-clone CI run (2026-11-26) had both ranks time out in DDP's "
-    "backward allreduce (gloo 120 s) in a Lightning stream fit; passes in isolation, cause not "
-    "found yet",
-)
 def test_lightning_streams(stream_df):
     pytest.importorskip("pytorch_lightning")
     check(stream_steps.lightning_stream(stream_df))
