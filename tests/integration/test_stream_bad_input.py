@@ -101,7 +101,7 @@ def test_null_or_nan_in_a_used_column_fails_the_fit_naming_it(spark, column, val
     with pytest.raises(TrainingFailedError) as caught:
         make_estimator().fit(make_df(spark, bad=column))
     message = str(caught.value)
-    assert f"column {column!r} has null or NaN values" in message
+    assert message.startswith(f"ConfigurationError: column {column!r} has null or NaN values")
     assert f"e.g. {value}" in message
     assert f"df.na.drop(subset=[{column!r}])" in message
     # The rank that read the row reports it (the other rank is stopped, not failed on its own).

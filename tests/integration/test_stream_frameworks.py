@@ -45,6 +45,22 @@ def test_keras_streams(stream_df):
     check(stream_steps.keras_stream(stream_df))
 
 
+@pytest.mark.parametrize("framework", ["lightning", "keras"])
+def test_a_null_label_fails_the_fit_naming_the_column(stream_df, framework):
+    pytest.importorskip("pytorch_lightning" if framework == "lightning" else "keras")
+    from pyspark.sql import functions as F
+
+    from spark_estimators.errors import TrainingFailedError
+
+    spoiled = F.monotonically_increasing_id() % 97 == 3
+    bad = stream_df.withColumn("y", F.when(spoiled, F.lit(None)).otherwise(F.col("y")))
+    with pytest.raises(TrainingFailedError) as caught:
+        getattr(stream_steps, f"{framework}_stream")(bad)
+    # The cause leads the message, not a framework's wrapper or a hang.
+    first = str(caught.value).splitlines()[0]
+    assert first.startswith("ConfigurationError: column 'y' has null or NaN values"), first
+
+
 @pytest.mark.slow
 def test_every_estimator_streams_from_spark_connect():
     pytest.importorskip("grpc", reason="Spark Connect needs the [connect] extra")
