@@ -10,7 +10,9 @@ rank-local Arrow spill that its rank reads while it grows
 (:mod:`spark_estimators.task.stream_spill`, :mod:`spark_estimators.data.stream_reader`).
 
 Checks that need no job run here: columns exist and have supported types; shapes come from the
-schema (``ml_attr``) or from a few rows, as ``prepare_data`` does.
+schema (``ml_attr``) or from a few rows, as ``prepare_data`` does. Nulls, NaNs and wrong lengths
+are only seen in the rows: each rank checks its rows as it first reads them
+(:func:`~spark_estimators.data.stream_reader.check_rows`) and the fit fails naming the column.
 """
 
 from __future__ import annotations
