@@ -317,7 +317,7 @@ def test_bad_arguments_are_explained(make, pattern):
 
 
 def test_fused_buffers_are_64_byte_aligned():
-    from spark_estimators.collective.keras.optimizer import ALIGNMENT, aligned_empty
+    from spark_estimators.collective.runtime.arrays import ALIGNMENT, aligned_empty
 
     for n, dtype in ((1, np.float32), (7, np.float64), (1000, np.float16), (33, np.float32)):
         buf = aligned_empty(n, dtype)

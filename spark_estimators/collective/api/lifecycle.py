@@ -11,7 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.collective.api import timeline as _timeline
 from spark_estimators.collective.backends.base import Topology, backend_class
@@ -25,11 +25,14 @@ logger = logging.getLogger(__name__)
 
 _atexit_registered = False
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
 
 def init(
     backend: str | None = None,
     *,
-    comm: Any = None,
+    comm: MPI.Intracomm | Sequence[int] | None = None,
     start_timeout: float | None = None,
     timeout: float | None = None,
     process_sets: Sequence[ProcessSet] | str | None = None,
@@ -84,7 +87,7 @@ def init(
                 "'dynamic'"
             )
         requested = _settings.requested_backend(backend)
-        extra: dict[str, Any] = {}
+        extra: dict[str, MPI.Intracomm | Sequence[int]] = {}
         if comm is not None:
             if backend not in (None, "auto", "mpi"):
                 raise ConfigurationError(

@@ -8,7 +8,7 @@ negotiates them with the other ranks and runs them on the active backend.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -22,8 +22,11 @@ from spark_estimators.errors import CollectiveError
 
 _NUMPY = NumpyOps()
 
+#: An object sent to every rank and received as the same kind of object.
+T = TypeVar("T")
 
-def _array(x: Any, op: str) -> np.ndarray:
+
+def _array(x: object, op: str) -> np.ndarray:
     if not isinstance(x, np.ndarray):
         raise CollectiveError(
             f"spark_estimators.collective.{op} takes numpy arrays, got {type(x).__name__}; for "
@@ -32,7 +35,7 @@ def _array(x: Any, op: str) -> np.ndarray:
     return x
 
 
-def _writable(x: Any, op: str) -> np.ndarray:
+def _writable(x: object, op: str) -> np.ndarray:
     arr = _array(x, op)
     if not (arr.flags.writeable and arr.flags.c_contiguous):
         raise CollectiveError(f"{op} works in place and needs a writable C-contiguous array")
@@ -277,15 +280,15 @@ def join() -> int:
 
 
 def allgather_object(
-    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
-) -> list[Any]:
+    obj: T, name: str | None = None, process_set: ProcessSet | None = None
+) -> list[T]:
     """Return the list of every rank's picklable ``obj``, in rank order."""
     return list(_ops.allgather_object(obj, name, True, process_set).result())
 
 
 def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
-) -> Any:
+    obj: T, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
+) -> T:
     """Return ``root_rank``'s picklable ``obj`` on every rank."""
     return _ops.broadcast_object(obj, root_rank, name, True, process_set).result()
 

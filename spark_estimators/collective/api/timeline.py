@@ -34,7 +34,6 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +63,7 @@ class Timeline:
         self.path = rank_path(path, rank)
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._lock = threading.Lock()
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[dict[str, object]] = []
         self._tids: dict[str, int] = {}
         self._last_flush = time.monotonic()
         # Wall-clock microseconds at a perf_counter origin: precise and comparable across ranks.
@@ -95,7 +94,7 @@ class Timeline:
         start_ns: int,
         negotiated_ns: int,
         end_ns: int,
-        args: dict[str, Any],
+        args: dict[str, object],
         queued_ns: int = 0,
     ) -> None:
         """Add the events of one op (``perf_counter_ns`` times; ``queued_ns`` 0: not queued)."""
@@ -165,7 +164,7 @@ def flush_all() -> None:
 
 def merge(paths: Sequence[str], out: str) -> str:
     """Join several ranks' timeline files into one trace file ``out`` and return its path."""
-    events: list[Any] = []
+    events: list[dict[str, object]] = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             events.extend(json.load(f)["traceEvents"])

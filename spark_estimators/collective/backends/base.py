@@ -53,13 +53,15 @@ import importlib
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from spark_estimators.errors import ConfigurationError
 
 Buffer = Any  # a contiguous numpy.ndarray or torch.Tensor
+#: An object sent to every rank and received as the same kind of object.
+T = TypeVar("T")
 
 # Every dtype the negotiation can name; the index is the wire code.
 DTYPES: tuple[str, ...] = (
@@ -243,7 +245,7 @@ class Backend(abc.ABC):
         return work[start : start + rows[self.rank]]
 
     # -- objects -----------------------------------------------------------------------------
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: T) -> list[T]:
         """Gather a picklable object from every rank, in rank order."""
         payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
         sizes = self.allgather(np.array([payload.size], dtype=np.int64), [1] * self.size)
@@ -254,7 +256,7 @@ class Backend(abc.ABC):
             offset += n
         return out
 
-    def broadcast_object(self, obj: Any, root: int) -> Any:
+    def broadcast_object(self, obj: T, root: int) -> T:
         """Return ``root``'s object on every rank."""
         payload = b""
         if self.rank == root:

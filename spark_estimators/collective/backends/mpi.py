@@ -46,7 +46,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -62,10 +63,16 @@ from spark_estimators.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+R = TypeVar("R")
+T = TypeVar("T")
+
 _WATCH_INTERVAL_S = 1.0
 
 
-def _import_mpi() -> Any:
+def _import_mpi() -> ModuleType:
     try:
         from mpi4py import MPI
     except ImportError as exc:
@@ -77,7 +84,7 @@ def _import_mpi() -> Any:
 
 
 # -- topology --------------------------------------------------------------------------------
-def topology_of(comm: Any) -> Topology:
+def topology_of(comm: MPI.Intracomm) -> Topology:
     """Horovod's rank numbers of this process in ``comm`` (hosts = shared-memory domains)."""
     from mpi4py import MPI
 
@@ -110,7 +117,7 @@ def _engine_request() -> str:
     """
     try:
         for top in sys._current_frames().values():
-            frame: Any = top
+            frame: FrameType | None = top
             while frame is not None:
                 request = frame.f_locals.get("request") if frame.f_code.co_name == "_run" else None
                 if request is not None and hasattr(request, "kind") and hasattr(request, "name"):
@@ -193,12 +200,12 @@ class MPIBackend(Backend):
         *,
         timeout: float,
         start_timeout: float,
-        comm: Any = None,
+        comm: MPI.Intracomm | Sequence[int] | None = None,
     ) -> None:
         super().__init__(topology, timeout=timeout, start_timeout=start_timeout)
         self._requested_comm = comm
-        self.comm: Any = None
-        self._ops: dict[ReduceOp, Any] = {}  # bfloat16 user ops, created on first use
+        self.comm: Any = None  # the MPI.Intracomm, from start() to shutdown()
+        self._ops: dict[ReduceOp, MPI.Op] = {}  # bfloat16 user ops, created on first use
         self._watchdog: _Watchdog | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -235,7 +242,7 @@ class MPIBackend(Backend):
         watchdog.disarm()
         self._watchdog = watchdog
 
-    def _base_comm(self, mpi: Any) -> Any:
+    def _base_comm(self, mpi: ModuleType) -> MPI.Intracomm:
         comm = self._requested_comm
         if comm is None:
             return mpi.COMM_WORLD
@@ -247,7 +254,7 @@ class MPIBackend(Backend):
                 )
             return comm
         try:
-            ranks = [int(r) for r in comm]
+            ranks = [int(r) for r in comm]  # type: ignore[union-attr]  # else TypeError
         except TypeError:
             raise ConfigurationError(
                 f"init(comm=...) takes an mpi4py communicator or a list of COMM_WORLD ranks, got "
@@ -283,7 +290,7 @@ class MPIBackend(Backend):
             return None
         return self._sub_backend(comm)
 
-    def subgroup_from_comm(self, comm: Any) -> Backend:
+    def subgroup_from_comm(self, comm: MPI.Intracomm) -> Backend:
         """A backend over a user's communicator (``hvd.ProcessSet(comm)``): a ``Dup`` of it."""
         mpi = _import_mpi()
         if not isinstance(comm, mpi.Intracomm) or comm == mpi.COMM_NULL:
@@ -292,7 +299,7 @@ class MPIBackend(Backend):
             )
         return self._sub_backend(self._run("creating a process set", comm.Dup))
 
-    def ranks_of(self, comm: Any) -> list[int]:
+    def ranks_of(self, comm: MPI.Intracomm) -> list[int]:
         """The ranks of this backend's communicator that form ``comm`` (in ``comm``'s order)."""
         mpi = _import_mpi()
         theirs = comm.Get_group()
@@ -308,7 +315,7 @@ class MPIBackend(Backend):
             )
         return [int(r) for r in translated]
 
-    def _sub_backend(self, comm: Any) -> MPIBackend:
+    def _sub_backend(self, comm: MPI.Intracomm) -> MPIBackend:
         mpi = _import_mpi()
         index, size = comm.Get_rank(), comm.Get_size()
         topo = Topology(rank=index, size=size, local_rank=index, local_size=size,
@@ -344,7 +351,7 @@ class MPIBackend(Backend):
         return bool(mpi.Query_thread() == mpi.THREAD_MULTIPLE)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _run(self, what: str, call: Callable[[], Any]) -> Any:
+    def _run(self, what: str, call: Callable[[], R]) -> R:
         watchdog = self._watchdog
         if watchdog is None:
             return call()
@@ -354,7 +361,7 @@ class MPIBackend(Backend):
         finally:
             watchdog._deadline = None  # disarm(), inlined: this runs twice per op
 
-    def _reduction(self, buf: Buffer, op: ReduceOp) -> tuple[Any, Any]:
+    def _reduction(self, buf: Buffer, op: ReduceOp) -> tuple[np.ndarray | list[object], MPI.Op]:
         """The typed buffer specification and the MPI op for reducing ``buf``."""
         from mpi4py import MPI
 
@@ -438,11 +445,11 @@ class MPIBackend(Backend):
         return out
 
     # -- objects -----------------------------------------------------------------------------
-    def allgather_object(self, obj: Any) -> list[Any]:
+    def allgather_object(self, obj: T) -> list[T]:
         """Every rank's picklable ``obj``, in rank order."""
         return list(self._run("allgather_object", lambda: self.comm.allgather(obj)))
 
-    def broadcast_object(self, obj: Any, root: int) -> Any:
+    def broadcast_object(self, obj: T, root: int) -> T:
         """Rank ``root``'s picklable ``obj`` on every rank."""
         return self._run("broadcast_object", lambda: self.comm.bcast(obj, root=root))
 

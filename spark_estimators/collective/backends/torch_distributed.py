@@ -34,6 +34,7 @@ from spark_estimators.errors import CollectiveError, ConfigurationError, Rendezv
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 
-def _alive(store: Any) -> bool:
+def _alive(store: dist.Store) -> bool:
     """Whether a kept store still reaches its server."""
     try:
         store.add("spark_estimators/alive", 0)
@@ -55,7 +56,7 @@ def _alive(store: Any) -> bool:
 _STORES: dict[tuple[str, int, int, int], list[Any]] = {}
 
 
-def _torch_op(op: ReduceOp) -> Any:
+def _torch_op(op: ReduceOp) -> dist.ReduceOp.RedOpType:
     import torch.distributed as dist
 
     return {
@@ -67,7 +68,9 @@ def _torch_op(op: ReduceOp) -> Any:
     }[op]
 
 
-def _gather_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
+def _gather_single(
+    out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None
+) -> None:
     import torch.distributed as dist
 
     # torch >= 2.10 renamed all_gather_into_tensor (the old name warns).
@@ -75,7 +78,12 @@ def _gather_single(out: torch.Tensor, tensor: torch.Tensor, group: Any) -> None:
     fn(out, tensor, group=group)
 
 
-def _reduce_scatter_single(out: torch.Tensor, tensor: torch.Tensor, op: Any, group: Any) -> None:
+def _reduce_scatter_single(
+    out: torch.Tensor,
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    group: dist.ProcessGroup | None,
+) -> None:
     import torch.distributed as dist
 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -133,15 +141,15 @@ class TorchDistributedBackend(Backend):
 
     dist_backend: ClassVar[str] = "gloo"
 
-    def __init__(self, topology: Any, *, timeout: float, start_timeout: float) -> None:
+    def __init__(self, topology: Topology, *, timeout: float, start_timeout: float) -> None:
         super().__init__(topology, timeout=timeout, start_timeout=start_timeout)
         self._owns_group = False
-        self.device: Any = None
+        self.device: torch.device | None = None  # set by start()
         #: The torch process group of a process set; None is the default (global) group.
-        self.group: Any = None
+        self.group: dist.ProcessGroup | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def _device(self) -> Any:
+    def _device(self) -> torch.device:
         import torch
 
         return torch.device("cpu")
@@ -151,7 +159,7 @@ class TorchDistributedBackend(Backend):
         import torch
         import torch.distributed as dist
 
-        self.device = self._device()
+        self.device = device = self._device()
         # ReduceOp.AVG: NCCL has it natively; Gloo since torch 2.7 (saves a scaling pass).
         version = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
         self.native_average = self.name == "nccl" or version >= (2, 7)
@@ -166,9 +174,6 @@ class TorchDistributedBackend(Backend):
             return
         timeout = datetime.timedelta(seconds=self.timeout)
         store = self._rendezvous_store()
-        kwargs: dict[str, Any] = {}
-        if self.device.type == "cuda":
-            kwargs["device_id"] = self.device
         try:
             dist.init_process_group(
                 self.dist_backend,
@@ -176,7 +181,7 @@ class TorchDistributedBackend(Backend):
                 rank=self.rank,
                 world_size=self.size,
                 timeout=timeout,
-                **kwargs,
+                device_id=device if device.type == "cuda" else None,
             )
         except (RuntimeError, ValueError) as exc:
             raise CollectiveError(
@@ -185,7 +190,7 @@ class TorchDistributedBackend(Backend):
             ) from exc
         self._owns_group = True
 
-    def _rendezvous_store(self) -> Any:
+    def _rendezvous_store(self) -> dist.Store:
         """The store of this init: the process's one TCP store, under a prefix per init.
 
         The store (rank 0 serves it at the advertised port) is made once per process and kept:
@@ -405,7 +410,7 @@ class NcclBackend(TorchDistributedBackend):
     name = "nccl"
     dist_backend = "cpu:gloo,cuda:nccl"
 
-    def _device(self) -> Any:
+    def _device(self) -> torch.device:
         import torch
 
         if not torch.cuda.is_available() or torch.cuda.device_count() == 0:

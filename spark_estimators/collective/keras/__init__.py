@@ -34,7 +34,7 @@ fails with an XLA error naming ``EagerPyFunc``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypeAlias
 
 try:
     import keras
@@ -50,7 +50,7 @@ import numpy as np
 from spark_estimators import collective as _core
 from spark_estimators.collective import api as _api
 from spark_estimators.collective.api import *  # noqa: F403
-from spark_estimators.collective.api.numpy_ops import barrier
+from spark_estimators.collective.api.numpy_ops import allgather_object, barrier, broadcast_object
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.keras import callbacks
 from spark_estimators.collective.keras.callbacks import (
@@ -72,12 +72,15 @@ from spark_estimators.collective.runtime.process_sets import ProcessSet
 
 is_distributed_optimizer = is_distributed
 
+#: What the eager ops take: a tensor, a (Keras or TensorFlow) variable or a numpy array.
+Value: TypeAlias = "tf.Tensor | tf.Variable | keras.Variable | np.ndarray"
 
-def _to_numpy(value: Any) -> np.ndarray:
+
+def _to_numpy(value: Value) -> np.ndarray:
     return np.ascontiguousarray(keras.ops.convert_to_numpy(value))
 
 
-def _like(result: np.ndarray, value: Any) -> Any:
+def _like(result: np.ndarray, value: Value) -> tf.Tensor | np.ndarray:
     """Return numpy for numpy input, else a TensorFlow tensor."""
     if isinstance(value, np.ndarray):
         return result
@@ -85,7 +88,7 @@ def _like(result: np.ndarray, value: Any) -> Any:
 
 
 def allreduce(
-    value: Any,
+    value: Value,
     average: bool | None = None,
     device_dense: str = "",
     device_sparse: str = "",
@@ -95,7 +98,7 @@ def allreduce(
     postscale_factor: float = 1.0,
     name: str | None = None,
     process_set: ProcessSet | None = None,
-) -> Any:
+) -> tf.Tensor | np.ndarray:
     """Reduce a tensor (or numpy array, or variable) across ranks; eager mode.
 
     Parameters are Horovod's; ``op`` defaults to ``Average`` (``Adasum`` is accepted). Returns
@@ -111,43 +114,31 @@ def allreduce(
     return _like(out, value)
 
 
-def allgather(value: Any, name: str | None = None, process_set: ProcessSet | None = None) -> Any:
+def allgather(
+    value: Value, name: str | None = None, process_set: ProcessSet | None = None
+) -> tf.Tensor | np.ndarray:
     """Concatenate every rank's tensor on the first dimension (which may differ)."""
     return _like(_core.allgather(_to_numpy(value), name, process_set), value)
 
 
 def broadcast(
-    value: Any, root_rank: int, name: str | None = None, process_set: ProcessSet | None = None
-) -> Any:
+    value: Value, root_rank: int, name: str | None = None, process_set: ProcessSet | None = None
+) -> tf.Tensor | np.ndarray:
     """``root_rank``'s tensor on every rank (a global rank, also with ``process_set``)."""
     return _like(_core.broadcast(_to_numpy(value), root_rank, name, process_set), value)
 
 
 def reducescatter(
-    value: Any,
+    value: Value,
     op: ReduceOp | int | None = None,
     name: str | None = None,
     process_set: ProcessSet | None = None,
-) -> Any:
+) -> tf.Tensor | np.ndarray:
     """Reduce across ranks; rank r gets block r of the first dimension."""
     resolved = resolve_op(op, None)
     return _like(
         _core.reducescatter(_to_numpy(value), resolved, name, process_set=process_set), value
     )
-
-
-def allgather_object(
-    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
-) -> list[Any]:
-    """Every rank's picklable ``obj``, in rank order."""
-    return _core.allgather_object(obj, name, process_set)
-
-
-def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
-) -> Any:
-    """``root_rank``'s picklable ``obj`` on every rank."""
-    return _core.broadcast_object(obj, root_rank, name, process_set)
 
 
 def broadcast_global_variables(root_rank: int) -> None:
@@ -162,9 +153,9 @@ def broadcast_global_variables(root_rank: int) -> None:
 def load_model(
     filepath: str,
     custom_optimizers: list[type] | None = None,
-    custom_objects: dict[str, Any] | None = None,
+    custom_objects: dict[str, object] | None = None,
     compression: type[Compressor] = Compression.none,
-) -> Any:
+) -> keras.Model:
     """Load a ``.keras`` model and wrap its optimizer in :func:`DistributedOptimizer`.
 
     Parameters

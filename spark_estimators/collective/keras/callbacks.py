@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import logging
 import numbers
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, MutableMapping, Sequence
 
 import keras
 import numpy as np
@@ -30,8 +29,13 @@ from spark_estimators.collective.keras.optimizer import check_initialized
 
 logger = logging.getLogger(__name__)
 
+#: What Keras hands a callback: metric name -> value.
+Logs = MutableMapping[str, float]
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, name: str = "bcast") -> None:
+
+def broadcast_variables(
+    variables: Sequence[keras.Variable], root_rank: int = 0, name: str = "bcast"
+) -> None:
     """Overwrite ``variables`` with ``root_rank``'s values: one broadcast per dtype.
 
     Parameters
@@ -46,7 +50,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, name: str 
     check_initialized("broadcast_variables")
     if _core.size() == 1 or not variables:
         return
-    groups: dict[str, list[Any]] = {}
+    groups: dict[str, list[keras.Variable]] = {}
     for v in variables:
         groups.setdefault(np.dtype(keras.backend.standardize_dtype(v.dtype)).name, []).append(v)
     for dtype_name in sorted(groups):
@@ -61,7 +65,7 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0, name: str 
             offset += a.size
 
 
-def average_logs(logs: dict[str, Any], name: str = "metric_average") -> dict[str, Any]:
+def average_logs(logs: Logs, name: str = "metric_average") -> Logs:
     """Average the numeric entries of ``logs`` over the ranks, in place, with one allreduce."""
     check_initialized("MetricAverageCallback")
     keys = sorted(k for k, v in logs.items() if _is_number(v))
@@ -74,7 +78,7 @@ def average_logs(logs: dict[str, Any], name: str = "metric_average") -> dict[str
     return logs
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     if isinstance(value, bool):
         return False
     if isinstance(value, numbers.Number):
@@ -96,7 +100,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.device = device
         self.broadcast_done = False
 
-    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+    def on_train_begin(self, logs: Logs | None = None) -> None:
         """Broadcast the model's (and optimizer's) variables from ``root_rank``."""
         model = self.model
         optimizer = getattr(model, "optimizer", None)
@@ -119,13 +123,13 @@ class MetricAverageCallback(keras.callbacks.Callback):
         super().__init__()
         self.device = device
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         """Average the epoch's metrics across ranks in ``logs``."""
         if logs is not None:
             average_logs(logs)
 
 
-def _get_lr(optimizer: Any) -> float:
+def _get_lr(optimizer: keras.optimizers.Optimizer) -> float:
     return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
 
@@ -177,7 +181,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.current_epoch = 0
         self._restore_momentum: float | None = None
 
-    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+    def on_train_begin(self, logs: Logs | None = None) -> None:
         """Remember the initial learning rate and the steps per epoch."""
         if not self.staircase and not self.steps_per_epoch:
             steps = (self.params or {}).get("steps")
@@ -188,7 +192,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
                 )
             self.steps_per_epoch = int(steps)
 
-    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         """Set the learning rate for this epoch when the schedule is per epoch."""
         self.current_epoch = epoch
 
@@ -202,12 +206,12 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         old_lr = _get_lr(optimizer)
         new_lr = self.initial_lr * self.multiplier(epoch)
         optimizer.learning_rate = new_lr
-        momentum: Any = getattr(optimizer, "momentum", None)
+        momentum: object = getattr(optimizer, "momentum", None)
         if self.momentum_correction and hasattr(momentum, "assign") and old_lr > 0:
             self._restore_momentum = float(keras.ops.convert_to_numpy(momentum))
             momentum.assign(self._restore_momentum * new_lr / old_lr)
 
-    def on_train_batch_begin(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_train_batch_begin(self, batch: int, logs: Logs | None = None) -> None:
         """Set the learning rate for this step when the schedule is per batch."""
         if not self._in_scope():
             return
@@ -217,13 +221,13 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             assert self.steps_per_epoch
             self._adjust(self.current_epoch + float(batch) / self.steps_per_epoch)
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
         """Put back the momentum that the learning-rate change of this step scaled."""
         if self._restore_momentum is not None:
             self.model.optimizer.momentum.assign(self._restore_momentum)
             self._restore_momentum = None
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         """Record the learning rate of the epoch in ``logs``."""
         if logs is not None:
             logs["lr"] = _get_lr(self.model.optimizer)
@@ -273,7 +277,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         self.warmup_epochs = warmup_epochs
         self.verbose = verbose
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         """Record the learning rate; at the last warmup epoch, say that the warmup finished."""
         super().on_epoch_end(epoch, logs)
         if epoch == self.warmup_epochs - 1 and self.verbose > 0 and _core.rank() == 0:
@@ -288,7 +292,7 @@ class StopTrainingAgreement(keras.callbacks.Callback):
     decided on this rank's own values cannot leave the other ranks waiting in an allreduce.
     """
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         """Stop on every rank when any rank's ``model.stop_training`` is set (a max-allreduce)."""
         check_initialized("StopTrainingAgreement")
         if _core.size() == 1:

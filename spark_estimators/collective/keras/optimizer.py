@@ -33,28 +33,22 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from spark_estimators import collective as _core
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.runtime.arrays import aligned_empty
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
-#: Alignment TensorFlow requires for zero-copy DLPack import on the CPU.
-ALIGNMENT = 64
+if TYPE_CHECKING:
+    import keras
+    import tensorflow as tf
 
 _CLASSES: dict[type, type] = {}
 _CLASSES_LOCK = threading.Lock()
-
-
-def aligned_empty(n: int, dtype: Any) -> np.ndarray:
-    """A 1-d numpy array of ``n`` elements whose data starts on a 64-byte boundary."""
-    dt = np.dtype(dtype)
-    raw = np.empty(n * dt.itemsize + ALIGNMENT, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % ALIGNMENT
-    return raw[offset : offset + n * dt.itemsize].view(dt)
 
 
 class Compressor:
@@ -144,7 +138,7 @@ class _Reducer:
         self.compression = compression
         self.process_set = process_set
 
-    def __call__(self, *flats: Any) -> list[Any]:
+    def __call__(self, *flats: tf.Tensor) -> list[tf.Tensor]:
         import tensorflow as tf
 
         buffers = []
@@ -161,28 +155,30 @@ class _Reducer:
         return [tf.experimental.dlpack.from_dlpack(buf.__dlpack__()) for buf in buffers]
 
 
-def allreduce_gradients(grads: Sequence[Any], reducer: _Reducer) -> list[Any]:
+def allreduce_gradients(
+    grads: Sequence[tf.Tensor | None], reducer: _Reducer
+) -> list[tf.Tensor | None]:
     """Average ``grads`` (tensors or ``None``) across ranks with one fused buffer per dtype."""
     import tensorflow as tf
 
-    dense: list[Any] = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+    dense: list[tf.Tensor | None] = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+    present = {i: g for i, g in enumerate(dense) if g is not None}
     groups: dict[str, list[int]] = {}
-    for i, g in enumerate(dense):
-        if g is not None:
-            groups.setdefault(g.dtype.name, []).append(i)
+    for i, g in present.items():
+        groups.setdefault(g.dtype.name, []).append(i)
     if not groups:
         return dense
     order = sorted(groups)  # the same on every rank
-    flats = [tf.concat([tf.reshape(dense[i], [-1]) for i in groups[d]], axis=0) for d in order]
+    flats = [tf.concat([tf.reshape(present[i], [-1]) for i in groups[d]], axis=0) for d in order]
     reduced = tf.py_function(reducer, inp=flats, Tout=[f.dtype for f in flats])
     out = list(dense)
     for dtype_name, flat, red in zip(order, flats, reduced, strict=True):
         red.set_shape(flat.shape)
         idx = groups[dtype_name]
-        sizes = [int(np.prod(dense[i].shape.as_list(), dtype=np.int64)) for i in idx]
+        sizes = [int(np.prod(present[i].shape.as_list(), dtype=np.int64)) for i in idx]
         pieces = tf.split(red, sizes) if len(idx) > 1 else [red]
         for i, piece in zip(idx, pieces, strict=True):
-            out[i] = tf.reshape(piece, tf.shape(dense[i]))
+            out[i] = tf.reshape(piece, tf.shape(present[i]))
     return out
 
 
@@ -191,7 +187,11 @@ class _DistributedMixin:
 
     _se_reducer: _Reducer | None = None
 
-    def apply(self, grads: Any, trainable_variables: Any = None) -> Any:
+    def apply(
+        self,
+        grads: Sequence[tf.Tensor | None],
+        trainable_variables: Sequence[keras.Variable] | None = None,
+    ) -> object:
         reducer = self._se_reducer
         if reducer is not None and _core.is_initialized() and _core.size() > 1:
             grads = allreduce_gradients(list(grads), reducer)
@@ -214,12 +214,14 @@ def distributed_class(base: type) -> type:
         return cls
 
 
-def is_distributed(optimizer: Any) -> bool:
+def is_distributed(optimizer: object) -> bool:
     """True for an optimizer returned by :func:`DistributedOptimizer`."""
     return isinstance(optimizer, _DistributedMixin)
 
 
-def _clone_as(optimizer: Any, cls: Any) -> Any:
+def _clone_as(
+    optimizer: keras.optimizers.Optimizer, cls: type[keras.optimizers.Optimizer]
+) -> keras.optimizers.Optimizer:
     """A new ``cls`` instance configured (and, if built, with the state) of ``optimizer``."""
     config = optimizer.get_config()
     # Objects are passed as they are, so custom schedules and wrapped optimizers need no
@@ -241,7 +243,7 @@ def _clone_as(optimizer: Any, cls: Any) -> Any:
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
-    optimizer: Any,
+    optimizer: keras.optimizers.Optimizer,
     name: str | None = None,
     device_dense: str = "",
     device_sparse: str = "",
@@ -252,9 +254,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
     num_groups: int = 0,
-    groups: Any = None,
+    groups: int | Sequence[Sequence[keras.Variable]] | None = None,
     process_set: ProcessSet | None = None,
-) -> Any:
+) -> keras.optimizers.Optimizer:
     """Wrap a Keras optimizer so every ``apply`` averages the gradients across ranks.
 
     Parameters

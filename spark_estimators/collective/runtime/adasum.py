@@ -25,12 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
 
 import numpy as np
 
 from spark_estimators.collective.backends.base import Buffer
-from spark_estimators.collective.runtime.arrays import write_result
+from spark_estimators.collective.runtime.arrays import ArrayOps, write_result
 from spark_estimators.collective.runtime.engine import Engine
 from spark_estimators.collective.runtime.requests import Agreement, Kind, Request
 from spark_estimators.errors import ConfigurationError
@@ -97,7 +96,7 @@ def _as_float64(flat: Buffer) -> np.ndarray:
 
 def submit(
     engine: Engine,
-    ops: Any,
+    ops: ArrayOps,
     inputs: Sequence[Buffer],
     outputs: Sequence[Buffer],
     display: str,
@@ -106,7 +105,7 @@ def submit(
     prescale: float,
     postscale: float,
     blocking: bool,
-) -> Future[Any]:
+) -> Future[Sequence[Buffer]]:
     """Queue an Adasum allreduce of ``inputs`` into ``outputs`` on ``engine``."""
     backend = engine.backend
     size = backend.size

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -67,7 +66,7 @@ def allreduce(
     postscale_factor: float = 1.0,
     blocking: bool = False,
     process_set: ProcessSet | None = None,
-) -> Future[Any]:
+) -> Future[Sequence[Buffer]]:
     """Reduce ``inputs`` into ``outputs`` (the same objects for in-place) as one fused op.
 
     All inputs share one dtype and device; the result future resolves to ``outputs``.
@@ -181,7 +180,7 @@ class _FusedPart:
     backend: Backend
 
 
-def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Any]:
+def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequence[Buffer]]:
     """Reduce several queued allreduces as one (they share dtype, device, op and scaling).
 
     Their inputs are packed in request order into one buffer, reduced with one backend call

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from spark_estimators.collective.backends.base import Buffer
 
@@ -51,6 +52,18 @@ class ArrayOps(Protocol):
 
     def adopt(self, result: Buffer, like: Buffer) -> Buffer:
         """The backend's ``result`` as a buffer of this framework, like ``like``."""
+
+
+#: Alignment TensorFlow requires for zero-copy DLPack import on the CPU.
+ALIGNMENT = 64
+
+
+def aligned_empty(n: int, dtype: DTypeLike) -> np.ndarray:
+    """A 1-d numpy array of ``n`` elements whose data starts on a 64-byte boundary."""
+    dt = np.dtype(dtype)
+    raw = np.empty(n * dt.itemsize + ALIGNMENT, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % ALIGNMENT
+    return raw[offset : offset + n * dt.itemsize].view(dt)
 
 
 def numel_of(shape: tuple[int, ...]) -> int:

@@ -56,7 +56,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -77,6 +77,26 @@ class _Recoverable(SparkEstimatorsError):
     def __init__(self, error: BaseException):
         super().__init__(str(error))
         self.error = error
+
+
+class Recorder(Protocol):
+    """Where the engine records its ops: a :class:`~.api.timeline.Timeline`."""
+
+    def record(
+        self,
+        name: str,
+        op: str,
+        set_id: int,
+        start_ns: int,
+        negotiated_ns: int,
+        end_ns: int,
+        args: dict[str, object],
+        queued_ns: int = 0,
+    ) -> None:
+        """Add the events of one op."""
+
+    def close(self) -> None:
+        """Write what is left and stop recording."""
 
 
 class Engine:
@@ -111,7 +131,7 @@ class Engine:
         #: The process set this engine serves (0: the global set).
         self.set_id = 0
         #: A :class:`~spark_estimators.collective.api.timeline.Timeline` recording the ops, or None.
-        self.timeline: Any = None
+        self.timeline: Recorder | None = None
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -302,7 +322,7 @@ class Engine:
         start = time.perf_counter_ns()
         times = [start]
         ran = batch[:1]
-        results: list[Any] = []
+        results: Sequence[object] = []
         error: BaseException | None = None
         try:
             if head.kind is Kind.JOIN:
@@ -353,7 +373,7 @@ class Engine:
         dim0s = [int(d) for d in vectors[:, neg.DIM0]]
         return plan.count, Agreement(dim0s=dim0s, joined=joined, payloads=payloads)
 
-    def _execute(self, ran: list[Request], agreement: Agreement) -> list[Any]:
+    def _execute(self, ran: list[Request], agreement: Agreement) -> Sequence[object]:
         head = ran[0]
         if len(ran) == 1:
             return [head.execute(agreement)]
@@ -361,12 +381,12 @@ class Engine:
         return head.fusion.run(ran, agreement)
 
     def _record(
-        self, timeline: Any, ran: list[Request], times: list[int], error: BaseException | None
+        self, timeline: Recorder, ran: list[Request], times: list[int], error: BaseException | None
     ) -> None:
         end = time.perf_counter_ns()
         negotiated = times[1] if len(times) > 1 else end
         for request in ran:
-            info: dict[str, Any] = {"dtype": request.dtype, "what": request.description}
+            info: dict[str, object] = {"dtype": request.dtype, "what": request.description}
             info["inline"] = len(times) > 2
             if len(ran) > 1:
                 info["fused"] = len(ran)
@@ -464,7 +484,7 @@ def current() -> Engine | None:
     return _engine
 
 
-def require(op: str, process_set: Any = None) -> Engine:
+def require(op: str, process_set: object = None) -> Engine:
     """The engine that runs ``op``: the global one, or ``process_set``'s.
 
     Clear errors when ``init()`` has not been called, or this rank is not a member of

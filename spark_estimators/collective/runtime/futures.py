@@ -52,7 +52,7 @@ class OpFuture(Future[Any]):
     def __init__(self, engine: OpRunner) -> None:  # no Future.__init__: no per-op Condition
         self._engine = engine
         self._state = _PENDING
-        self._result: Any = None
+        self._result: object = None
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[Future[Any]], object]] = []
 
@@ -88,7 +88,7 @@ class OpFuture(Future[Any]):
         self._state = _RUNNING
         return True
 
-    def set_result(self, result: Any) -> None:
+    def set_result(self, result: object) -> None:
         """Settle with ``result``; the engine wakes the waiters once per batch."""
         self._result = result
         self._finish()

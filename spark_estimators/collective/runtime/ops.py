@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from spark_estimators.collective.runtime.process_sets import ProcessSet, global_
 from spark_estimators.collective.runtime.requests import Agreement, Kind, Request
 from spark_estimators.errors import ConfigurationError
 
+#: An object sent to every rank and received as the same kind of object.
+T = TypeVar("T")
+
 
 def allgather(
     ops: ArrayOps,
@@ -32,7 +35,7 @@ def allgather(
     name: str | None,
     blocking: bool = False,
     process_set: ProcessSet | None = None,
-) -> Future[Any]:
+) -> Future[Buffer]:
     """Concatenate ``x`` from every rank on dim 0 (which may differ across ranks)."""
     engine = eng.require("allgather", process_set)
     display = name or engine.auto_name("allgather")
@@ -72,7 +75,7 @@ def broadcast(
     name: str | None,
     blocking: bool = False,
     process_set: ProcessSet | None = None,
-) -> Future[Any]:
+) -> Future[Buffer]:
     """Copy ``root_rank``'s ``x`` into ``output`` on every rank (``output is x``: in place)."""
     engine = eng.require("broadcast", process_set)
     display = name or engine.auto_name("broadcast")
@@ -110,7 +113,7 @@ def grouped_broadcast(
     name: str | None,
     blocking: bool = False,
     process_set: ProcessSet | None = None,
-) -> Future[Any]:
+) -> Future[Sequence[Buffer]]:
     """Broadcast several tensors of one dtype and device in place, as one fused buffer."""
     engine = eng.require("broadcast", process_set)
     display = name or engine.auto_name("grouped_broadcast")
@@ -144,7 +147,7 @@ def alltoall(
     name: str | None,
     blocking: bool = False,
     process_set: ProcessSet | None = None,
-) -> Future[Any]:
+) -> Future[tuple[Buffer, np.ndarray]]:
     """Scatter rows of ``x`` to the ranks (``splits[r]`` rows to rank r); gather theirs.
 
     The future resolves to ``(received, received_splits)``, ``received_splits`` a numpy array.
@@ -209,7 +212,7 @@ def reducescatter(
     postscale_factor: float = 1.0,
     blocking: bool = False,
     process_set: ProcessSet | None = None,
-) -> Future[Any]:
+) -> Future[Buffer]:
     """Reduce ``x`` across ranks and give each rank its block of rows."""
     engine = eng.require("reducescatter", process_set)
     display = name or engine.auto_name("reducescatter")
@@ -244,7 +247,7 @@ def reducescatter(
     )
 
 
-def barrier(blocking: bool = False, process_set: ProcessSet | None = None) -> Future[Any]:
+def barrier(blocking: bool = False, process_set: ProcessSet | None = None) -> Future[None]:
     """Negotiation alone synchronises every rank, so a barrier is one negotiation round."""
     engine = eng.require("barrier", process_set)
     return engine.submit(
@@ -253,7 +256,7 @@ def barrier(blocking: bool = False, process_set: ProcessSet | None = None) -> Fu
     )
 
 
-def join(blocking: bool = False) -> Future[Any]:
+def join(blocking: bool = False) -> Future[int]:
     """Resolve to the last rank to join once every rank has called ``join()``."""
     engine = eng.require("join")
     request = Request(Kind.JOIN, "join", (Kind.JOIN.name,), lambda a: None, "join")
@@ -261,8 +264,8 @@ def join(blocking: bool = False) -> Future[Any]:
 
 
 def allgather_object(
-    obj: Any, name: str | None, blocking: bool = False, process_set: ProcessSet | None = None
-) -> Future[Any]:
+    obj: T, name: str | None, blocking: bool = False, process_set: ProcessSet | None = None
+) -> Future[list[T]]:
     """Resolve to the list of every rank's ``obj`` (picklable), in rank order."""
     engine = eng.require("allgather_object", process_set)
     display = name or engine.auto_name("allgather_object")
@@ -281,12 +284,12 @@ def allgather_object(
 
 
 def broadcast_object(
-    obj: Any,
+    obj: T,
     root_rank: int,
     name: str | None,
     blocking: bool = False,
     process_set: ProcessSet | None = None,
-) -> Future[Any]:
+) -> Future[T]:
     """Resolve to ``root_rank``'s ``obj`` on every rank."""
     engine = eng.require("broadcast_object", process_set)
     display = name or engine.auto_name("broadcast_object")

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime.engine import Engine
@@ -37,6 +37,13 @@ from spark_estimators.collective.runtime.requests import Agreement, Kind, Reques
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from spark_estimators.collective.backends.base import Backend
+
+R = TypeVar("R")
 
 _lock = threading.RLock()
 _registry: dict[int, ProcessSet] = {}
@@ -58,17 +65,17 @@ class ProcessSet:
     A set is usable once registered; ``process_set_id`` is then its id (the global set is 0).
     """
 
-    def __init__(self, ranks: Sequence[int] | Any) -> None:
+    def __init__(self, ranks: Sequence[int] | MPI.Intracomm) -> None:
         self.process_set_id: int | None = None
-        self.mpi_comm: Any = None
+        self.mpi_comm: MPI.Intracomm | None = None
         self._ranks: list[int] = []
         self._engine: Engine | None = None
         self._removed = False
         if hasattr(ranks, "Get_group"):  # an mpi4py communicator
-            self.mpi_comm = ranks
+            self.mpi_comm = cast("MPI.Intracomm", ranks)
             return
         try:
-            members = [int(r) for r in ranks]
+            members = [int(r) for r in cast("Sequence[int]", ranks)]
         except (TypeError, ValueError):
             raise ConfigurationError(
                 f"ProcessSet({ranks!r}) takes a list of ranks or an mpi4py communicator"
@@ -172,7 +179,9 @@ def global_root(process_set: ProcessSet | None, root_rank: int, what: str) -> in
     return ranks.index(root_rank)
 
 
-def _process_set_request(signature: tuple[Any, ...], description: str, execute: Any) -> Any:
+def _process_set_request(
+    signature: tuple[object, ...], description: str, execute: Callable[[Agreement], R]
+) -> R:
     engine = _engine.require(str(signature[0]) + "_process_set")
     request = Request(Kind.PROCESS_SET, description, signature, execute, description)
     return engine.submit(request, blocking=True).result()
@@ -225,7 +234,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
                     f"a process set with ranks {ps._ranks} is already registered: {other!r}"
                 )
 
-    def execute(agreement: Agreement) -> Any:
+    def execute(agreement: Agreement) -> Backend | None:
         if ps.mpi_comm is None:
             return backend.subgroup(ps._ranks)
         views = backend.allgather_object(ps._ranks)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,9 +59,9 @@ class Fusion:
     each request's result, in order. ``part`` is the op's own data for ``run``.
     """
 
-    key: tuple[Any, ...]
+    key: tuple[Hashable, ...]
     nbytes: int
-    run: Callable[[Sequence[Request], Agreement], list[Any]]
+    run: Callable[[Sequence[Request], Agreement], Sequence[object]]
     part: Any
 
 
@@ -76,8 +76,8 @@ class Request:
 
     kind: Kind
     name: str
-    signature: tuple[Any, ...]
-    execute: Callable[[Agreement], Any]
+    signature: tuple[object, ...]
+    execute: Callable[[Agreement], object]
     description: str
     numel: int = 0
     dtype: str = "float32"
@@ -110,11 +110,11 @@ class Request:
 
 
 # Training loops repeat the same ops step after step: hash each signature once.
-_hash_cache: dict[tuple[Any, ...], int] = {}
+_hash_cache: dict[tuple[object, ...], int] = {}
 _HASH_CACHE_SIZE = 65536
 
 
-def signature_hash(signature: tuple[Any, ...]) -> int:
+def signature_hash(signature: tuple[object, ...]) -> int:
     """A stable signed 64-bit hash of a signature tuple (same on every rank and run)."""
     digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)

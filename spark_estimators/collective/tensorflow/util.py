@@ -31,16 +31,13 @@ from types import ModuleType
 
 import numpy as np
 import tensorflow as tf
-from numpy.typing import DTypeLike
 
+from spark_estimators.collective.runtime.arrays import ALIGNMENT, aligned_empty
 from spark_estimators.collective.tensorflow._types import Array, Body, ProcessSetArg, TensorLike
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 #: The last collective op created in each TF1 graph (see :func:`run`).
 _LAST_OP: weakref.WeakKeyDictionary[tf.Graph, tf.Operation] = weakref.WeakKeyDictionary()
-
-#: Alignment TensorFlow requires for zero-copy DLPack import on the CPU.
-ALIGNMENT = 64
 
 
 class CollectiveFailedError(tf.errors.FailedPreconditionError, CollectiveError):
@@ -119,14 +116,6 @@ def to_tensor(array: Array) -> tf.Tensor:
     ):
         return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
     return tf.convert_to_tensor(array)
-
-
-def aligned_empty(n: int, dtype: DTypeLike) -> np.ndarray:
-    """A 1-d numpy array of ``n`` elements whose data starts on a 64-byte boundary."""
-    dt = np.dtype(dtype)
-    raw = np.empty(n * dt.itemsize + ALIGNMENT, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % ALIGNMENT
-    return raw[offset : offset + n * dt.itemsize].view(dt)
 
 
 def aligned_copy(array: np.ndarray) -> np.ndarray:

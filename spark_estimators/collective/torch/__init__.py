@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from spark_estimators.collective import api as _api
 from spark_estimators.collective.api import *  # noqa: F403
+from spark_estimators.collective.api.numpy_ops import allgather_object, broadcast_object
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.torch import elastic as elastic  # noqa: E402  (hvd.elastic.run)
 from spark_estimators.collective.torch.compression import (
@@ -34,7 +35,6 @@ from spark_estimators.collective.torch.compression import (
 from spark_estimators.collective.torch.exchange import (
     allgather,
     allgather_async,
-    allgather_object,
     alltoall,
     alltoall_async,
     barrier,
@@ -42,7 +42,6 @@ from spark_estimators.collective.torch.exchange import (
     broadcast_,
     broadcast_async,
     broadcast_async_,
-    broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
     join,

@@ -11,15 +11,43 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeAlias, TypeVar
 
 import numpy as np
 import torch
+from torch.autograd.function import FunctionCtx
 
 from spark_estimators.errors import ConfigurationError
 
+if TYPE_CHECKING:
+    from spark_estimators.collective.backends.base import ReduceOp
+    from spark_estimators.collective.runtime.process_sets import ProcessSet
 
-def as_tensor(x: Any, op: str) -> torch.Tensor:
+
+class OpContext(FunctionCtx):
+    """The ``ctx`` of this package's autograd functions: what forward keeps for backward.
+
+    For readers and the type checker only: torch makes the real ``ctx``.
+    """
+
+    op: ReduceOp
+    pre: float
+    post: float
+    process_set: ProcessSet | None
+    dim0: int
+    dims: list[int]
+    root_rank: int
+    received: list[int]
+    total: float
+    needs_input_grad: tuple[bool, ...]
+    saved_tensors: tuple[torch.Tensor, ...]
+
+
+#: What a backward returns: one gradient per forward input (None for the non-tensors).
+Grads: TypeAlias = tuple[torch.Tensor | None, ...]
+
+
+def as_tensor(x: object, op: str) -> torch.Tensor:
     """``x`` detached from autograd; raise naming ``op`` when it is not a tensor."""
     if not isinstance(x, torch.Tensor):
         raise ConfigurationError(f"{op} takes a torch.Tensor, got {type(x).__name__}")
@@ -140,7 +168,7 @@ class TorchOps:
             out.copy_(flat[offset : offset + n].view(out.shape))
             offset += n
 
-    def adopt(self, result: Any, like: torch.Tensor) -> torch.Tensor:
+    def adopt(self, result: np.ndarray | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The backend's ``result`` as a tensor on ``like``'s device."""
         if isinstance(result, torch.Tensor):
             return result

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 
@@ -11,12 +9,12 @@ class Compressor:
     """Turns a tensor into what is sent (``compress``) and back (``decompress``)."""
 
     @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
         """Return ``tensor`` unchanged (no context)."""
         return tensor, None
 
     @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def decompress(tensor: torch.Tensor, ctx: torch.dtype | None) -> torch.Tensor:
         """Return ``tensor`` unchanged."""
         return tensor
 
@@ -29,14 +27,14 @@ class FP16Compressor(Compressor):
     """Send floating tensors as float16 (half the bytes; about 3 significant digits)."""
 
     @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
         """Cast a floating ``tensor`` to float16; the context is its dtype."""
         if tensor.dtype.is_floating_point and tensor.dtype != torch.float16:
             return tensor.to(torch.float16), tensor.dtype
         return tensor, None
 
     @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+    def decompress(tensor: torch.Tensor, ctx: torch.dtype | None) -> torch.Tensor:
         """Cast ``tensor`` back to the dtype in ``ctx``."""
         return tensor.to(ctx) if ctx is not None else tensor
 

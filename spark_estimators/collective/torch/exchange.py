@@ -18,11 +18,12 @@ functions; the tests in horovod's test/parallel/test_torch.py define them):
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
+from spark_estimators.collective.api.numpy_ops import broadcast_object
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
@@ -30,6 +31,8 @@ from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
     _TORCH,
+    Grads,
+    OpContext,
     as_tensor,
     dtype_device_groups,
     in_waited_ops,
@@ -38,6 +41,9 @@ from spark_estimators.collective.torch.arrays import (
 from spark_estimators.collective.torch.compression import Compression, Compressor
 from spark_estimators.collective.torch.ops import allreduce_async
 from spark_estimators.errors import CollectiveError
+
+if TYPE_CHECKING:
+    from torch.optim.optimizer import StateDict
 
 
 def allgather_async(
@@ -53,14 +59,14 @@ class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet | None
+        ctx: OpContext, tensor: torch.Tensor, name: str | None, process_set: ProcessSet | None
     ) -> torch.Tensor:
         ctx.dim0, ctx.process_set = tensor.shape[0], process_set
         return allgather_async(tensor, name, process_set).wait()
 
     @staticmethod
     @waited
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: OpContext, grad: torch.Tensor) -> Grads:
         ps = ctx.process_set
         reduced = allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ps).wait()
         dims = allgather_async(torch.tensor([ctx.dim0], dtype=torch.int64), None, ps).wait()
@@ -124,7 +130,7 @@ class _BroadcastFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any,
+        ctx: OpContext,
         tensor: torch.Tensor,
         root_rank: int,
         name: str | None,
@@ -135,7 +141,7 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     @waited
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: OpContext, grad: torch.Tensor) -> Grads:
         ps = ctx.process_set
         reduced = allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE, process_set=ps).wait()
         if _engine.require("broadcast").backend.rank != ctx.root_rank:  # global ranks
@@ -158,7 +164,7 @@ def broadcast(
     return broadcast_async(tensor, root_rank, name, process_set).wait()  # type: ignore[no-any-return]
 
 
-def _split_list(splits: Any) -> list[int] | None:
+def _split_list(splits: Sequence[int] | torch.Tensor | None) -> list[int] | None:
     """``splits`` (a list, or a tensor on any device) as a list of ints."""
     if splits is None:
         return None
@@ -167,7 +173,7 @@ def _split_list(splits: Any) -> list[int] | None:
     return [int(s) for s in np.asarray(splits).reshape(-1)]
 
 
-def _received_splits(received: Any, splits: Any) -> torch.Tensor:
+def _received_splits(received: np.ndarray, splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """Rows received from each rank, int32, on ``splits``' device (CPU for a list), as Horovod."""
     out = torch.from_numpy(np.asarray(received, dtype=np.int32))
     return out.to(splits.device) if isinstance(splits, torch.Tensor) else out
@@ -184,7 +190,9 @@ def alltoall_async(
     split_list = _split_list(splits)
     future = _ops.alltoall(_TORCH, t, split_list, name, in_waited_ops(), process_set)
 
-    def finish(results: list[Any]) -> Any:
+    def finish(
+        results: list[tuple[torch.Tensor, np.ndarray]],
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         out, received = results[0]
         if splits is None:
             return out
@@ -197,12 +205,12 @@ class _AlltoallFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any,
+        ctx: OpContext,
         tensor: torch.Tensor,
-        splits: Any,
+        splits: Sequence[int] | torch.Tensor | None,
         name: str | None,
         process_set: ProcessSet | None,
-    ) -> Any:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         split_list = _split_list(splits)
         future = _ops.alltoall(_TORCH, tensor.detach(), split_list, name, True, process_set)
         out, received = future.result()
@@ -216,7 +224,7 @@ class _AlltoallFunction(torch.autograd.Function):
 
     @staticmethod
     @waited
-    def backward(ctx: Any, grad: torch.Tensor, *unused: Any) -> tuple[Any, ...]:
+    def backward(ctx: OpContext, grad: torch.Tensor, *unused: torch.Tensor | None) -> Grads:
         back, _ = alltoall_async(grad.contiguous(), ctx.received, None, ctx.process_set).wait()
         return back, None, None, None
 
@@ -227,7 +235,7 @@ def alltoall(
     splits: Sequence[int] | torch.Tensor | None = None,
     name: str | None = None,
     process_set: ProcessSet | None = None,
-) -> Any:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Send ``splits[r]`` rows of ``tensor`` to rank r; receive every rank's rows for this one.
 
     Without ``splits`` the first dimension is split evenly (it must divide by ``size()``).
@@ -298,7 +306,7 @@ class _ReducescatterFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any,
+        ctx: OpContext,
         tensor: torch.Tensor,
         name: str | None,
         op: ReduceOp,
@@ -313,7 +321,7 @@ class _ReducescatterFunction(torch.autograd.Function):
 
     @staticmethod
     @waited
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: OpContext, grad: torch.Tensor) -> Grads:
         (out,) = reducescatter_backward([grad], ctx.op, ctx.pre, ctx.post, ctx.process_set)
         return out, None, None, None, None, None
 
@@ -361,24 +369,10 @@ def join(device: int = -1) -> int:
     return int(_ops.join(blocking=True).result())
 
 
-def allgather_object(
-    obj: Any, name: str | None = None, process_set: ProcessSet | None = None
-) -> list[Any]:
-    """Return the list of every rank's picklable ``obj``, in rank order."""
-    return list(_ops.allgather_object(obj, name, True, process_set).result())
-
-
-def broadcast_object(
-    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
-) -> Any:
-    """Return ``root_rank``'s picklable ``obj`` on every rank."""
-    return _ops.broadcast_object(obj, root_rank, name, True, process_set).result()
-
-
 # -- model and optimizer state ---------------------------------------------------------------
 @waited
 def broadcast_parameters(
-    params: dict[str, Any] | Iterable[Any],
+    params: dict[str, torch.Tensor] | Iterable[torch.Tensor | tuple[str, torch.Tensor]],
     root_rank: int,
     prefix: str | None = None,
     process_set: ProcessSet | None = None,
@@ -424,7 +418,7 @@ def broadcast_parameters(
         future.result()
 
 
-def _to_cpu(value: Any) -> Any:
+def _to_cpu(value: object) -> object:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, dict):
@@ -437,7 +431,7 @@ def _to_cpu(value: Any) -> Any:
 def broadcast_optimizer_state(
     optimizer: torch.optim.Optimizer,
     root_rank: int,
-    model: Any = None,
+    model: torch.nn.Module | None = None,
     process_set: ProcessSet | None = None,
 ) -> None:
     """Give every rank ``root_rank``'s optimizer state and hyperparameters (``lr``, ...).
@@ -451,4 +445,4 @@ def broadcast_optimizer_state(
         payload, root_rank, name="broadcast_optimizer_state", process_set=process_set
     )
     if me != root_rank:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(cast("StateDict", state))

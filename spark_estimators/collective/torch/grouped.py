@@ -10,7 +10,6 @@ differentiable with Horovod's gradients (those of :func:`.exchange.allgather` an
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -19,7 +18,14 @@ from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
-from spark_estimators.collective.torch.arrays import _TORCH, as_tensor, in_waited_ops, waited
+from spark_estimators.collective.torch.arrays import (
+    _TORCH,
+    Grads,
+    OpContext,
+    as_tensor,
+    in_waited_ops,
+    waited,
+)
 from spark_estimators.collective.torch.compression import Compression, Compressor
 from spark_estimators.collective.torch.exchange import reducescatter_backward, reducescatter_op
 from spark_estimators.collective.torch.ops import grouped_allreduce_async
@@ -53,14 +59,14 @@ class _GroupedAllgatherFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any, name: str | None, process_set: ProcessSet | None, *tensors: torch.Tensor
+        ctx: OpContext, name: str | None, process_set: ProcessSet | None, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         ctx.dims, ctx.process_set = [int(t.shape[0]) for t in tensors], process_set
         return tuple(grouped_allgather_async(list(tensors), name, process_set).wait())
 
     @staticmethod
     @waited
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: OpContext, *grads: torch.Tensor) -> Grads:
         ps = ctx.process_set
         # Horovod: the average over ranks of the gradients, this rank's rows of each.
         reduced = grouped_allreduce_async(
@@ -126,7 +132,7 @@ class _GroupedReducescatterFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any,
+        ctx: OpContext,
         name: str | None,
         op: ReduceOp,
         process_set: ProcessSet | None,
@@ -140,7 +146,7 @@ class _GroupedReducescatterFunction(torch.autograd.Function):
 
     @staticmethod
     @waited
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: OpContext, *grads: torch.Tensor) -> Grads:
         back = reducescatter_backward(grads, ctx.op, ctx.pre, ctx.post, ctx.process_set)
         return (None, None, None, None, None, *back)
 
@@ -224,7 +230,7 @@ def sparse_allreduce_async(
         _ops.allgather(_TORCH, indices, iname, blocking, process_set),
     ]
 
-    def finish(results: list[Any]) -> torch.Tensor:
+    def finish(results: list[torch.Tensor]) -> torch.Tensor:
         gathered_values, gathered_indices = results
         if resolved is ReduceOp.AVERAGE:
             gathered_values = gathered_values / size

@@ -10,9 +10,8 @@ is the async form followed by :func:`synchronize`. Out-of-place ``allreduce`` an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
 
 import torch
 
@@ -22,6 +21,8 @@ from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
     _TORCH,
+    Grads,
+    OpContext,
     as_tensor,
     dtype_device_groups,
     in_waited_ops,
@@ -31,7 +32,7 @@ from spark_estimators.collective.torch.compression import Compression, Compresso
 from spark_estimators.errors import CollectiveError
 
 
-def synchronize(handle: Handle) -> Any:
+def synchronize(handle: Handle) -> object:
     """Wait for an async op and return its output (raises the op's error)."""
     return handle.wait()
 
@@ -49,7 +50,7 @@ def _grouped_allreduce_async(
     name: str | None,
     prescale_factor: float,
     postscale_factor: float,
-    finish: Any,
+    finish: Callable[[list[object]], object],
     process_set: ProcessSet | None = None,
 ) -> Handle:
     if len(inputs) > 1 and len({t.device.type for t in inputs}) > 1:
@@ -63,7 +64,7 @@ def _grouped_allreduce_async(
                                    postscale_factor, blocking=in_waited_ops(),
                                    process_set=process_set)  # fmt: skip
         return Handle([one], name or "grouped_allreduce", finish)
-    futures: list[Future[Any]] = []
+    futures: list[Future[Sequence[torch.Tensor]]] = []
     groups = dtype_device_groups(inputs)
     for g, idx in enumerate(groups):
         label = name if name is None or len(groups) == 1 else f"{name}.{g}"
@@ -83,6 +84,30 @@ def _grouped_allreduce_async(
     return Handle(futures, name or "grouped_allreduce", finish)
 
 
+def _start(
+    tensors: Sequence[torch.Tensor],
+    in_place: bool,
+    what: str,
+    average: bool | None,
+    name: str | None,
+    op: ReduceOp | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet | None,
+) -> Handle:
+    """The four async allreduces: in place (returns ``tensors``) or into new tensors."""
+    ts = [as_tensor(t, what) for t in tensors]
+    outs = (
+        ts if in_place else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
+    )
+    result = list(tensors) if in_place else outs
+    return _grouped_allreduce_async(
+        ts, outs, resolve_op(op, average, adasum=True), name, prescale_factor, postscale_factor,
+        (lambda results: result) if what.startswith("grouped") else (lambda results: result[0]),
+        process_set,
+    )  # fmt: skip
+
+
 def allreduce_async_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -93,17 +118,8 @@ def allreduce_async_(
     process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`."""
-    t = as_tensor(tensor, "allreduce_async_")
-    return _grouped_allreduce_async(
-        [t],
-        [t],
-        resolve_op(op, average, adasum=True),
-        name,
-        prescale_factor,
-        postscale_factor,
-        lambda results: tensor,
-        process_set,
-    )
+    return _start([tensor], True, "allreduce_async_", average, name, op, prescale_factor,
+                  postscale_factor, process_set)  # fmt: skip
 
 
 @waited
@@ -117,9 +133,8 @@ def allreduce_(
     process_set: ProcessSet | None = None,
 ) -> torch.Tensor:
     """Allreduce ``tensor`` in place across ranks and return it; see :func:`allreduce`."""
-    return allreduce_async_(
-        tensor, average, name, op, prescale_factor, postscale_factor, process_set
-    ).wait()
+    return _start([tensor], True, "allreduce_", average, name, op, prescale_factor,
+                  postscale_factor, process_set).wait()  # fmt: skip
 
 
 def allreduce_async(
@@ -132,42 +147,8 @@ def allreduce_async(
     process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start an allreduce into a new tensor; the input is not modified."""
-    t = as_tensor(tensor, "allreduce_async")
-    out = torch.empty_like(t, memory_format=torch.contiguous_format)
-    return _grouped_allreduce_async(
-        [t],
-        [out],
-        resolve_op(op, average, adasum=True),
-        name,
-        prescale_factor,
-        postscale_factor,
-        lambda results: out,
-        process_set,
-    )
-
-
-class _AllreduceFunction(torch.autograd.Function):
-    @staticmethod
-    @waited
-    def forward(
-        ctx: Any,
-        tensor: torch.Tensor,
-        op: ReduceOp,
-        name: str | None,
-        pre: float,
-        post: float,
-        process_set: ProcessSet | None,
-    ) -> torch.Tensor:
-        ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
-        return allreduce_async(tensor, None, name, op, pre, post, process_set).wait()
-
-    @staticmethod
-    @waited
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = allreduce_async(
-            grad.contiguous(), None, None, ctx.op, ctx.pre, ctx.post, ctx.process_set
-        )
-        return reduced.wait(), None, None, None, None, None
+    return _start([tensor], False, "allreduce_async", average, name, op, prescale_factor,
+                  postscale_factor, process_set)  # fmt: skip
 
 
 @waited
@@ -212,17 +193,10 @@ def allreduce(
     >>> hvd.allreduce(torch.ones(2) * (hvd.rank() + 1), op=hvd.Sum)  # doctest: +SKIP
     tensor([3., 3.])
     """
-    resolved = resolve_op(op, average, adasum=True)
-    compressed, ctx = compression.compress(tensor)
-    if compressed.requires_grad and torch.is_grad_enabled():
-        out = _AllreduceFunction.apply(
-            compressed, resolved, name, prescale_factor, postscale_factor, process_set
-        )
-    else:
-        out = allreduce_async(
-            compressed, None, name, resolved, prescale_factor, postscale_factor, process_set
-        ).wait()
-    return compression.decompress(out, ctx)
+    (out,) = grouped_allreduce(
+        [tensor], average, name, compression, op, prescale_factor, postscale_factor, process_set
+    )
+    return out
 
 
 def grouped_allreduce_async_(
@@ -235,18 +209,8 @@ def grouped_allreduce_async_(
     process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start an in-place fused allreduce of ``tensors`` (one op per dtype and device)."""
-    ts = [as_tensor(t, "grouped_allreduce_async_") for t in tensors]
-    originals = list(tensors)
-    return _grouped_allreduce_async(
-        ts,
-        ts,
-        resolve_op(op, average, adasum=True),
-        name,
-        prescale_factor,
-        postscale_factor,
-        lambda results: originals,
-        process_set,
-    )
+    return _start(tensors, True, "grouped_allreduce_async_", average, name, op, prescale_factor,
+                  postscale_factor, process_set)  # fmt: skip
 
 
 @waited
@@ -260,9 +224,8 @@ def grouped_allreduce_(
     process_set: ProcessSet | None = None,
 ) -> list[torch.Tensor]:
     """In-place :func:`grouped_allreduce`; returns the same tensors."""
-    return grouped_allreduce_async_(
-        tensors, average, name, op, prescale_factor, postscale_factor, process_set
-    ).wait()
+    return _start(tensors, True, "grouped_allreduce_", average, name, op, prescale_factor,
+                  postscale_factor, process_set).wait()  # fmt: skip
 
 
 def grouped_allreduce_async(
@@ -275,25 +238,15 @@ def grouped_allreduce_async(
     process_set: ProcessSet | None = None,
 ) -> Handle:
     """Start a fused allreduce of ``tensors`` into new tensors."""
-    ts = [as_tensor(t, "grouped_allreduce_async") for t in tensors]
-    outs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
-    return _grouped_allreduce_async(
-        ts,
-        outs,
-        resolve_op(op, average, adasum=True),
-        name,
-        prescale_factor,
-        postscale_factor,
-        lambda results: outs,
-        process_set,
-    )
+    return _start(tensors, False, "grouped_allreduce_async", average, name, op, prescale_factor,
+                  postscale_factor, process_set)  # fmt: skip
 
 
 class _GroupedAllreduceFunction(torch.autograd.Function):
     @staticmethod
     @waited
     def forward(
-        ctx: Any,
+        ctx: OpContext,
         op: ReduceOp,
         name: str | None,
         pre: float,
@@ -307,7 +260,7 @@ class _GroupedAllreduceFunction(torch.autograd.Function):
 
     @staticmethod
     @waited
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: OpContext, *grads: torch.Tensor) -> Grads:
         # Horovod's rule: the gradients go through the same grouped reduction. Backward on one
         # output at a time is fine: autograd passes zeros for the others, on every rank alike.
         reduced = grouped_allreduce_async(

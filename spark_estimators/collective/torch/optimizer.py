@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -140,7 +139,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._se_next = 0
         # (parameters, handle, what was sent for each) per launched bucket; sparse gradients
         # (without sparse_as_dense) travel apart, one sparse_allreduce_async each.
-        self._se_inflight: list[tuple[list[torch.Tensor], Handle, list[tuple[torch.Tensor, Any]]]]
+        self._se_inflight: list[
+            tuple[list[torch.Tensor], Handle, list[tuple[torch.Tensor, torch.dtype | None]]]
+        ]
         self._se_inflight = []
         self._se_sparse_inflight: list[tuple[torch.Tensor, Handle]] = []
         self._se_should_sync = True
@@ -173,7 +174,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _se_launch(self, b: int) -> None:
         bucket = self._se_buckets[b]
         dense: list[torch.Tensor] = []
-        compressed: list[tuple[torch.Tensor, Any]] = []
+        compressed: list[tuple[torch.Tensor, torch.dtype | None]] = []
         for p in bucket:
             if p.grad is None:  # not used this step here; other ranks may have a gradient
                 p.grad = torch.zeros_like(p)
@@ -255,7 +256,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._se_should_sync = True
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         if self._se_should_sync:
             if self._se_synchronized:
                 warnings.warn(
@@ -313,7 +314,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         """Accepted for Horovod compatibility (``step()`` always reduces the deltas)."""
         yield
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         if self._se_local:  # not a member of the process set: a local step
             return super().step(closure)
         params = self._se_params
@@ -335,7 +336,7 @@ class _AdasumOptimizer(torch.optim.Optimizer):
         return loss
 
 
-def _trainable(param_groups: Sequence[dict[str, Any]]) -> list[torch.Tensor]:
+def _trainable(param_groups: Sequence[Mapping[str, Iterable[torch.Tensor]]]) -> list[torch.Tensor]:
     """The parameters that need gradients, each once, in the optimizer's order."""
     params: list[torch.Tensor] = []
     for group in param_groups:
@@ -369,7 +370,7 @@ def _parameter_names(
     return {id(p): by_id[id(p)] for p in params}
 
 
-_CLASSES: dict[Any, type] = {}
+_CLASSES: dict[type | tuple[type, str], type] = {}
 # Instance attributes that must not be copied from the wrapped optimizer: an LR scheduler
 # created on it replaces ``step`` per instance, which would bypass synchronize().
 _NOT_COPIED = ("step", "zero_grad", "_opt_called")

@@ -9,13 +9,12 @@ normalises exactly like one process with N*B rows. Weight and bias gradients sta
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from spark_estimators.collective.backends.base import ReduceOp
 from spark_estimators.collective.runtime import engine as _engine
+from spark_estimators.collective.torch.arrays import Grads, OpContext
 from spark_estimators.collective.torch.ops import allreduce_
 
 
@@ -31,7 +30,7 @@ def _bcast(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: OpContext,
         x: torch.Tensor,
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
@@ -56,7 +55,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
         invstd = torch.rsqrt(g_var + eps).to(x.dtype)
         xhat = (x - _bcast(g_mean.to(x.dtype), x)) * _bcast(invstd, x)
-        ctx.save_for_backward(xhat, invstd, weight)
+        ctx.save_for_backward(xhat, invstd, weight)  # type: ignore[arg-type]  # None is kept
         ctx.total = total
         out = xhat
         if weight is not None:
@@ -66,7 +65,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+    def backward(ctx: OpContext, dy: torch.Tensor) -> Grads:
         xhat, invstd, weight = ctx.saved_tensors
         sum_dy = _per_channel(dy).sum(dim=1)
         sum_dy_xhat = _per_channel(dy * xhat).sum(dim=1)
