@@ -37,6 +37,7 @@ from spark_estimators.driver.launch_job import (
     check_call,
     new_job,
     results_by_rank,
+    task_config,
 )
 from spark_estimators.driver.service import DriverService, JobState, is_consequence
 from spark_estimators.errors import (
@@ -45,7 +46,7 @@ from spark_estimators.errors import (
     TrainingFailedError,
 )
 from spark_estimators.task import spare
-from spark_estimators.task.spark_task import TaskConfig, barrier_task
+from spark_estimators.task.spark_task import barrier_task
 from spark_estimators.task.stream_spill import StreamTaskSettings
 
 if TYPE_CHECKING:
@@ -237,16 +238,9 @@ def launch(
         from spark_estimators.driver.pmi import serve_mpi_job
 
         pmi = serve_mpi_job(svc, driver_host)
-    config = TaskConfig(
-        driver_address=svc.address,
-        secret=job.secret,
-        job_id=job.job_id,
-        start_timeout=options.timeout,
-        backend=options.backend,
-        use_gpu=options.use_gpu,
-        stream=None if stream_input is None else StreamTaskSettings(stream_input.split_col),
-        preimport=spare.preimports(fn),  # the estimators' ranks: spare processes
-    )
+    stream = None if stream_input is None else StreamTaskSettings(stream_input.split_col)
+    # the estimators' ranks: spare processes with their modules imported (task/spare.py)
+    config = task_config(job, svc, options, stream, preimport=spare.preimports(fn))
     # data="stream": the tasks map over the training data itself (one partition per rank).
     tasks = spark.range(options.ranks, numPartitions=options.ranks)
     if stream_input is not None:

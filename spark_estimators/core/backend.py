@@ -99,6 +99,8 @@ class SparkBackend(Backend):
 
     def num_processes(self) -> int:
         """``num_proc``, or the cluster's default (its task slots) when it was not given."""
+        if self.options.num_proc is not None:
+            return self.options.num_proc
         return self.options.sized(get_spark(self.spark)).ranks
 
     def check_admission(self) -> None:

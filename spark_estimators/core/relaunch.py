@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from spark_estimators.core import session
 from spark_estimators.core.backend import Backend, SparkBackend
 from spark_estimators.errors import ElasticResetLimitError, TrainingFailedError
 
@@ -36,10 +37,9 @@ class ElasticRelaunch:
         """
         n = backend.num_processes()
         if isinstance(backend, SparkBackend):
-            from spark_estimators.core.session import available_task_slots, get_spark
-
             low = self.getMinNumProc() or n
-            slots = available_task_slots(get_spark(backend.spark), needed=n, wait_s=30.0)
+            spark = session.get_spark(backend.spark)
+            slots = session.available_task_slots(spark, needed=n, wait_s=30.0)
             if slots is not None and low <= slots < n:
                 backend = backend.with_num_proc(slots)
         logger.warning(

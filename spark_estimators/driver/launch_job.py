@@ -49,6 +49,8 @@ from spark_estimators._base.session import (
 from spark_estimators.driver.frames import new_secret
 from spark_estimators.driver.service import JobServiceBase
 from spark_estimators.errors import ConfigurationError, RendezvousTimeoutError
+from spark_estimators.task.spark_task import TaskConfig
+from spark_estimators.task.stream_spill import StreamTaskSettings
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -229,6 +231,26 @@ def new_job(
     return NewJob(f"{prefix}-{uuid.uuid4().hex[:12]}", new_secret(), payload)
 
 
+def task_config(
+    job: NewJob,
+    service: JobServiceBase[Any],
+    options: LaunchOptions,
+    stream: StreamTaskSettings | None = None,
+    preimport: tuple[str, ...] = (),
+) -> TaskConfig:
+    """What each Spark task of ``job`` needs to reach ``service`` and start its rank process."""
+    return TaskConfig(
+        driver_address=service.address,
+        secret=job.secret,
+        job_id=job.job_id,
+        start_timeout=options.timeout,
+        backend=options.backend,
+        use_gpu=options.use_gpu,
+        stream=stream,
+        preimport=preimport,
+    )
+
+
 def results_by_rank(results: Mapping[int, bytes], size: int) -> list[Any]:
     """The unpickled result of rank 0, 1, ... ``size - 1``."""
     return [cloudpickle.loads(results[rank]) for rank in range(size)]
@@ -340,4 +362,5 @@ __all__ = [
     "positive_int",
     "positive_seconds",
     "results_by_rank",
+    "task_config",
 ]

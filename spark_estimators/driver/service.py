@@ -24,7 +24,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
 from spark_estimators.driver.kvstore import RendezvousKV
 from spark_estimators.driver.rpc import Connection, RpcServer
@@ -45,6 +45,21 @@ def is_consequence(message: str) -> bool:
 OutputSink = Callable[[int, str, list[str]], None]
 EventSink = Callable[[int, str, Any], None]
 Handler = Callable[[Any, Connection], object]
+
+
+class ServiceOptions(TypedDict, total=False):
+    """The keyword arguments every driver service takes."""
+
+    #: Extra environment variables of the rank processes.
+    env: dict[str, str] | None
+    #: Address to bind (the driver's address as executors see it); default 127.0.0.1.
+    host: str
+    #: ``output(rank, stream, lines)`` receives each rank's stdout/stderr lines.
+    output: OutputSink | None
+    #: ``events(rank, kind, data)`` receives events sent by rank code (metrics, progress).
+    events: EventSink | None
+    #: ``kind -> handler(data, conn)`` for requests the service has no method for.
+    extra_handlers: Mapping[str, Handler] | None
 
 
 @dataclass(frozen=True)
@@ -113,8 +128,6 @@ class JobState:
     """What the driver knows of one ``run`` job: registrations, rank settings, results, failures."""
 
     num_proc: int
-    payload: bytes
-    env: dict[str, str]
     registrations: dict[int, Registration] = field(default_factory=dict)
     settings: dict[int, RankSettings] = field(default_factory=dict)
     results: dict[int, bytes] = field(default_factory=dict)
@@ -134,31 +147,24 @@ class JobServiceBase(ABC, Generic[StateT]):
     ----------
     secret
         Per-job HMAC key.
-    host
-        Address to bind (the driver's address as executors see it).
-    output
-        ``output(rank, stream, lines)`` receives each rank's stdout/stderr lines.
-    events
-        ``events(rank, kind, data)`` receives events sent by rank code (metrics, progress).
-    extra_handlers
-        ``kind -> handler(data, conn)`` for requests the service has no method for.
+    payload
+        cloudpickle of ``(fn, args, kwargs)``, handed to each rank process.
+    **options
+        :class:`ServiceOptions`: the ranks' extra environment, the address to bind, the sinks
+        of the ranks' output and events, handlers of other requests.
     """
 
     state: StateT
 
-    def __init__(
-        self,
-        secret: bytes,
-        host: str = "127.0.0.1",
-        output: OutputSink | None = None,
-        events: EventSink | None = None,
-        extra_handlers: Mapping[str, Handler] | None = None,
-    ) -> None:
+    def __init__(self, secret: bytes, payload: bytes, **options: Unpack[ServiceOptions]) -> None:
+        self.payload = payload
+        self.env = dict(options.get("env") or {})
         self._cond = threading.Condition()
-        self._output = output
-        self._events = events
-        self._extra = dict(extra_handlers or {})
+        self._output = options.get("output")
+        self._events = options.get("events")
+        self._extra = dict(options.get("extra_handlers") or {})
         self._rendezvous_kv = RendezvousKV()
+        host = options.get("host", "127.0.0.1")
         self.server = RpcServer(secret, self._handle, host=host, on_disconnect=self._disconnected)
 
     @property
@@ -211,31 +217,19 @@ class DriverService(JobServiceBase[JobState]):
     ----------
     num_proc
         Number of tasks that must register.
-    secret, host, output, events, extra_handlers
+    secret, payload, **options
         As for :class:`JobServiceBase`.
-    payload
-        cloudpickle of ``(fn, args, kwargs)``, handed to each rank process.
-    env
-        Extra environment for the rank processes.
     """
 
     def __init__(
-        self,
-        num_proc: int,
-        secret: bytes,
-        payload: bytes,
-        env: dict[str, str] | None = None,
-        host: str = "127.0.0.1",
-        output: OutputSink | None = None,
-        events: EventSink | None = None,
-        extra_handlers: Mapping[str, Handler] | None = None,
-    ):
-        self.state = JobState(num_proc=num_proc, payload=payload, env=dict(env or {}))
+        self, num_proc: int, secret: bytes, payload: bytes, **options: Unpack[ServiceOptions]
+    ) -> None:
+        self.state = JobState(num_proc=num_proc)
         self._rank_env: Callable[[RankSettings], dict[str, str]] | None = None
         self._unset_env: tuple[str, ...] = ()
         self._provisional: set[int] = set()  # failures a rank's own later report may replace
         self._pending_abort: threading.Timer | None = None
-        super().__init__(secret, host, output, events, extra_handlers)
+        super().__init__(secret, payload, **options)
 
     def set_rank_env(
         self, rank_env: Callable[[RankSettings], dict[str, str]], unset: Sequence[str] = ()
@@ -264,7 +258,7 @@ class DriverService(JobServiceBase[JobState]):
                 raise RuntimeError(f"job aborted before start: {self.state.abort_reason}")
             settings = self.state.settings[reg.index]
             conn.attrs["rank"] = settings.rank
-        env = dict(self.state.env)
+        env = dict(self.env)
         if self._rank_env is not None:
             env.update(self._rank_env(settings))
         return {"settings": settings, "env": env, "unset": self._unset_env}
@@ -272,7 +266,7 @@ class DriverService(JobServiceBase[JobState]):
     def _on_fetch_fn(self, data: Any, conn: Connection) -> bytes:
         conn.attrs["rank"] = int(data)
         conn.attrs["child"] = True
-        return self.state.payload
+        return self.payload
 
     def _on_result(self, data: dict[str, Any], conn: Connection) -> None:
         with self._cond:

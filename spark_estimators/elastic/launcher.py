@@ -20,15 +20,7 @@ from functools import partial
 from typing import IO, TYPE_CHECKING, Any
 
 from spark_estimators._base.session import driver_service_host, ensure_driver_side, get_spark
-from spark_estimators.driver.launch_job import (
-    EventCallback,
-    LaunchOptions,
-    SparkJob,
-    check_admission,
-    check_call,
-    new_job,
-    results_by_rank,
-)
+from spark_estimators.driver import launch_job
 from spark_estimators.elastic.service import (
     DEFAULT_ELASTIC_TIMEOUT,
     DEFAULT_REJOIN_WAIT,
@@ -42,7 +34,6 @@ from spark_estimators.errors import (
     RendezvousTimeoutError,
     TrainingFailedError,
 )
-from spark_estimators.task.spark_task import TaskConfig
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -74,7 +65,7 @@ def run_elastic(
     use_gpu: bool | None = None,
     rejoin_wait: float = DEFAULT_REJOIN_WAIT,
     spark: SparkSession | None = None,
-    event_callback: EventCallback | None = None,
+    event_callback: launch_job.EventCallback | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` as an elastic job; return the final ranks' results.
 
@@ -133,8 +124,8 @@ def run_elastic(
         task, or a rank failed after others had finished; lists every worker failure seen.
     """
     ensure_driver_side("run_elastic")
-    check_call(fn, args, kwargs)
-    options = LaunchOptions(
+    launch_job.check_call(fn, args, kwargs)
+    options = launch_job.LaunchOptions(
         num_proc=num_proc,
         start_timeout=start_timeout,
         env=env,
@@ -150,11 +141,11 @@ def run_elastic(
         options.ranks, min_num_proc, max_num_proc, options.timeout, elastic_timeout,
         reset_limit, rejoin_wait,
     )  # fmt: skip
-    check_admission(
+    launch_job.check_admission(
         spark, policy.num_proc,
         hint="; lower num_proc (ranks beyond it can still join later up to max_num_proc)",
     )  # fmt: skip
-    job = new_job("spark_estimators-elastic", fn, args, kwargs)
+    job = launch_job.new_job("spark_estimators-elastic", fn, args, kwargs)
     svc = ElasticDriverService(
         policy,
         job.secret,
@@ -164,17 +155,10 @@ def run_elastic(
         output=options.output(),
         events=event_callback,
     )
-    config = TaskConfig(
-        driver_address=svc.address,
-        secret=job.secret,
-        job_id=job.job_id,
-        start_timeout=policy.start_timeout,
-        backend=options.backend,
-        use_gpu=options.use_gpu,
-    )
+    config = launch_job.task_config(job, svc, options)
     n = policy.max_num_proc
     # Not a barrier stage: a failed task is retried by Spark and joins the next round.
-    spark_job = SparkJob(
+    spark_job = launch_job.SparkJob(
         spark, svc, job.job_id, f"spark_estimators.run_elastic {n} tasks",
         spark.range(n, numPartitions=n), partial(elastic_task, config), "worker string",
         barrier=False, join_s=FINISH_GRACE_S,
@@ -193,7 +177,7 @@ def run_elastic(
         svc.close()
 
 
-def _supervise(job: SparkJob, svc: ElasticDriverService) -> list[Any]:
+def _supervise(job: launch_job.SparkJob, svc: ElasticDriverService) -> list[Any]:
     """Re-check the service's timeouts until the job is done, failed or interrupted."""
 
     def over(s: ElasticState) -> bool:
@@ -207,7 +191,7 @@ def _supervise(job: SparkJob, svc: ElasticDriverService) -> list[Any]:
     if state.done:
         # Workers still waiting are told the job is over; Spark's job then ends by itself.
         job.stop(None, grace=FINISH_GRACE_S)
-        return results_by_rank(state.results, len(state.members))
+        return launch_job.results_by_rank(state.results, len(state.members))
     job.stop(state.abort_reason or "the Spark job ended", grace=0.0)
     raise _error(svc, job.error)
 

@@ -17,16 +17,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 from spark_estimators.driver.launch_job import positive_int, positive_seconds
 from spark_estimators.driver.rpc import Connection
 from spark_estimators.driver.service import (
-    EventSink,
     JobServiceBase,
-    OutputSink,
     RankSettings,
     Registration,
+    ServiceOptions,
     assign_ranks,
 )
 from spark_estimators.errors import ConfigurationError, RemoteError
@@ -137,18 +136,13 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
         policy: ElasticPolicy,
         secret: bytes,
         payload: bytes,
-        env: dict[str, str] | None = None,
-        host: str = "127.0.0.1",
-        output: OutputSink | None = None,
-        events: EventSink | None = None,
-    ):
+        **options: Unpack[ServiceOptions],
+    ) -> None:
         self.policy = policy
-        self.payload = payload
-        self.env = dict(env or {})
         self.state = ElasticState()
         self._seq = 0
         self._started = time.monotonic()
-        super().__init__(secret, host, output, events)
+        super().__init__(secret, payload, **options)
 
     # -- task side -------------------------------------------------------------------------------
     def _on_join(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
