@@ -51,9 +51,12 @@ model's input fails in the driver before training, naming the column, the shape 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from spark_estimators.core import checks
 from spark_estimators.core.estimator import SparkEstimator, listify
+from spark_estimators.core.framework import FitData, RankResult, extend_spec
 from spark_estimators.core.params import (
     HOROVOD_DATA_MODULE_KEYWORDS,
     SupervisedParams,
@@ -61,6 +64,8 @@ from spark_estimators.core.params import (
     make_param,
 )
 from spark_estimators.core.params.base import keyword_only
+from spark_estimators.core.tensors import check_shapes
+from spark_estimators.core.training_run import TrainingRun, wrap_model
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.keras.model import (
     KerasModel,
@@ -68,6 +73,15 @@ from spark_estimators.keras.model import (
     load_keras_model,
     warn_uncompiled,
 )
+
+if TYPE_CHECKING:
+    import keras
+
+    from spark_estimators.core.checkpoint import CheckpointInfo
+    from spark_estimators.core.spec import TrainSpec
+    from spark_estimators.data.metadata import ColumnInfo
+    from spark_estimators.keras.remote import KerasTrainSpec, KerasUserObjects
+    from spark_estimators.store.base import Store
 
 
 class KerasEstimator(SparkEstimator, SupervisedParams):
@@ -120,26 +134,31 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
 
     @keyword_only
     def __init__(
-        self, *, model: Any = None, optimizer: Any = None, loss: Any = None, **params: Any
+        self,
+        *,
+        model: keras.Model | None = None,
+        optimizer: keras.optimizers.Optimizer | str | None = None,
+        loss: object = None,
+        **params: object,
     ) -> None:
         super().__init__(**self._input_kwargs)
 
-    def getCustomObjects(self) -> dict[str, Any]:
+    def getCustomObjects(self) -> dict[str, object]:
         """Gets the value of ``customObjects`` or its default value."""
         return dict(self.getOrDefault("customObjects") or {})
 
-    def _custom_objects_for(self, model_bytes: bytes | None) -> dict[str, Any]:
+    def _custom_objects_for(self, model_bytes: bytes | None) -> dict[str, object]:
         """``custom_objects`` plus what the model, loss and metrics need (Keras's lookup)."""
         from spark_estimators.keras.serialization import find_custom_objects
 
         found = find_custom_objects(model_bytes, self.getLoss(), self.getMetrics())
         return {**found, **self.getCustomObjects()}
 
-    def getCheckpointCallback(self) -> Any:
+    def getCheckpointCallback(self) -> keras.callbacks.ModelCheckpoint | None:
         """Gets the value of ``checkpointCallback`` or its default value."""
         return self.getOrDefault("checkpointCallback")
 
-    def getInputShapes(self) -> list[Any] | None:
+    def getInputShapes(self) -> list[list[int] | None] | None:
         """Gets ``inputShapes``; when unset, the shapes of the Keras model's inputs.
 
         Each ``model.inputs[i]`` shape ``(None, 28, 28, 1)`` gives ``[-1, 28, 28, 1]`` for
@@ -151,14 +170,10 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
             return list(shapes)
         return model_input_shapes(self.getModel(), len(self.getFeatureCols()))
 
-    def _check_data_shapes(self, columns: dict[str, Any]) -> None:
+    def _check_data_shapes(self, columns: dict[str, ColumnInfo]) -> None:
         if self.getOrDefault(self.inputShapes) is not None:
             super()._check_data_shapes(columns)
             return
-        import math
-
-        from spark_estimators.core.tensors import check_shapes
-
         sizes = {name: int(math.prod(info.shape)) for name, info in columns.items()}
         param = "the Keras model's inputs (input_shapes is unset, so model.inputs decide)"
         check_shapes(param, self.getFeatureCols(), self.getInputShapes(), sizes)
@@ -248,7 +263,7 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) for k in env)):
             raise ConfigurationError(f"backend_env must be a dict of str -> str, got {env!r}")
 
-    def _optimizer(self) -> Any:
+    def _optimizer(self) -> keras.optimizers.Optimizer:
         import keras
 
         optimizer = self.getOptimizer()
@@ -261,31 +276,40 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
             )
         return optimizer
 
-    # -- training --------------------------------------------------------------------------------
-    def _launch_backend(self) -> Any:
-        backend = super()._launch_backend()
-        env = self.getBackendEnv()
-        if env and self.getBackend() is None:
-            backend.env.update({k: str(v) for k, v in env.items()})  # type: ignore[attr-defined]
-        return backend
+    def _training_run(self) -> TrainingRun:
+        return TrainingRun(self, KerasFramework(self))
 
-    def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> Any:
-        from spark_estimators.core.checkpoint import read_info
-        from spark_estimators.keras.remote import (
-            KerasTrainSpec,
-            KerasUserObjects,
-            model_to_bytes,
-            optimizer_recipe,
-        )
 
-        self._check_output_width(meta)
+class KerasFramework:
+    """What a Keras fit adds to its TrainingRun (see :mod:`spark_estimators.core.framework`)."""
+
+    name = "keras"
+
+    def __init__(self, est: KerasEstimator) -> None:
+        self.est = est
+
+    def trainer(self) -> Callable[[KerasTrainSpec], RankResult]:
+        """The rank entry point: :func:`spark_estimators.keras.remote.train` (imports keras)."""
+        from spark_estimators.keras.remote import train
+
+        return train
+
+    def rank_env(self) -> dict[str, str]:
+        """``backend_env``: environment variables for the ranks of the default backend."""
+        return {k: str(v) for k, v in self.est.getBackendEnv().items()}
+
+    def shipped(self) -> tuple[KerasUserObjects, list[object]]:
+        """The optimizer's recipe, loss, metrics, callbacks and functions (not the model)."""
+        from spark_estimators.keras.remote import KerasUserObjects, optimizer_recipe
+
+        est = self.est
         user = KerasUserObjects(
-            optimizer_recipe=optimizer_recipe(self._optimizer()),
-            loss=self.getLoss(),
-            metrics=self.getMetrics(),
-            callbacks=listify(self.getCallbacks()),
-            checkpoint_callback=self.getCheckpointCallback(),
-            transformation_fn=self.getTransformationFn(),
+            optimizer_recipe=optimizer_recipe(est._optimizer()),
+            loss=est.getLoss(),
+            metrics=est.getMetrics(),
+            callbacks=listify(est.getCallbacks()),
+            checkpoint_callback=est.getCheckpointCallback(),
+            transformation_fn=est.getTransformationFn(),
         )
         roots = [
             user.optimizer_recipe[0],
@@ -294,36 +318,48 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
             *user.callbacks,
             user.transformation_fn,
         ]
+        return user, roots
+
+    def build_spec(
+        self, shared: TrainSpec, data: FitData, store: Store, info: CheckpointInfo | None
+    ) -> KerasTrainSpec:
+        """The Keras spec: the model as ``.keras`` bytes and the custom objects it needs."""
+        from spark_estimators.keras.remote import KerasTrainSpec, model_to_bytes
+
+        est = self.est
         try:
             # Without its compile state: the ranks compile with loss= and metrics=.
-            model_bytes = model_to_bytes(self.getModel(), compile_state=False)
+            model_bytes = model_to_bytes(est.getModel(), compile_state=False)
         except Exception as exc:
             raise ConfigurationError(
                 f"the model cannot be saved in the .keras format ({type(exc).__name__}: {exc}); "
                 "custom layers need get_config() (and custom_objects=...)"
             ) from exc
-        custom = self._custom_objects_for(model_bytes)
-        remote_store = store.to_remote() if hasattr(store, "to_remote") else store
-        info = read_info(store, run_id, "keras")
-        return KerasTrainSpec(
-            **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
+        return extend_spec(
+            shared,
+            KerasTrainSpec,
             model_bytes=model_bytes,
-            custom_objects_blob=dumps_custom_objects(custom),
-            loss_weights=self.getLossWeights(),
-            compression=self._compression_name(),
-            scale_lr=self.getScaleLr(),
-            verbose=self.getVerbose(),
+            custom_objects_blob=dumps_custom_objects(est._custom_objects_for(model_bytes)),
+            loss_weights=est.getLossWeights(),
+            compression=est._compression_name(),
+            scale_lr=est.getScaleLr(),
+            verbose=est.getVerbose(),
         )
 
-    def _check_output_width(self, meta: Any) -> None:
+    def check_spec(self, spec: TrainSpec, store: Store, data: FitData) -> float:
+        """Keras builds its model with shapes: the output width is compared, nothing is run."""
+        self._check_output_width(data)
+        return 0.0
+
+    def _check_output_width(self, data: FitData) -> None:
         """One output and one label with a loss that needs equal widths: compare them.
 
         The driver-side check of issue 27 (Keras builds its model with shapes, so no forward
         pass is needed): ``loss="mse"`` on a 2-wide output and a scalar label would broadcast.
         """
-        outputs = list(getattr(self.getModel(), "outputs", None) or [])
-        labels = self.getLabelCols()
-        loss = self.getLoss()
+        outputs = list(getattr(self.est.getModel(), "outputs", None) or [])
+        labels = self.est.getLabelCols()
+        loss = self.est.getLoss()
         if len(outputs) != 1 or len(labels) != 1 or isinstance(loss, list | tuple | dict):
             return
         name = loss if isinstance(loss, str) else getattr(loss, "name", None)
@@ -331,7 +367,7 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         if str(name).lower() not in _SAME_WIDTH_LOSSES:
             return
         dims = list(outputs[0].shape[1:])
-        info = dict(meta.columns).get(labels[0])
+        info = dict(data.columns).get(labels[0])
         if info is None or any(d is None for d in dims):
             return
         width, label_width = math.prod(dims), math.prod(info.shape)
@@ -344,20 +380,18 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
                 "'sparse_categorical_crossentropy')"
             )
 
-    def _remote_trainer(self) -> Any:
-        from spark_estimators.keras.remote import train
-
-        return train
-
-    def _create_model(self, results: list[Any], meta: Any, run_id: str) -> KerasModel:
-        fingerprints = self._check_fingerprints(results)
-        custom = self._custom_objects_for(results[0]["model"])
+    def build_model(self, results: list[RankResult], run_id: str) -> KerasModel:
+        """A KerasModel of rank 0's trained model, loaded with its custom objects."""
+        fingerprints = checks.check_fingerprints(results)
+        custom = self.est._custom_objects_for(results[0]["model"])
         if results[0].get("compile_state_error"):
             warn_uncompiled(results[0]["compile_state_error"])
         # Never loses the trained model: uncompiled (with the warning) when its loss or metrics
         # cannot be loaded.
         model = load_keras_model(results[0]["model"], custom)
-        keras_model = self._wrap_model(KerasModel, model, results, run_id, custom_objects=custom)
+        keras_model = wrap_model(
+            self.est, KerasModel, model, results, run_id, custom_objects=custom
+        )
         keras_model._rank_fingerprints = fingerprints
         return keras_model
 
@@ -380,7 +414,7 @@ _SAME_WIDTH_LOSSES = {
 }
 
 
-def _pickling_roots(value: Any) -> list[Any]:
+def _pickling_roots(value: object) -> list[object]:
     """The objects of a ``loss``/``metrics`` value, whose modules travel by value.
 
     Nested lists and dicts are flattened; a ``functools.partial`` adds its function.
@@ -393,7 +427,7 @@ def _pickling_roots(value: Any) -> list[Any]:
     return [value] if func is None else [value, *_pickling_roots(func)]
 
 
-def _declared_inputs(model: Any) -> list[Any] | None:
+def _declared_inputs(model: keras.Model) -> list[keras.KerasTensor] | None:
     """``model.inputs`` of a built functional or Sequential model, else None."""
     try:
         inputs = model.inputs
@@ -402,7 +436,7 @@ def _declared_inputs(model: Any) -> list[Any] | None:
     return list(inputs) if inputs else None
 
 
-def model_input_shapes(model: Any, feature_count: int) -> list[Any] | None:
+def model_input_shapes(model: keras.Model, feature_count: int) -> list[list[int] | None] | None:
     """Input shapes for the feature columns from ``model.inputs``, or None.
 
     ``(None, 28, 28, 1)`` -> ``[-1, 28, 28, 1]``; one unknown dimension besides the batch ->
@@ -417,12 +451,12 @@ def model_input_shapes(model: Any, feature_count: int) -> list[Any] | None:
     inputs = _declared_inputs(model)
     if inputs is None or len(inputs) != feature_count:
         return None
-    shapes: list[Any] = []
+    shapes: list[list[int] | None] = []
     for tensor in inputs:
         dims = [None if d is None else int(d) for d in tuple(tensor.shape)[1:]]
         unknown = sum(d is None for d in dims)
         if unknown == 0:
-            shapes.append([-1, *dims])
+            shapes.append([-1, *(int(d) for d in dims if d is not None)])
         elif unknown == 1:
             shapes.append([-1 if d is None else d for d in dims])
         else:

@@ -21,17 +21,30 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from typing import Any, ClassVar
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pyspark.ml.param import TypeConverters
 
 from spark_estimators.core.estimator import SparkEstimator, listify
+from spark_estimators.core.framework import FitData, RankResult, extend_spec
 from spark_estimators.core.params import document_constructor, make_param
 from spark_estimators.core.params.base import keyword_only, to_int_or_none
+from spark_estimators.core.training_run import TrainingRun, wrap_model
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.lightning.callbacks import FRAMEWORK
 from spark_estimators.lightning.model import LightningModel
+from spark_estimators.lightning.preflight import check_training_step_on_rows
 from spark_estimators.lightning.remote import LightningTrainSpec, LightningUserObjects, train
+from spark_estimators.torch.estimator import trained_module
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+
+    from spark_estimators.core.checkpoint import CheckpointInfo
+    from spark_estimators.core.spec import TrainSpec
+    from spark_estimators.store.base import Store
 
 #: The oldest pytorch_lightning this estimator supports (horovod's example imports the name).
 MIN_PL_VERSION = "2.0.0"
@@ -173,14 +186,14 @@ class LightningEstimator(SparkEstimator):
     }
 
     @keyword_only
-    def __init__(self, *, model: Any = None, **params: Any) -> None:
+    def __init__(self, *, model: pl.LightningModule | None = None, **params: object) -> None:
         super().__init__(**self._input_kwargs)
 
     def getNumGpus(self) -> int | None:
         """Gets the value of ``numGpus`` or its default value."""
         return self.getOrDefault(self.numGpus)
 
-    def getLogger(self) -> Any:
+    def getLogger(self) -> pl.loggers.Logger | list[pl.loggers.Logger] | bool | None:
         """Gets the value of ``logger`` or its default value."""
         return self.getOrDefault(self.logger)
 
@@ -188,11 +201,11 @@ class LightningEstimator(SparkEstimator):
         """Gets the value of ``logEveryNSteps`` or its default value."""
         return self.getOrDefault(self.logEveryNSteps)
 
-    def getTrainerArgs(self) -> dict[str, Any]:
+    def getTrainerArgs(self) -> dict[str, object]:
         """Gets the value of ``trainerArgs`` or its default value."""
         return dict(self.getOrDefault(self.trainerArgs) or {})
 
-    def getProfiler(self) -> Any:
+    def getProfiler(self) -> pl.profilers.Profiler | str | None:
         """Gets the value of ``profiler`` or its default value."""
         return self.getOrDefault(self.profiler)
 
@@ -278,7 +291,7 @@ class LightningEstimator(SparkEstimator):
                     f"trainer_args[{key!r}] is not an argument of pytorch_lightning.Trainer.{hint}"
                 )
 
-    def _validate_lightning_objects(self, pl: Any) -> None:
+    def _validate_lightning_objects(self, pl: ModuleType) -> None:
         for cb in listify(self.getCallbacks()):
             if not isinstance(cb, pl.Callback):
                 raise ConfigurationError(
@@ -308,50 +321,69 @@ class LightningEstimator(SparkEstimator):
                     "pytorch_lightning Profiler or None"
                 )
 
-    # -- training --------------------------------------------------------------------------------
-    def _training_spec(
-        self, meta: Any, store: Any, run_id: str, num_proc: int
-    ) -> LightningTrainSpec:
-        from spark_estimators.core.checkpoint import read_info
+    def _training_run(self) -> TrainingRun:
+        return TrainingRun(self, LightningFramework(self))
 
-        user = LightningUserObjects(
-            model=self.getModel(),
-            callbacks=listify(self.getCallbacks()),
-            logger=self.getLogger(),
-            profiler=self.getProfiler(),
-            transformation_fn=self.getTransformationFn(),
-        )
-        roots = [user.model, *user.callbacks, *listify(user.logger), user.transformation_fn]
-        info = read_info(store, run_id, FRAMEWORK)
-        remote_store = store.to_remote(run_id) if hasattr(store, "to_remote") else store
-        spec = LightningTrainSpec(
-            **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
-            num_gpus=self.getNumGpus(),
-            collective_backend=self.getCollectiveBackend(),
-            backward_passes_per_step=self.getBackwardPassesPerStep(),
-            log_every_n_steps=self.getLogEveryNSteps(),
-            trainer_args=self.getTrainerArgs(),
-            terminate_on_nan=self.getTerminateOnNan(),
-            verbose=self.getVerbose(),
-            checkpoint_file=None if info is None else str(info.extra["checkpoint"]),
-        )
-        # The common first-fit mistakes fail here, in the driver, with the fix first.
-        from spark_estimators.lightning.preflight import check_training_step_on_rows
 
-        self._preflight_ms = check_training_step_on_rows(
-            spec, user.model, store, meta, custom_batches=user.transformation_fn is not None
-        )
-        return spec
+class LightningFramework:
+    """What a Lightning fit adds to its TrainingRun (see :mod:`spark_estimators.core.framework`)."""
 
-    def _remote_trainer(self) -> Any:
+    name = FRAMEWORK
+
+    def __init__(self, est: LightningEstimator) -> None:
+        self.est = est
+
+    def trainer(self) -> Callable[[LightningTrainSpec], RankResult]:
+        """The rank entry point: :func:`spark_estimators.lightning.remote.train`."""
         return train
 
-    def _create_model(self, results: list[Any], meta: Any, run_id: str) -> LightningModel:
-        module = self._trained_module(results)
+    def rank_env(self) -> dict[str, str]:
+        """No extra environment: Lightning ranks take the backend's."""
+        return {}
+
+    def shipped(self) -> tuple[LightningUserObjects, list[object]]:
+        """The LightningModule, callbacks, logger, profiler and ``transformation_fn``."""
+        est = self.est
+        user = LightningUserObjects(
+            model=est.getModel(),
+            callbacks=listify(est.getCallbacks()),
+            logger=est.getLogger(),
+            profiler=est.getProfiler(),
+            transformation_fn=est.getTransformationFn(),
+        )
+        return user, [user.model, *user.callbacks, *listify(user.logger), user.transformation_fn]
+
+    def build_spec(
+        self, shared: TrainSpec, data: FitData, store: Store, info: CheckpointInfo | None
+    ) -> LightningTrainSpec:
+        """The Lightning spec; a hot start resumes from the checkpoint file ``info`` names."""
+        est = self.est
+        return extend_spec(
+            shared,
+            LightningTrainSpec,
+            num_gpus=est.getNumGpus(),
+            collective_backend=est.getCollectiveBackend(),
+            backward_passes_per_step=est.getBackwardPassesPerStep(),
+            log_every_n_steps=est.getLogEveryNSteps(),
+            trainer_args=est.getTrainerArgs(),
+            terminate_on_nan=est.getTerminateOnNan(),
+            verbose=est.getVerbose(),
+            checkpoint_file=None if info is None else str(info.extra["checkpoint"]),
+        )
+
+    def check_spec(self, spec: TrainSpec, store: Store, data: FitData) -> float:
+        """Run ``training_step`` on a few prepared rows (see ``lightning/preflight.py``)."""
+        est = self.est
+        custom = est.getTransformationFn() is not None
+        return check_training_step_on_rows(spec, est.getModel(), store, data, custom_batches=custom)
+
+    def build_model(self, results: list[RankResult], run_id: str) -> LightningModel:
+        """A LightningModel of rank 0's weights with its logged metrics."""
         first = results[0]
-        return self._wrap_model(
+        return wrap_model(
+            self.est,
             LightningModel,
-            module,
+            trained_module(self.est.getModel(), results),
             results,
             run_id,
             logged_metrics=first["logged_metrics"],
@@ -359,7 +391,7 @@ class LightningEstimator(SparkEstimator):
         )
 
 
-def _is_torch_module(value: Any) -> bool:
+def _is_torch_module(value: object) -> bool:
     try:
         import torch
     except ImportError:  # pragma: no cover

@@ -23,10 +23,13 @@ them and refuses fractional values before training (:mod:`spark_estimators.torch
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
 
-from spark_estimators.core.checkpoint import read_info
+from spark_estimators.core import checks
 from spark_estimators.core.estimator import SparkEstimator, listify
+from spark_estimators.core.framework import FitData, RankResult, extend_spec
 from spark_estimators.core.params import (
     HOROVOD_DATA_MODULE_KEYWORDS,
     HasLossConstructors,
@@ -35,14 +38,21 @@ from spark_estimators.core.params import (
     document_constructor,
 )
 from spark_estimators.core.params.base import keyword_only
+from spark_estimators.core.training_run import TrainingRun, wrap_model
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.torch import indices, preflight, serialization
 from spark_estimators.torch.model import TorchModel
-from spark_estimators.torch.remote import (
-    TorchTrainSpec,
-    UserObjects,
-    train,
-)
+from spark_estimators.torch.remote import TorchTrainSpec, UserObjects, train
+
+if TYPE_CHECKING:
+    import torch
+
+    from spark_estimators.core.checkpoint import CheckpointInfo
+    from spark_estimators.core.spec import TrainSpec
+    from spark_estimators.store.base import Store
+
+#: A loss: ``loss(output, label) -> scalar tensor`` (a ``torch.nn`` loss module or a function).
+LossFn: TypeAlias = "Callable[..., torch.Tensor]"
 
 
 class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasTrainMinibatchFn):
@@ -58,7 +68,12 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
 
     @keyword_only
     def __init__(
-        self, *, model: Any = None, optimizer: Any = None, loss: Any = None, **params: Any
+        self,
+        *,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        loss: object = None,
+        **params: object,
     ) -> None:
         super().__init__(**self._input_kwargs)
 
@@ -129,27 +144,52 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
                 f"gradient_compression={compression!r} is not Compression.none or Compression.fp16"
             )
 
-    def _losses(self) -> list[Any]:
+    def _losses(self) -> list[LossFn]:
         constructors = listify(self.getLossConstructors())
         if constructors:
             return [c() for c in constructors]
         return listify(self.getLoss())
 
-    # -- training --------------------------------------------------------------------------------
-    def _training_spec(self, meta: Any, store: Any, run_id: str, num_proc: int) -> TorchTrainSpec:
-        losses = self._losses()
-        if len(losses) == 1 and len(self.getLabelCols()) > 1:
-            losses = losses * len(self.getLabelCols())
+    def _training_run(self) -> TrainingRun:
+        return TrainingRun(self, TorchFramework(self))
+
+
+class TorchFramework:
+    """What a torch fit adds to its TrainingRun (see :mod:`spark_estimators.core.framework`)."""
+
+    name = "torch"
+
+    def __init__(self, est: TorchEstimator) -> None:
+        self.est = est
+        self.losses: list[LossFn] = []  # one per label column, from shipped()
+        # Floating columns fed as int64 class indices (build_spec; the model's indexCols).
+        self.index_cols: list[indices.IndexColumn] = []
+
+    def trainer(self) -> Callable[[TorchTrainSpec], RankResult]:
+        """The rank entry point: :func:`spark_estimators.torch.remote.train`."""
+        return train
+
+    def rank_env(self) -> dict[str, str]:
+        """No extra environment: torch ranks take the backend's."""
+        return {}
+
+    def shipped(self) -> tuple[UserObjects, list[object]]:
+        """The model, optimizer (TorchScript as bytes), losses, metrics, callbacks and functions."""
+        est = self.est
+        losses = est._losses()
+        if len(losses) == 1 and len(est.getLabelCols()) > 1:
+            losses = losses * len(est.getLabelCols())
+        self.losses = losses
         # TorchScript modules cannot be pickled: they travel as torch.jit.save bytes.
-        model, optimizer = serialization.pack(self.getModel(), self.getOptimizer())
+        model, optimizer = serialization.pack(est.getModel(), est.getOptimizer())
         user = UserObjects(
             model=model,
             optimizer=optimizer,
             losses=losses,
-            metrics=listify(self.getMetrics()),
-            callbacks=listify(self.getCallbacks()),
-            transformation_fn=self.getTransformationFn(),
-            train_minibatch_fn=self.getTrainMinibatchFn(),
+            metrics=listify(est.getMetrics()),
+            callbacks=listify(est.getCallbacks()),
+            transformation_fn=est.getTransformationFn(),
+            train_minibatch_fn=est.getTrainMinibatchFn(),
         )
         roots = [
             user.model,
@@ -159,55 +199,59 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
             user.transformation_fn,
             user.train_minibatch_fn,
         ]
-        remote_store = store.to_remote() if hasattr(store, "to_remote") else store
-        info = read_info(store, run_id, "torch")
-        index_cols = self._index_cols(meta, store, losses)
-        spec = TorchTrainSpec(
-            **self._spec_fields(user, roots, store, remote_store, meta, run_id, info),
-            index_cols=[c.name for c in index_cols],
-            loss_weights=self.getLossWeights(),
-            backward_passes_per_step=self.getBackwardPassesPerStep(),
-            compression=self._compression_name(),
-            scale_lr=self.getScaleLr(),
-        )
-        # The common first-fit mistakes fail here, in the driver, with the fix first.
-        self._preflight_ms = preflight.check_model_on_rows(
-            spec,
-            self.getModel(),
-            losses,
-            store,
-            meta,
-            custom_batches=user.transformation_fn is not None
-            or user.train_minibatch_fn is not None,
-        )
-        return spec
+        return user, roots
 
-    def _index_cols(self, meta: Any, store: Any, losses: list[Any]) -> list[indices.IndexColumn]:
-        """Floating columns fed as int64 class indices; checked to hold whole numbers.
-
-        Kept for :meth:`_create_model` of the same fit (the model's ``indexCols``).
-        """
-        columns = dict(meta.columns)
-        found = indices.label_index_cols(losses, self.getLabelCols(), columns)
+    def build_spec(
+        self, shared: TrainSpec, data: FitData, store: Store, info: CheckpointInfo | None
+    ) -> TorchTrainSpec:
+        """The torch spec; floating class-index columns are found and checked here."""
+        est = self.est
+        columns = dict(data.columns)
+        found = indices.label_index_cols(self.losses, est.getLabelCols(), columns)
         found += indices.embedding_index_cols(
-            self.getModel(), self.getFeatureCols(), columns, self.getInputShapes()
+            est.getModel(), est.getFeatureCols(), columns, est.getInputShapes()
         )
-        indices.check_whole_numbers(store, meta, found)
-        self._last_index_cols = found
-        return found
+        indices.check_whole_numbers(store, data, found)
+        self.index_cols = found
+        return extend_spec(
+            shared,
+            TorchTrainSpec,
+            index_cols=[c.name for c in found],
+            loss_weights=est.getLossWeights(),
+            backward_passes_per_step=est.getBackwardPassesPerStep(),
+            compression=est._compression_name(),
+            scale_lr=est.getScaleLr(),
+        )
 
-    def _remote_trainer(self) -> Any:
-        return train
+    def check_spec(self, spec: TrainSpec, store: Store, data: FitData) -> float:
+        """Run the model and loss on a few prepared rows (see ``torch/preflight.py``)."""
+        est = self.est
+        custom = est.getTransformationFn() is not None or est.getTrainMinibatchFn() is not None
+        return preflight.check_model_on_rows(
+            spec, est.getModel(), self.losses, store, data, custom_batches=custom
+        )
 
-    def _create_model(self, results: list[Any], meta: Any, run_id: str) -> TorchModel:
-        model = self._trained_module(results)
-        features = set(self.getFeatureCols())
-        found = getattr(self, "_last_index_cols", [])
-        index_cols = [c.name for c in found if c.name in features]
-        fitted = self._wrap_model(TorchModel, model, results, run_id)
+    def build_model(self, results: list[RankResult], run_id: str) -> TorchModel:
+        """A TorchModel of rank 0's weights; ``indexCols``: the feature columns cast to int64."""
+        model = trained_module(self.est.getModel(), results)
+        fitted = wrap_model(self.est, TorchModel, model, results, run_id)
+        features = set(self.est.getFeatureCols())
+        index_cols = [c.name for c in self.index_cols if c.name in features]
         if index_cols:
             fitted.setIndexCols(index_cols)
         return fitted
+
+
+def trained_module(module: torch.nn.Module, results: list[RankResult]) -> torch.nn.Module:
+    """A CPU copy of ``module`` with rank 0's final weights, in eval mode.
+
+    Every rank must have ended with the same trainable parameters (checked first).
+    """
+    checks.check_fingerprints(results)
+    trained = copy.deepcopy(module).cpu()
+    trained.load_state_dict(results[0]["state_dict"])
+    trained.eval()
+    return trained
 
 
 document_constructor(

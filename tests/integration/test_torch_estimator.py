@@ -279,13 +279,13 @@ def test_both_ranks_end_with_the_weights_of_the_returned_model(df, store):
 
 
 def test_diverged_ranks_fail_the_fit():
-    from spark_estimators.core.estimator import SparkEstimator
+    from spark_estimators.core.checks import check_fingerprints
     from spark_estimators.errors import TrainingFailedError
 
     same = [{"fingerprint": "a"}, {"fingerprint": "a"}]
-    assert SparkEstimator._check_fingerprints(same) == ["a", "a"]
+    assert check_fingerprints(same) == ["a", "a"]
     with pytest.raises(TrainingFailedError, match="ranks ended with different weights"):
-        SparkEstimator._check_fingerprints([{"fingerprint": "a"}, {"fingerprint": "b"}])
+        check_fingerprints([{"fingerprint": "a"}, {"fingerprint": "b"}])
 
 
 def test_early_stopping_stops_all_ranks(df, store):
