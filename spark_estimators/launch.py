@@ -28,7 +28,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import IO, TypeVar, cast
 
 from spark_estimators import envvars as ev
 from spark_estimators import run_options
@@ -40,12 +40,14 @@ from spark_estimators.local_ranks import DEFAULT_GRACE_S, Supervisor, run_ranks
 
 __all__ = ["main", "run_local"]
 
+T = TypeVar("T")
+
 _WORKER_FLAG = "--run-pickled-function"
 
 
 # -- run_local: a Python function in N processes --------------------------------------------
 def run_local(
-    fn: Callable[..., object],
+    fn: Callable[..., T],
     num_proc: int = 2,
     args: Sequence[object] = (),
     kwargs: dict[str, object] | None = None,
@@ -57,7 +59,7 @@ def run_local(
     fail_fast: bool = True,
     return_failures: bool = False,
     grace: float = DEFAULT_GRACE_S,
-) -> list[Any]:
+) -> list[T | RemoteError | None]:
     """Run ``fn(*args, **kwargs)`` in ``num_proc`` local rank processes; results by rank.
 
     Parameters
@@ -124,7 +126,8 @@ def run_local(
             failures,
         )
     merged = {**results, **stopped, **failures}
-    return [merged.get(r) for r in range(num_proc)]
+    # fn's results; with return_failures a RemoteError (or None) for a rank that failed
+    return cast("list[T | RemoteError | None]", [merged.get(r) for r in range(num_proc)])
 
 
 def _collect(

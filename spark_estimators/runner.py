@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import IO, TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Protocol, TypeVar, cast
 
 from spark_estimators import envvars as ev
 from spark_estimators import run_options
@@ -54,6 +54,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 ABORT_GRACE_S = 5.0
 #: The barrier stage's result rows.
 TASK_SCHEMA = "index long, rank long, seconds double"
@@ -84,7 +86,7 @@ def _resolve_backend(backend: str | None, use_mpi: bool | None, use_gloo: bool |
 
 
 def run(
-    fn: Callable[..., object],
+    fn: Callable[..., T],
     args: Sequence[object] = (),
     kwargs: dict[str, object] | None = None,
     num_proc: int | None = None,
@@ -106,7 +108,7 @@ def run(
     executable: str | None = None,
     driver_host: str | None = None,
     stream_input: StreamSource | None = None,
-) -> list[Any]:
+) -> list[T]:
     """Run ``fn(*args, **kwargs)`` on ``num_proc`` Spark tasks; return the results by rank.
 
     Parameters
@@ -206,14 +208,14 @@ def run(
 
 def launch(
     options: LaunchOptions,
-    fn: Callable[..., object],
+    fn: Callable[..., T],
     args: Sequence[object] = (),
     kwargs: dict[str, object] | None = None,
     *,
     spark: SparkSession | None = None,
     event_callback: EventCallback | None = None,
     stream_input: StreamSource | None = None,
-) -> list[Any]:
+) -> list[T]:
     """:func:`run` with its options checked: the launch of ``options.num_proc`` ranks.
 
     What :class:`~spark_estimators.core.backend.SparkBackend` calls; the arguments are as for
@@ -255,7 +257,8 @@ def launch(
     # Spark draws it over the ranks' forwarded lines: muted for the job, restored after it.
     SPARK_CONSOLE_BAR.mute()
     try:
-        return _Barrier(spark_job, svc, options, streaming=stream_input is not None).run()
+        results = _Barrier(spark_job, svc, options, streaming=stream_input is not None).run()
+        return cast("list[T]", results)  # what the ranks' fn returned
     finally:
         SPARK_CONSOLE_BAR.unmute()
         if pmi is not None:
@@ -267,11 +270,11 @@ class _Barrier:
     """Waits on one barrier job: every rank registers in time, then all report or one fails."""
 
     def __init__(
-        self, job: SparkJob, svc: DriverService, options: LaunchOptions, streaming: bool
+        self, job: SparkJob[JobState], svc: DriverService, options: LaunchOptions, streaming: bool
     ) -> None:
         self.job, self.svc, self.options, self.streaming = job, svc, options, streaming
 
-    def run(self) -> list[Any]:
+    def run(self) -> list[object]:
         self.job.start()
         with self.job.stopped_on_error():
             self._wait_started()
@@ -314,7 +317,7 @@ class _Barrier:
                 expected=self.options.ranks,
             )
 
-    def _collect_results(self) -> list[Any]:
+    def _collect_results(self) -> list[object]:
         state, num_proc = self.svc.state, self.options.ranks
         if state.failures:
             # A rank that dies makes its peers raise CollectiveError: name the cause first.

@@ -10,7 +10,7 @@ import copy
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, TypeVar
 
 from spark_estimators._base.session import get_spark
 from spark_estimators.driver.launch_job import EventCallback, LaunchOptions, check_admission
@@ -19,6 +19,8 @@ from spark_estimators.runner import StreamSource, launch
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+T = TypeVar("T")
+
 
 class Backend(ABC):
     """Runs ``fn`` on ``num_processes()`` ranks and returns the per-rank results."""
@@ -26,12 +28,12 @@ class Backend(ABC):
     @abstractmethod
     def run(
         self,
-        fn: Callable[..., object],
+        fn: Callable[..., T],
         args: tuple[object, ...] = (),
         kwargs: dict[str, object] | None = None,
         env: dict[str, str] | None = None,
         event_callback: EventCallback | None = None,
-    ) -> list[Any]:
+    ) -> list[T]:
         """Run ``fn(*args, **kwargs)`` on every rank; return results ordered by rank."""
 
     @abstractmethod
@@ -111,13 +113,13 @@ class SparkBackend(Backend):
 
     def run(
         self,
-        fn: Callable[..., object],
+        fn: Callable[..., T],
         args: tuple[object, ...] = (),
         kwargs: dict[str, object] | None = None,
         env: dict[str, str] | None = None,
         event_callback: EventCallback | None = None,
         stream_input: StreamSource | None = None,
-    ) -> list[Any]:
+    ) -> list[T]:
         """Run ``fn`` on the ranks with :func:`spark_estimators.run`; one result per rank.
 
         ``env`` is added to the backend's own; ``stream_input``: the estimators'

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Sequence
+
+#: ``(op, namespace, args)``: one store operation, e.g. ``("set", "ns", ["key", b"value"])``.
+StoreRequest = tuple[str, str, Sequence[object]]
 
 #: Longest one blocking request waits in the driver before answering "not yet".
 LONG_POLL_S = 5.0
@@ -33,7 +36,7 @@ class RendezvousKV:
         self._spaces: dict[str, dict[str, bytes]] = {}
         self._cond = threading.Condition()
 
-    def handle(self, request: Any) -> Any:
+    def handle(self, request: StoreRequest) -> object:
         """Serve one ``(op, namespace, args)`` request; see :meth:`_op_set` and its siblings."""
         op, namespace, args = request
         method = getattr(self, "_op_" + str(op), None)
@@ -56,7 +59,9 @@ class RendezvousKV:
         space[key] = bytes(value)
         self._cond.notify_all()
 
-    def _op_get(self, space: dict[str, bytes], keys: list[str], timeout: float) -> Any:
+    def _op_get(
+        self, space: dict[str, bytes], keys: list[str], timeout: float
+    ) -> list[bytes] | None:
         """The values of ``keys`` once all exist, or None after the long poll."""
         if not self._wait_for(space, keys, timeout):
             return None

@@ -29,7 +29,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, Generic, TypeVar
 
 import cloudpickle
 
@@ -251,12 +251,12 @@ def task_config(
     )
 
 
-def results_by_rank(results: Mapping[int, bytes], size: int) -> list[Any]:
+def results_by_rank(results: Mapping[int, bytes], size: int) -> list[object]:
     """The unpickled result of rank 0, 1, ... ``size - 1``."""
     return [cloudpickle.loads(results[rank]) for rank in range(size)]
 
 
-class SparkJob:
+class SparkJob(Generic[StateT]):
     """The Spark job whose tasks are a job's ranks, run from a thread and waited on.
 
     Parameters
@@ -279,7 +279,7 @@ class SparkJob:
     def __init__(
         self,
         spark: SparkSession,
-        service: JobServiceBase[Any],
+        service: JobServiceBase[StateT],
         job_id: str,
         description: str,
         tasks: DataFrame,
@@ -315,7 +315,7 @@ class SparkJob:
         """Submit the job (from a thread; the caller goes on to :meth:`wait`)."""
         self._thread.start()
 
-    def wait(self, predicate: Callable[[Any], bool], timeout: float | None) -> bool:
+    def wait(self, predicate: Callable[[StateT], bool], timeout: float | None) -> bool:
         """Wait until ``predicate(service state)`` holds or the job ended; False on timeout."""
         return self.service.wait(lambda state: self.done or predicate(state), timeout=timeout)
 

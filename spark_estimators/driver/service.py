@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
-from spark_estimators.driver.kvstore import RendezvousKV
+from spark_estimators.driver.kvstore import RendezvousKV, StoreRequest
 from spark_estimators.driver.rpc import Connection, RpcServer
 from spark_estimators.errors import RemoteError
 
@@ -45,6 +45,66 @@ def is_consequence(message: str) -> bool:
 OutputSink = Callable[[int, str, list[str]], None]
 EventSink = Callable[[int, str, Any], None]
 Handler = Callable[[Any, Connection], object]
+
+
+class LogMessage(TypedDict):
+    """A batch of a rank's output lines (``"log"``)."""
+
+    rank: int
+    stream: str
+    lines: list[str]
+
+
+class EventMessage(TypedDict):
+    """An event sent by rank code with ``task.send_event`` (``"event"``)."""
+
+    rank: int
+    kind: str
+    data: object
+
+
+class ResultMessage(TypedDict):
+    """A rank's pickled return value (``"result"``)."""
+
+    rank: int
+    value: bytes
+
+
+class FailureMessage(TypedDict, total=False):
+    """A rank's failure (``"failure"``): the fields of :class:`RemoteError`."""
+
+    rank: int
+    host: str
+    message: str
+    traceback: str
+    exit_code: int | None
+
+
+class RegisterMessage(TypedDict):
+    """A Spark task's registration (``"register"``): the fields of :class:`Registration`."""
+
+    index: int
+    host: str
+    host_hash: str
+    pid: int
+    address: str
+    port: int
+    gpus: tuple[str, ...]
+    attempt: int
+
+
+class RegisterReply(TypedDict):
+    """The answer to a registration: the task's place in the job and its ranks' variables."""
+
+    settings: RankSettings
+    env: dict[str, str]
+    unset: tuple[str, ...]
+
+
+class WatchReply(TypedDict):
+    """The answer to a task's watch: the job's abort reason, or None while it runs."""
+
+    abort: str | None
 
 
 class ServiceOptions(TypedDict, total=False):
@@ -197,15 +257,15 @@ class JobServiceBase(ABC, Generic[StateT]):
         with self._cond:
             self._cond.notify_all()
 
-    def _on_log(self, data: dict[str, Any], conn: Connection) -> None:
+    def _on_log(self, data: LogMessage, conn: Connection) -> None:
         if self._output is not None:
             self._output(int(data["rank"]), data["stream"], data["lines"])
 
-    def _on_event(self, data: dict[str, Any], conn: Connection) -> None:
+    def _on_event(self, data: EventMessage, conn: Connection) -> None:
         if self._events is not None:
             self._events(int(data["rank"]), data["kind"], data["data"])
 
-    def _on_store(self, data: Any, conn: Connection) -> Any:
+    def _on_store(self, data: StoreRequest, conn: Connection) -> object:
         """The ranks' collective rendezvous store (:mod:`spark_estimators.driver.kvstore`)."""
         return self._rendezvous_kv.handle(data)
 
@@ -242,7 +302,7 @@ class DriverService(JobServiceBase[JobState]):
         self._unset_env = tuple(unset)
 
     # -- handlers --------------------------------------------------------------------------------
-    def _on_register(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
+    def _on_register(self, data: RegisterMessage, conn: Connection) -> RegisterReply:
         reg = Registration(**data)
         with self._cond:
             if reg.index in self.state.registrations and self.state.settings:
@@ -263,32 +323,32 @@ class DriverService(JobServiceBase[JobState]):
             env.update(self._rank_env(settings))
         return {"settings": settings, "env": env, "unset": self._unset_env}
 
-    def _on_fetch_fn(self, data: Any, conn: Connection) -> bytes:
+    def _on_fetch_fn(self, data: int, conn: Connection) -> bytes:
         conn.attrs["rank"] = int(data)
         conn.attrs["child"] = True
         return self.payload
 
-    def _on_result(self, data: dict[str, Any], conn: Connection) -> None:
+    def _on_result(self, data: ResultMessage, conn: Connection) -> None:
         with self._cond:
             self.state.results[int(data["rank"])] = data["value"]
             self._cond.notify_all()
 
-    def _on_failure(self, data: dict[str, Any], conn: Connection) -> None:
+    def _on_failure(self, data: FailureMessage, conn: Connection) -> None:
         self.record_failure(RemoteError(**data))
 
-    def _on_task_done(self, data: Any, conn: Connection) -> None:
+    def _on_task_done(self, data: int, conn: Connection) -> None:
         with self._cond:
             self.state.finished_tasks.add(int(data))
             self._cond.notify_all()
 
-    def _on_watch(self, data: Any, conn: Connection) -> dict[str, Any]:
+    def _on_watch(self, data: float | None, conn: Connection) -> WatchReply:
         """Long poll: answer when the job is aborted or after ``data`` seconds."""
         timeout = float(data or 1.0)
         with self._cond:
             self._cond.wait_for(lambda: self.state.abort_reason is not None, timeout=timeout)
             return {"abort": self.state.abort_reason}
 
-    def _on_all_reported(self, data: Any, conn: Connection) -> bool:
+    def _on_all_reported(self, data: float | None, conn: Connection) -> bool:
         """Long poll: True once every rank has reported (or the job aborted), else after ``data`` s.
 
         A rank that has reported its result waits on this before its process exits: rank 0's

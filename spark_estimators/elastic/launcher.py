@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, TypeVar, cast
 
 from spark_estimators._base.session import driver_service_host, ensure_driver_side, get_spark
 from spark_estimators.driver import launch_job
@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 FINISH_GRACE_S = 10.0
 TICK_S = 0.5
 
@@ -47,7 +49,7 @@ __all__ = ["DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_REJOIN_WAIT", "run_elastic"]
 
 
 def run_elastic(
-    fn: Callable[..., object],
+    fn: Callable[..., T],
     args: Sequence[object] = (),
     kwargs: dict[str, object] | None = None,
     num_proc: int | None = None,
@@ -66,7 +68,7 @@ def run_elastic(
     rejoin_wait: float = DEFAULT_REJOIN_WAIT,
     spark: SparkSession | None = None,
     event_callback: launch_job.EventCallback | None = None,
-) -> list[Any]:
+) -> list[T]:
     """Run ``fn(*args, **kwargs)`` as an elastic job; return the final ranks' results.
 
     ``fn`` usually builds a ``TorchState`` / ``ObjectState`` and calls a function decorated
@@ -172,12 +174,12 @@ def run_elastic(
             policy.max_num_proc,
         )
     try:
-        return _supervise(spark_job, svc)
+        return cast("list[T]", _supervise(spark_job, svc))  # what the ranks' fn returned
     finally:
         svc.close()
 
 
-def _supervise(job: launch_job.SparkJob, svc: ElasticDriverService) -> list[Any]:
+def _supervise(job: launch_job.SparkJob[ElasticState], svc: ElasticDriverService) -> list[object]:
     """Re-check the service's timeouts until the job is done, failed or interrupted."""
 
     def over(s: ElasticState) -> bool:

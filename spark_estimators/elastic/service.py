@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Unpack
+from typing import TypedDict, Unpack
 
 from spark_estimators.driver.launch_job import positive_int, positive_seconds
 from spark_estimators.driver.rpc import Connection
@@ -26,6 +26,7 @@ from spark_estimators.driver.service import (
     RankSettings,
     Registration,
     ServiceOptions,
+    WatchReply,
     assign_ranks,
 )
 from spark_estimators.errors import ConfigurationError, RemoteError
@@ -36,6 +37,42 @@ JOINING, WAITING, RUNNING, FINISHED, DEAD = "joining", "waiting", "running", "fi
 POLL_S = 0.2
 DEFAULT_ELASTIC_TIMEOUT = 600.0
 DEFAULT_REJOIN_WAIT = 10.0
+
+
+class JoinMessage(TypedDict):
+    """A Spark task attempt that joins the job (``"join"``)."""
+
+    index: int
+    attempt: int
+    host: str
+    host_hash: str
+    address: str
+
+
+class WorkerFailure(TypedDict):
+    """A worker's rank process failed (``"failure"``)."""
+
+    worker_id: str
+    host: str
+    message: str
+    traceback: str
+    exit_code: int | None
+
+
+class RendezvousMessage(TypedDict):
+    """A rank process waits for the next round (``"rendezvous"``), offering its held port."""
+
+    worker_id: str
+    port: int
+
+
+class RoundResult(TypedDict):
+    """A rank's pickled return value in one round (``"result"``)."""
+
+    worker_id: str
+    round: int
+    rank: int
+    value: bytes
 
 
 @dataclass
@@ -145,7 +182,7 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
         super().__init__(secret, payload, **options)
 
     # -- task side -------------------------------------------------------------------------------
-    def _on_join(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
+    def _on_join(self, data: JoinMessage, conn: Connection) -> dict[str, object]:
         with self._cond:
             if self.state.done or self.state.abort_reason is not None:
                 return {"status": "over"}
@@ -164,32 +201,39 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
             self._cond.notify_all()
         return {"status": "ok", "worker_id": wid, "env": self.env}
 
-    def _on_failure(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
+    def _on_failure(self, data: WorkerFailure, conn: Connection) -> dict[str, bool]:
         """A rank process failed; the answer tells its task whether Spark should retry it."""
-        wid = data.pop("worker_id")
+        wid = data["worker_id"]
         with self._cond:
             worker = self.state.workers.get(wid)
             rank = worker.rank if worker is not None and worker.rank is not None else -1
-            self.state.failures.append(RemoteError(rank=rank, **data))
+            failure = RemoteError(
+                rank=rank,
+                host=data["host"],
+                message=data["message"],
+                traceback=data["traceback"],
+                exit_code=data["exit_code"],
+            )
+            self.state.failures.append(failure)
             self._mark_dead(wid)
             retry = not self.state.done and self.state.abort_reason is None
         return {"retry": retry}
 
-    def _on_task_done(self, data: Any, conn: Connection) -> None:
+    def _on_task_done(self, data: str, conn: Connection) -> None:
         with self._cond:
             conn.attrs["task_done"] = True
             self._cond.notify_all()
 
-    def _on_watch(self, data: Any, conn: Connection) -> dict[str, Any]:
+    def _on_watch(self, data: float | None, conn: Connection) -> WatchReply:
         with self._cond:
             self._cond.wait_for(lambda: self.state.abort_reason is not None, float(data or 1.0))
             return {"abort": self.state.abort_reason}
 
     # -- rank process side -----------------------------------------------------------------------
-    def _on_fetch_fn(self, data: Any, conn: Connection) -> bytes:
+    def _on_fetch_fn(self, data: str, conn: Connection) -> bytes:
         return self.payload
 
-    def _on_rendezvous(self, data: dict[str, Any], conn: Connection) -> dict[str, Any]:
+    def _on_rendezvous(self, data: RendezvousMessage, conn: Connection) -> dict[str, object]:
         wid = data["worker_id"]
         conn.attrs["child_of"] = wid
         with self._cond:
@@ -211,7 +255,7 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
                 if worker.status != RUNNING:
                     self._cond.wait(POLL_S)
 
-    def _on_host_updates(self, data: Any, conn: Connection) -> bool:
+    def _on_host_updates(self, data: int, conn: Connection) -> bool:
         """True when a worker waits to join or a member of the round is gone."""
         with self._cond:
             members = set(self.state.members)
@@ -222,7 +266,7 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
                     return True
         return False
 
-    def _on_result(self, data: dict[str, Any], conn: Connection) -> None:
+    def _on_result(self, data: RoundResult, conn: Connection) -> None:
         with self._cond:
             worker = self.state.workers[data["worker_id"]]
             if int(data["round"]) != self.state.round:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators._base.processes import start_rank_process
 from spark_estimators.driver.rpc import RpcClient
@@ -25,6 +25,9 @@ from spark_estimators.task.spark_task import (
     supervise_child,
     task_gpus,
 )
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 class ElasticWorkerFailed(SparkEstimatorsError):
@@ -110,7 +113,7 @@ def run_worker(config: TaskConfig, index: int, attempt: int, gpus: tuple[str, ..
         client.close()
 
 
-def elastic_task(config: TaskConfig, batches: Iterable[Any]) -> Iterator[Any]:
+def elastic_task(config: TaskConfig, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """The ``mapInArrow`` function: one elastic worker per partition attempt."""
     import pyarrow as pa
     from pyspark import TaskContext
