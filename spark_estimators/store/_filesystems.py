@@ -16,9 +16,12 @@ import abc
 import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import pyarrow.fs as pafs
 
 # Which pip package provides an fsspec protocol, for the "install X" message.
 PIP_PACKAGE_FOR_PROTOCOL: dict[str, tuple[str, str]] = {
@@ -38,7 +41,7 @@ OBJECT_STORE_PROTOCOLS = frozenset(PIP_PACKAGE_FOR_PROTOCOL)
 
 # Options we add to every fsspec filesystem unless the user sets them: listings written by other
 # processes (executors) must never be served from a stale per-process cache.
-_FSSPEC_DEFAULTS: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
+_FSSPEC_DEFAULTS: dict[str, object] = {"skip_instance_cache": True, "use_listings_cache": False}
 
 
 class FilesystemSpec(abc.ABC):
@@ -55,7 +58,7 @@ class FilesystemSpec(abc.ABC):
         return True
 
     @abc.abstractmethod
-    def create(self) -> Any:
+    def create(self) -> pafs.FileSystem:
         """Build the :class:`pyarrow.fs.FileSystem` (called lazily, once per process and view)."""
 
     @abc.abstractmethod
@@ -67,7 +70,7 @@ class FilesystemSpec(abc.ABC):
 class LocalFilesystemSpec(FilesystemSpec):
     """The local (or NFS/FUSE-mounted) filesystem."""
 
-    def create(self) -> Any:
+    def create(self) -> pafs.FileSystem:
         import pyarrow.fs as pafs
 
         return pafs.LocalFileSystem(use_mmap=False)
@@ -94,7 +97,7 @@ class FsspecFilesystemSpec(FilesystemSpec):
     """
 
     protocol: str
-    storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    storage_options: Mapping[str, object] = field(default_factory=dict, repr=False)
 
     @property
     def rename_is_atomic(self) -> bool:
@@ -107,7 +110,7 @@ class FsspecFilesystemSpec(FilesystemSpec):
     def __post_init__(self) -> None:
         check_protocol_installed(self.protocol)
 
-    def create(self) -> Any:
+    def create(self) -> pafs.FileSystem:
         import fsspec
         import pyarrow.fs as pafs
 
@@ -137,7 +140,7 @@ class HadoopFilesystemSpec(FilesystemSpec):
     kerb_ticket: str | None = None
     extra_conf: Mapping[str, str] | None = field(default=None, repr=False)
 
-    def create(self) -> Any:
+    def create(self) -> pafs.FileSystem:
         import pyarrow.fs as pafs
 
         try:

@@ -79,7 +79,7 @@ class StoreBase(HorovodStoreMethods):
         self._synced: dict[tuple[str, str], tuple[int, int]] = {}
 
     # ----------------------------------------------------------------- pickling and identity
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         state = super().__getstate__()
         state["_synced"] = {}
         return state

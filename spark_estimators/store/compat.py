@@ -20,10 +20,13 @@ every other Store method, a relative path is taken under the store's prefix.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.errors import StoreError
 from spark_estimators.store.io import StoreIO
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
 
 
 class HorovodStoreMethods(StoreIO):
@@ -51,7 +54,7 @@ class HorovodStoreMethods(StoreIO):
         """The whole content of the file at ``path`` (horovod's name of ``read_bytes``)."""
         return self.read_bytes(path)
 
-    def get_parquet_dataset(self, path: str) -> Any:
+    def get_parquet_dataset(self, path: str) -> pq.ParquetDataset:
         """A :class:`pyarrow.parquet.ParquetDataset` of ``path``, read through this store.
 
         Raises

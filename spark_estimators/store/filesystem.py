@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.store._filesystems import (
@@ -44,7 +43,7 @@ class FilesystemStore(Store):
         self,
         prefix_path: str,
         *,
-        storage_options: Mapping[str, Any] | None = None,
+        storage_options: Mapping[str, object] | None = None,
         train_path: str | None = None,
         val_path: str | None = None,
         test_path: str | None = None,
@@ -126,7 +125,7 @@ class HDFSStore(Store):
         )
 
     @property
-    def hdfs_kwargs(self) -> dict[str, Any]:
+    def hdfs_kwargs(self) -> dict[str, str | int | None]:
         """The arguments given to :class:`pyarrow.fs.HadoopFileSystem`."""
         spec = self._spec
         assert isinstance(spec, HadoopFilesystemSpec)

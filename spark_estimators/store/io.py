@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING
 
 from spark_estimators.errors import StoreError
 from spark_estimators.store._filesystems import FilesystemSpec
@@ -39,9 +39,9 @@ class StoreIO:
     def __init__(self, spec: FilesystemSpec, layout: StoreLayout) -> None:
         self._spec = spec
         self._layout = layout
-        self._fs: Any = None
+        self._fs: pafs.FileSystem | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
         state["_fs"] = None  # clients are rebuilt in the receiving process
         return state
@@ -66,7 +66,7 @@ class StoreIO:
         return self._spec.to_fs_path(self.full_path(path))
 
     @property
-    def filesystem(self) -> Any:
+    def filesystem(self) -> pafs.FileSystem:
         """The :class:`pyarrow.fs.FileSystem` of this store, built once per process."""
         if self._fs is None:
             self._fs = self._spec.create()
@@ -108,7 +108,7 @@ class StoreIO:
             infos = self.filesystem.get_file_info(selector)
         return sorted(info.base_name for info in infos)
 
-    def _info(self, path: str) -> Any:
+    def _info(self, path: str) -> pafs.FileInfo:
         with self._io_errors("stat", path):
             return self.filesystem.get_file_info(self.fs_path(path))
 

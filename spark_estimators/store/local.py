@@ -73,7 +73,7 @@ class LocalStore(FilesystemStore):
                 type(self).__name__, moved.train_path, moved.val_path
             )
         layout = make_layout(_local_prefix(prefix_path), moved, save_runs)
-        self.storage_options: dict[str, Any] = {}
+        self.storage_options: dict[str, object] = {}
         # Store's constructor, not FilesystemStore's: no fsspec protocol and options to resolve.
         Store.__init__(self, LocalFilesystemSpec(), layout)
 

@@ -47,7 +47,6 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from spark_estimators import envvars as ev
 from spark_estimators._base.liveness import host_id, is_gone
@@ -382,7 +381,7 @@ class RunFence:
         """The driver saw the takeover: refuse without reading the lock again."""
         self.lost.add(run_id)
 
-    def __call__(self, store: Any, path: str) -> None:
+    def __call__(self, store: StoreBase, path: str) -> None:
         """Raise RunInUseError when ``path`` is in a run that is no longer ours."""
         full = store.full_path(path)
         for run_id, (run_dir, lock, token) in list(self.runs.items()):
@@ -407,6 +406,6 @@ class RunFence:
             )
 
 
-def hold_run(store: StoreBase, run_id: str) -> Any:
+def hold_run(store: StoreBase, run_id: str) -> contextlib.AbstractContextManager[RunLock]:
     """Context manager: own ``run_id`` in ``store`` for the body (see :class:`RunLock`)."""
     return RunLock(store, run_id).held()
