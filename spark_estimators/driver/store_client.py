@@ -21,16 +21,25 @@ import threading
 import time
 import types
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spark_estimators import envvars as ev
+from spark_estimators.driver.kvstore import StoreRequest
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from spark_estimators.driver.rpc import RpcClient
+
+#: Returns the rank's connection to its driver service (None: leave torch's own store).
+DriverLink = Callable[[], "RpcClient | None"]
 
 RENDEZVOUS_MODULE = "torch.distributed.rendezvous"
 
 _store_class: type | None = None
 # torch holds a store only by its C++ half: a Python subclass whose Python object is collected
 # fails every later call ("Not implemented"). Every store made here lives as long as the process.
-_made: list[Any] = []
+_made: list[object] = []
 _env_inits: dict[str, int] = {}
 _env_lock = threading.Lock()
 
@@ -38,12 +47,12 @@ _env_lock = threading.Lock()
 class _Pool:
     """Connections to the driver for one store: a blocked ``get`` never delays another thread."""
 
-    def __init__(self, parent: Any):
+    def __init__(self, parent: RpcClient):
         self._parent = parent
-        self._idle: list[Any] = []
+        self._idle: list[RpcClient] = []
         self._lock = threading.Lock()
 
-    def call(self, request: tuple[str, str, tuple[Any, ...]]) -> Any:
+    def call(self, request: StoreRequest) -> Any:
         with self._lock:
             client = self._idle.pop() if self._idle else None
         if client is None:
@@ -61,7 +70,7 @@ class _Pool:
 def _make_class() -> type:
     import torch.distributed as dist
 
-    class DriverStore(dist.Store):  # type: ignore[misc]
+    class DriverStore(dist.Store):
         """A ``torch.distributed.Store`` kept by the driver service (authenticated, signed)."""
 
         def __init__(self, pool: _Pool, namespace: str, timeout: datetime.timedelta):
@@ -86,7 +95,7 @@ def _make_class() -> type:
                         "(a rank did not arrive)"
                     )
 
-        def set(self, key: str, value: Any) -> None:
+        def set(self, key: str, value: str | bytes) -> None:
             self._call("set", key, _bytes(value))
 
         def get(self, key: str) -> bytes:
@@ -95,16 +104,16 @@ def _make_class() -> type:
         def multi_get(self, keys: Sequence[str]) -> list[bytes]:
             return [bytes(v) for v in self._blocking("get", list(keys), None)]
 
-        def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:
+        def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
             self._call("multi_set", list(keys), [_bytes(v) for v in values])
 
         def add(self, key: str, amount: int) -> int:
             return int(self._call("add", key, int(amount)))
 
-        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
             return bytes(self._call("compare_set", key, _bytes(expected), _bytes(desired)))
 
-        def append(self, key: str, value: Any) -> None:
+        def append(self, key: str, value: str | bytes) -> None:
             self._call("append", key, _bytes(value))
 
         def wait(self, keys: Sequence[str], timeout: datetime.timedelta | None = None) -> None:
@@ -132,13 +141,13 @@ def _make_class() -> type:
     return DriverStore
 
 
-def _bytes(value: Any) -> bytes:
+def _bytes(value: str | bytes) -> bytes:
     if isinstance(value, str):
         return value.encode()
     return bytes(value)
 
 
-def driver_store(driver: Any, namespace: str, timeout: float) -> Any:
+def driver_store(driver: RpcClient, namespace: str, timeout: float) -> dist.Store:
     """A ``torch.distributed.Store`` in ``namespace`` of the store of ``driver``'s service.
 
     ``driver`` is an :class:`~spark_estimators.driver.rpc.RpcClient` (the rank's own connection;
@@ -147,18 +156,20 @@ def driver_store(driver: Any, namespace: str, timeout: float) -> Any:
     global _store_class
     if _store_class is None:
         _store_class = _make_class()
-    store = _store_class(_Pool(driver), namespace, datetime.timedelta(seconds=timeout))
+    store: dist.Store = _store_class(_Pool(driver), namespace, datetime.timedelta(seconds=timeout))
     _made.append(store)
     return store
 
 
 # -- torch's env:// and tcp:// rendezvous in rank processes --------------------------------------
-def _patch(module: types.ModuleType, driver: Callable[[], Any]) -> None:
+def _patch(module: types.ModuleType, driver: DriverLink) -> None:
     original = module._create_c10d_store
     if getattr(original, "__se_driver_store__", False):
         return
 
-    def driver_store_for(hostname: str, port: int, world_size: int, timeout: float) -> Any:
+    def driver_store_for(
+        hostname: str, port: int, world_size: int, timeout: float
+    ) -> dist.Store | None:
         """The driver store for the job's rendezvous point; None for any other address."""
         client = driver()
         ours = os.environ.get(ev.MASTER_ADDR), os.environ.get(ev.MASTER_PORT)
@@ -172,8 +183,13 @@ def _patch(module: types.ModuleType, driver: Callable[[], Any]) -> None:
         return driver_store(client, namespace, timeout)
 
     def create_store(
-        hostname: str, port: int, rank: int, world_size: int, timeout: Any, *args: Any
-    ) -> Any:
+        hostname: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout: datetime.timedelta,
+        *args: object,
+    ) -> dist.Store:
         store = driver_store_for(hostname, port, world_size, timeout.total_seconds())
         if store is None:
             return original(hostname, port, rank, world_size, timeout, *args)
@@ -188,11 +204,11 @@ def _patch(module: types.ModuleType, driver: Callable[[], Any]) -> None:
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Patches ``torch.distributed.rendezvous`` right after it is first imported."""
 
-    def __init__(self, driver: Callable[[], Any]):
+    def __init__(self, driver: DriverLink):
         self._driver = driver
 
     def find_spec(
-        self, fullname: str, path: Any, target: types.ModuleType | None = None
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != RENDEZVOUS_MODULE:
             return None
@@ -211,18 +227,20 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any, exec_module: Callable[[types.ModuleType], None]):
+    def __init__(
+        self, inner: importlib.abc.Loader, exec_module: Callable[[types.ModuleType], None]
+    ):
         self._inner = inner
         self._exec = exec_module
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-        return self._inner.create_module(spec)  # type: ignore[no-any-return]
+        return self._inner.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
         self._exec(module)
 
 
-def install_env_rendezvous(driver: Callable[[], Any]) -> None:
+def install_env_rendezvous(driver: DriverLink) -> None:
     """Make ``env://``/``tcp://`` rendezvous at ``MASTER_ADDR:MASTER_PORT`` use the driver store.
 
     ``driver()`` returns the rank's :class:`~spark_estimators.driver.rpc.RpcClient` (None: leave
