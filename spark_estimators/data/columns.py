@@ -239,11 +239,12 @@ def training_frame(
     validation_col: str | None,
     fraction: float,
     seed: int,
-    partitions: int,
+    partitions: int | None,
 ) -> tuple[DataFrame, bool]:
     """The used columns, the validation flag (:data:`SPLIT_COL`), ``partitions`` partitions.
 
-    Vectors become ``array<double>`` after the shuffle. The flag is the validation column (> 0
+    ``partitions=None`` keeps ``df``'s partitions (no shuffle). Vectors become ``array<double>``
+    after the shuffle. The flag is the validation column (> 0
     or true; null is training) or ``rand(seed) < fraction``, so the Parquet path and
     ``data="stream"`` pick the same rows. Returns the frame and whether it has the flag.
     """
@@ -260,7 +261,9 @@ def training_frame(
     selected = [F.col(c.name) for c in columns]
     if split is not None:
         selected.append(split.alias(SPLIT_COL))
-    shuffled = df.select(*selected).repartition(partitions)
+    shuffled = df.select(*selected)
+    if partitions is not None:
+        shuffled = shuffled.repartition(partitions)
     converted = [
         vector_to_array(F.col(c.name), "float64").alias(c.name)
         if c.kind == "vector"

@@ -202,3 +202,34 @@ def test_mlflow_logs_a_streamed_fit_with_example_rows_from_the_dataframe(
             np.testing.assert_allclose(loaded(x).numpy(), fitted.getModel()(x).numpy())
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def test_kept_partitions_stream_as_they_are(spark):
+    """A DataFrame with num_proc partitions and no shuffle in its plan is not repartitioned.
+
+    The filter leaves 50 and 150 rows in the two partitions of the range: both ranks take
+    ceil(150 / 16) = 10 steps (a round-robin repartition would give 100 + 100 rows, 7 steps).
+    """
+    from pyspark.ml.functions import array_to_vector
+    from pyspark.sql import functions as F
+
+    from spark_estimators.data.stream import keeps_partitions
+
+    x = [F.rand(seed=i) * 2 - 1 for i in range(N_FEATURES)]
+    df = (
+        spark.range(0, 300, numPartitions=2)
+        .where((F.col("id") < 50) | (F.col("id") >= 150))
+        .select(F.array(*x).alias("x"))
+        .select(
+            array_to_vector("x").alias("features"),
+            (sum(F.col("x")[i] * float(w) for i, w in enumerate(TRUE_W)) + 0.7).alias("y"),
+        )
+    )
+    assert keeps_partitions(df, 2)
+    assert not keeps_partitions(df, 3)
+    assert not keeps_partitions(df.repartition(2), 2)
+    assert not keeps_partitions(df.groupBy("y").count(), 2)
+    model = make_estimator(callbacks=[StepCounter()], epochs=8).fit(df)
+    history = model.getHistory()
+    assert [h["rank_steps"] for h in history] == [10.0] * 8
+    assert history[-1]["loss"] < 0.05 * history[0]["loss"]
