@@ -80,19 +80,6 @@ class FailureMessage(TypedDict, total=False):
     exit_code: int | None
 
 
-class RegisterMessage(TypedDict):
-    """A Spark task's registration (``"register"``): the fields of :class:`Registration`."""
-
-    index: int
-    host: str
-    host_hash: str
-    pid: int
-    address: str
-    port: int
-    gpus: tuple[str, ...]
-    attempt: int
-
-
 class RegisterReply(TypedDict):
     """The answer to a registration: the task's place in the job and its ranks' variables."""
 
@@ -302,7 +289,8 @@ class DriverService(JobServiceBase[JobState]):
         self._unset_env = tuple(unset)
 
     # -- handlers --------------------------------------------------------------------------------
-    def _on_register(self, data: RegisterMessage, conn: Connection) -> RegisterReply:
+    def _on_register(self, data: dict[str, Any], conn: Connection) -> RegisterReply:
+        """A Spark task registers (the fields of :class:`Registration`); wait for all of them."""
         reg = Registration(**data)
         with self._cond:
             if reg.index in self.state.registrations and self.state.settings:
