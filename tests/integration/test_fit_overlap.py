@@ -171,3 +171,95 @@ def test_the_write_tasks_start_the_spares_so_imports_overlap_the_write(spark, tm
     assert meta.train_rows == 64
     assert len(_spares_importing("colorsys")) >= 1  # one per PySpark worker that wrote
     assert rank_processes() == []
+
+
+def _seeded_fit(spark, store, seed: int, env: dict | None, log_dir: str) -> dict:
+    """A seeded TorchEstimator fit (dropout: the ranks' RNG counts); its weights and its ranks.
+
+    Each rank records at ``on_train_begin`` whether it started as a spare (``sys.argv[0]`` of a
+    spare is ``spare_process.py``) and what torch's generator and thread pool were then.
+    """
+    import json
+    import os
+
+    import torch
+
+    from spark_estimators.core.backend import SparkBackend
+    from spark_estimators.torch import TorchEstimator
+
+    class RankProbe:
+        def on_train_begin(self, logs):
+            import json as _json
+            import os as _os
+            import sys as _sys
+
+            import torch as _torch
+
+            record = {
+                "pid": _os.getpid(),
+                "spare": _sys.argv[0].endswith("spare_process.py"),
+                "rank": int(_os.environ["RANK"]),
+                "rng": _torch.get_rng_state().sum().item(),
+                "threads": _torch.get_num_threads(),
+            }
+            path = _os.path.join(log_dir, f"{seed}-{_os.getpid()}.json")
+            with open(path, "w") as f:
+                _json.dump(record, f)
+
+    df = spark.range(96, numPartitions=2).select(
+        (F.col("id") % 7).cast("double").alias("x"),
+        ((F.col("id") % 7) * 0.5 + 1.0).alias("y"),
+    )
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+    )
+    est = TorchEstimator(
+        backend=SparkBackend(num_proc=2, env=env, verbose=0),
+        store=store,
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5),
+        loss=torch.nn.MSELoss(),
+        feature_cols=["x"],
+        label_cols=["y"],
+        batch_size=8,
+        epochs=2,
+        random_seed=seed,
+        callbacks=[RankProbe()],
+        verbose=0,
+    )
+    weights = est.fit(df).getModel().state_dict()
+    ranks = []
+    for name in sorted(os.listdir(log_dir)):
+        if name.startswith(f"{seed}-"):
+            with open(os.path.join(log_dir, name)) as f:
+                ranks.append(json.load(f))
+            os.remove(os.path.join(log_dir, name))
+    return {"weights": weights, "ranks": sorted(ranks, key=lambda r: r["rank"])}
+
+
+def test_a_later_fit_served_by_spares_learns_what_plain_rank_processes_learn(spark, tmp_path):
+    """Issue 26: spares must not change what a fit learns (seeded, dropout on every rank)."""
+    import torch
+
+    from spark_estimators.store import LocalStore
+
+    store = LocalStore(str(tmp_path / "store"))
+    log_dir = tmp_path / "ranks"
+    log_dir.mkdir()
+    first = _seeded_fit(spark, store, 3, None, str(log_dir))  # leaves spares for the next fit
+    served = _seeded_fit(spark, store, 11, None, str(log_dir))
+    # A TORCH* variable the spares were not started with: plain rank processes (task/spare.py).
+    plain = _seeded_fit(spark, store, 11, {"TORCH_SE_PLAIN_RANKS": "1"}, str(log_dir))
+    assert [r["spare"] for r in served["ranks"]] == [True, True]
+    assert [r["spare"] for r in plain["ranks"]] == [False, False]
+    assert [r["rank"] for r in served["ranks"]] == [0, 1]
+    # The same generator state and thread count at the start of training, on every rank ...
+    for s, p in zip(served["ranks"], plain["ranks"], strict=True):
+        assert (s["rng"], s["threads"]) == (p["rng"], p["threads"])
+    # ... and the same weights, to the bit (2 ranks on one machine: the sums are deterministic).
+    assert served["weights"].keys() == plain["weights"].keys()
+    for name, value in served["weights"].items():
+        assert torch.equal(value, plain["weights"][name]), name
+    # The seed matters (the check could fail): the first fit learned other weights.
+    assert not torch.equal(first["weights"]["0.weight"], served["weights"]["0.weight"])
