@@ -270,7 +270,9 @@ class StreamBatchReader:
                 raise ConfigurationError(
                     f"{len(empty)} of {len(rows)} ranks got no {self.split} rows from the "
                     f"DataFrame ({sum(rows)} rows in all): every rank needs at least one; use "
-                    "fewer processes or more data"
+                    "fewer processes or more data (a DataFrame with num_proc partitions and no "
+                    "shuffle streams its partitions as they are: df.repartition(num_proc) "
+                    "spreads the rows)"
                 )
         return max(-(-n // self.batch_size) for n in rows)
 
