@@ -56,7 +56,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +66,7 @@ from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime import settings
 from spark_estimators.collective.runtime.futures import OpFuture
 from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request
+from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
 logger = logging.getLogger(__name__)
@@ -77,26 +78,6 @@ class _Recoverable(SparkEstimatorsError):
     def __init__(self, error: BaseException):
         super().__init__(str(error))
         self.error = error
-
-
-class Recorder(Protocol):
-    """Where the engine records its ops: a :class:`~.api.timeline.Timeline`."""
-
-    def record(
-        self,
-        name: str,
-        op: str,
-        set_id: int,
-        start_ns: int,
-        negotiated_ns: int,
-        end_ns: int,
-        args: dict[str, object],
-        queued_ns: int = 0,
-    ) -> None:
-        """Add the events of one op."""
-
-    def close(self) -> None:
-        """Write what is left and stop recording."""
 
 
 class Engine:
@@ -130,8 +111,8 @@ class Engine:
         self.fusion_threshold = settings.fusion_threshold()
         #: The process set this engine serves (0: the global set).
         self.set_id = 0
-        #: A :class:`~spark_estimators.collective.api.timeline.Timeline` recording the ops, or None.
-        self.timeline: Recorder | None = None
+        #: The :class:`~.timeline.Timeline` recording the ops, or None.
+        self.timeline: Timeline | None = None
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -381,7 +362,7 @@ class Engine:
         return head.fusion.run(ran, agreement)
 
     def _record(
-        self, timeline: Recorder, ran: list[Request], times: list[int], error: BaseException | None
+        self, timeline: Timeline, ran: list[Request], times: list[int], error: BaseException | None
     ) -> None:
         end = time.perf_counter_ns()
         negotiated = times[1] if len(times) > 1 else end

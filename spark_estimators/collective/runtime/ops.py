@@ -11,22 +11,65 @@ The allreduce and its fusion are in :mod:`.allreduce`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
-from spark_estimators.collective.backends.base import Buffer, ReduceOp
+from spark_estimators.collective.backends.base import Backend, Buffer, ReduceOp
 from spark_estimators.collective.runtime import engine as eng
 from spark_estimators.collective.runtime.allreduce import check_scaling
 from spark_estimators.collective.runtime.arrays import ArrayOps, numel_of
+from spark_estimators.collective.runtime.engine import Engine
 from spark_estimators.collective.runtime.process_sets import ProcessSet, global_root
 from spark_estimators.collective.runtime.requests import Agreement, Kind, Request
 from spark_estimators.errors import ConfigurationError
 
 #: An object sent to every rank and received as the same kind of object.
 T = TypeVar("T")
+#: What an op's future resolves to.
+R = TypeVar("R")
+
+
+@dataclass(slots=True)
+class _Op:
+    """What every array op starts from: its engine, its name, and the input's dtype and device."""
+
+    engine: Engine
+    display: str
+    dtype: str
+    device: str
+
+    @property
+    def backend(self) -> Backend:
+        """The engine's backend."""
+        return self.engine.backend
+
+    def submit(
+        self,
+        kind: Kind,
+        signature: tuple[object, ...],
+        execute: Callable[[Agreement], R],
+        description: str,
+        blocking: bool,
+        dim0: int = 0,
+    ) -> Future[R]:
+        """Queue the op on the engine (or run it now when ``blocking``)."""
+        request = Request(kind, self.display, signature, execute, description,
+                          dtype=self.dtype, device=self.device, dim0=dim0)  # fmt: skip
+        return self.engine.submit(request, blocking=blocking)
+
+
+def _start(
+    ops: ArrayOps, x: Buffer, what: str, name: str | None, process_set: ProcessSet | None,
+    auto: str | None = None,
+) -> tuple[_Op, tuple[int, ...]]:  # fmt: skip
+    """The op ``what`` on ``x``, and ``x``'s shape (``auto``: prefix of a generated name)."""
+    engine = eng.require(what, process_set)
+    display = name or engine.auto_name(auto or what)
+    return _Op(engine, display, ops.dtype(x), ops.device(x)), ops.shape(x)
 
 
 def allgather(
@@ -37,34 +80,20 @@ def allgather(
     process_set: ProcessSet | None = None,
 ) -> Future[Buffer]:
     """Concatenate ``x`` from every rank on dim 0 (which may differ across ranks)."""
-    engine = eng.require("allgather", process_set)
-    display = name or engine.auto_name("allgather")
-    dtype, device, shape = ops.dtype(x), ops.device(x), ops.shape(x)
+    op, shape = _start(ops, x, "allgather", name, process_set)
     if not shape:
         raise ConfigurationError(
-            f"allgather {display!r} needs at least one dimension; reshape the scalar to (1,)"
+            f"allgather {op.display!r} needs at least one dimension; reshape the scalar to (1,)"
         )
-    signature = (Kind.ALLGATHER.name, name, dtype, device, shape[1:])
-    description = f"{display!r} {dtype} on {device}, shape {shape}"
-    backend = engine.backend
+    backend = op.backend
 
     def execute(agreement: Agreement) -> Buffer:
         src = x if ops.is_contiguous(x) else ops.clone(x)
         return ops.adopt(backend.allgather(src, agreement.dim0s), x)
 
-    return engine.submit(
-        Request(
-            Kind.ALLGATHER,
-            display,
-            signature,
-            execute,
-            description,
-            dtype=dtype,
-            device=device,
-            dim0=shape[0],
-        ),
-        blocking=blocking,
-    )
+    signature = (Kind.ALLGATHER.name, name, op.dtype, op.device, shape[1:])
+    description = f"{op.display!r} {op.dtype} on {op.device}, shape {shape}"
+    return op.submit(Kind.ALLGATHER, signature, execute, description, blocking, dim0=shape[0])
 
 
 def broadcast(
@@ -77,13 +106,9 @@ def broadcast(
     process_set: ProcessSet | None = None,
 ) -> Future[Buffer]:
     """Copy ``root_rank``'s ``x`` into ``output`` on every rank (``output is x``: in place)."""
-    engine = eng.require("broadcast", process_set)
-    display = name or engine.auto_name("broadcast")
-    root = _check_root(root_rank, engine.backend.size, display, process_set)
-    dtype, device, shape = ops.dtype(x), ops.device(x), ops.shape(x)
-    signature = (Kind.BROADCAST.name, name, dtype, device, shape, root)
-    description = f"{display!r} {dtype} on {device}, shape {shape}, root_rank={root}"
-    backend = engine.backend
+    op, shape = _start(ops, x, "broadcast", name, process_set)
+    backend = op.backend
+    root = _check_root(root_rank, backend.size, op.display, process_set)
 
     def execute(agreement: Agreement) -> Buffer:
         if output is not x:
@@ -98,12 +123,9 @@ def broadcast(
             ops.copy_(output, work)
         return output
 
-    return engine.submit(
-        Request(
-            Kind.BROADCAST, display, signature, execute, description, dtype=dtype, device=device
-        ),
-        blocking=blocking,
-    )
+    signature = (Kind.BROADCAST.name, name, op.dtype, op.device, shape, root)
+    description = f"{op.display!r} {op.dtype} on {op.device}, shape {shape}, root_rank={root}"
+    return op.submit(Kind.BROADCAST, signature, execute, description, blocking)
 
 
 def grouped_broadcast(
@@ -115,14 +137,10 @@ def grouped_broadcast(
     process_set: ProcessSet | None = None,
 ) -> Future[Sequence[Buffer]]:
     """Broadcast several tensors of one dtype and device in place, as one fused buffer."""
-    engine = eng.require("broadcast", process_set)
-    display = name or engine.auto_name("grouped_broadcast")
-    root = _check_root(root_rank, engine.backend.size, display, process_set)
-    dtype, device = ops.dtype(xs[0]), ops.device(xs[0])
+    op, _ = _start(ops, xs[0], "broadcast", name, process_set, auto="grouped_broadcast")
+    backend = op.backend
+    root = _check_root(root_rank, backend.size, op.display, process_set)
     shapes = tuple(ops.shape(x) for x in xs)
-    signature = (Kind.BROADCAST.name, name, dtype, device, shapes, root)
-    description = f"{display!r} {dtype} on {device}, {len(shapes)} tensors {list(shapes)}"
-    backend = engine.backend
 
     def execute(agreement: Agreement) -> Sequence[Buffer]:
         if sum(numel_of(s) for s in shapes) == 0:
@@ -132,12 +150,9 @@ def grouped_broadcast(
         ops.unpack(flat, xs)
         return xs
 
-    return engine.submit(
-        Request(
-            Kind.BROADCAST, display, signature, execute, description, dtype=dtype, device=device
-        ),
-        blocking=blocking,
-    )
+    signature = (Kind.BROADCAST.name, name, op.dtype, op.device, shapes, root)
+    description = f"{op.display!r} {op.dtype} on {op.device}, {len(shapes)} tensors {list(shapes)}"
+    return op.submit(Kind.BROADCAST, signature, execute, description, blocking)
 
 
 def alltoall(
@@ -153,10 +168,9 @@ def alltoall(
     The future resolves to ``(received, received_splits)``, ``received_splits`` a numpy array.
     With a process set, ``splits`` has one entry per member, in the set's rank order.
     """
-    engine = eng.require("alltoall", process_set)
-    display = name or engine.auto_name("alltoall")
-    size = engine.backend.size
-    dtype, device, shape = ops.dtype(x), ops.device(x), ops.shape(x)
+    op, shape = _start(ops, x, "alltoall", name, process_set)
+    display, backend = op.display, op.backend
+    size = backend.size
     if not shape:
         raise ConfigurationError(f"alltoall {display!r} needs at least one dimension")
     if splits is None:
@@ -173,9 +187,6 @@ def alltoall(
                 f"alltoall {display!r}: splits={send} must have size()={size} non-negative "
                 f"entries summing to the first dimension {shape[0]}"
             )
-    signature = (Kind.ALLTOALL.name, name, dtype, device, shape[1:])
-    description = f"{display!r} {dtype} on {device}, shape {shape}, splits {send}"
-    backend = engine.backend
 
     def execute(agreement: Agreement) -> tuple[Buffer, np.ndarray]:
         matrix = backend.allgather(np.asarray([send], dtype=np.int64), [1] * size)
@@ -183,19 +194,9 @@ def alltoall(
         src = x if ops.is_contiguous(x) else ops.clone(x)
         return ops.adopt(backend.alltoall(src, send, [int(n) for n in recv]), x), recv
 
-    return engine.submit(
-        Request(
-            Kind.ALLTOALL,
-            display,
-            signature,
-            execute,
-            description,
-            dtype=dtype,
-            device=device,
-            dim0=shape[0],
-        ),
-        blocking=blocking,
-    )
+    signature = (Kind.ALLTOALL.name, name, op.dtype, op.device, shape[1:])
+    description = f"{display!r} {op.dtype} on {op.device}, shape {shape}, splits {send}"
+    return op.submit(Kind.ALLTOALL, signature, execute, description, blocking, dim0=shape[0])
 
 
 def reducescatter_rows(dim0: int, size: int) -> list[int]:
@@ -206,7 +207,7 @@ def reducescatter_rows(dim0: int, size: int) -> list[int]:
 def reducescatter(
     ops: ArrayOps,
     x: Buffer,
-    op: ReduceOp,
+    reduce_op: ReduceOp,
     name: str | None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -214,19 +215,16 @@ def reducescatter(
     process_set: ProcessSet | None = None,
 ) -> Future[Buffer]:
     """Reduce ``x`` across ranks and give each rank its block of rows."""
-    engine = eng.require("reducescatter", process_set)
-    display = name or engine.auto_name("reducescatter")
-    backend = engine.backend
-    dtype, device, shape = ops.dtype(x), ops.device(x), ops.shape(x)
+    op, shape = _start(ops, x, "reducescatter", name, process_set)
+    backend = op.backend
     if not shape:
-        raise ConfigurationError(f"reducescatter {display!r} needs at least one dimension")
+        raise ConfigurationError(f"reducescatter {op.display!r} needs at least one dimension")
     prescale, postscale = float(prescale_factor), float(postscale_factor)
-    check_scaling(op, dtype, prescale, postscale, display)
-    wire_op = ReduceOp.SUM if op is ReduceOp.AVERAGE else op
-    post = postscale / backend.size if op is ReduceOp.AVERAGE else postscale
+    check_scaling(reduce_op, op.dtype, prescale, postscale, op.display)
+    average = reduce_op is ReduceOp.AVERAGE
+    wire_op = ReduceOp.SUM if average else reduce_op
+    post = postscale / backend.size if average else postscale
     rows = reducescatter_rows(shape[0], backend.size)
-    signature = (Kind.REDUCESCATTER.name, name, dtype, device, shape, op.name, prescale, postscale)
-    description = f"{display!r} {dtype} on {device}, shape {shape}, op={op.name}"
 
     def execute(agreement: Agreement) -> Buffer:
         src = x
@@ -239,12 +237,10 @@ def reducescatter(
             ops.scale_(out, post)
         return out
 
-    return engine.submit(
-        Request(
-            Kind.REDUCESCATTER, display, signature, execute, description, dtype=dtype, device=device
-        ),
-        blocking=blocking,
-    )
+    signature = (Kind.REDUCESCATTER.name, name, op.dtype, op.device, shape, reduce_op.name,
+                 prescale, postscale)  # fmt: skip
+    description = f"{op.display!r} {op.dtype} on {op.device}, shape {shape}, op={reduce_op.name}"
+    return op.submit(Kind.REDUCESCATTER, signature, execute, description, blocking)
 
 
 def barrier(blocking: bool = False, process_set: ProcessSet | None = None) -> Future[None]:

@@ -28,6 +28,8 @@ Variable: TypeAlias = "tf.Variable"
 Array: TypeAlias = "np.ndarray | torch.Tensor"
 #: ``body(*arrays) -> arrays``, run eagerly or in one ``tf.py_function``.
 Body: TypeAlias = Callable[..., Sequence[Array]]
+#: The gradient function a ``tf.custom_gradient`` forward returns.
+Grad: TypeAlias = Callable[..., "tf.Tensor | list[tf.Tensor]"]
 #: A process set argument: a registered set, or None for every rank.
 ProcessSetArg: TypeAlias = "ProcessSet | None"
 

@@ -11,31 +11,21 @@ import tensorflow as tf
 
 
 class Compressor:
-    """Interface for compressing and decompressing a given tensor."""
+    """Interface for compressing and decompressing a given tensor (the base sends it as it is)."""
 
     @staticmethod
     def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.DType | None]:
         """Return the compressed tensor and the context :meth:`decompress` needs."""
-        raise NotImplementedError
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: tf.DType | None) -> tf.Tensor:
-        """Return the tensor restored with ``ctx``."""
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """Default no-op compression."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.DType | None]:
-        """Return the tensor unchanged and no context."""
         return tensor, None
 
     @staticmethod
     def decompress(tensor: tf.Tensor, ctx: tf.DType | None) -> tf.Tensor:
-        """Return the tensor unchanged."""
+        """Return the tensor restored with ``ctx``."""
         return tensor
+
+
+class NoneCompressor(Compressor):
+    """Default no-op compression."""
 
 
 class FP16Compressor(Compressor):

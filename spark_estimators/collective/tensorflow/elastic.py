@@ -1,20 +1,10 @@
 """``hvd.elastic`` for TensorFlow: :class:`TensorFlowKerasState`, :class:`TensorFlowState`.
 
 Exposed as ``spark_estimators.collective.tensorflow.elastic`` (horovod's
-``horovod.tensorflow.elastic``)::
-
-    import spark_estimators.collective.tensorflow as hvd
-
-    hvd.init()
-    state = hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0)
-
-    @hvd.elastic.run
-    def train(state):
-        for state.epoch in range(state.epoch, epochs):
-            ...
-            state.commit()
-
-    train(state)
+``horovod.tensorflow.elastic``) and used as the torch one
+(:mod:`spark_estimators.collective.torch.elastic`): decorate the training function with
+``hvd.elastic.run`` and pass it a state such as
+``hvd.elastic.TensorFlowKerasState(model, optimizer, epoch=0, batch=0)``.
 
 ``save()`` copies the variables' values (numpy), ``restore()`` assigns them back, ``sync()``
 broadcasts rank 0's variables (one broadcast per dtype) and attributes.
@@ -28,7 +18,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from spark_estimators.collective.api.elastic import (
-    BroadcastObject,
     HostsUpdatedInterrupt,
     ObjectState,
     State,
@@ -39,6 +28,8 @@ from spark_estimators.collective.api.elastic import (
 if TYPE_CHECKING:
     import keras
     import tensorflow as tf
+
+    from spark_estimators.collective.api.elastic import BroadcastObject
 
 
 class TensorFlowState(ObjectState):

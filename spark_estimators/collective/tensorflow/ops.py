@@ -23,6 +23,7 @@ from spark_estimators.collective.tensorflow import util
 from spark_estimators.collective.tensorflow._types import (
     Array,
     Body,
+    Grad,
     ProcessSetArg,
     TensorLike,
     Variable,
@@ -31,9 +32,6 @@ from spark_estimators.collective.tensorflow.compression import Compression, Comp
 from spark_estimators.collective.tensorflow.util import InvalidCollectiveArgument, run
 
 Average, Sum, Adasum = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM
-
-#: The gradient function a ``tf.custom_gradient`` forward returns.
-Grad = Callable[..., "tf.Tensor | list[tf.Tensor]"]
 
 
 def _tensor(x: TensorLike) -> tf.Tensor:

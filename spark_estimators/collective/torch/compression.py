@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 
@@ -37,6 +39,24 @@ class FP16Compressor(Compressor):
     def decompress(tensor: torch.Tensor, ctx: torch.dtype | None) -> torch.Tensor:
         """Cast ``tensor`` back to the dtype in ``ctx``."""
         return tensor.to(ctx) if ctx is not None else tensor
+
+
+def compressed_apply(
+    tensors: Sequence[torch.Tensor],
+    compression: type[Compressor],
+    differentiable: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
+    plain: Callable[[list[torch.Tensor]], Sequence[torch.Tensor]],
+) -> list[torch.Tensor]:
+    """Compress ``tensors``, run an op on them and decompress its results.
+
+    The op is ``differentiable`` (an autograd function) when autograd records, i.e. grad is
+    enabled and an input requires it, else ``plain``.
+    """
+    compressed = [compression.compress(t) for t in tensors]
+    sent = [c for c, _ in compressed]
+    record = torch.is_grad_enabled() and any(c.requires_grad for c in sent)
+    outs = (differentiable if record else plain)(sent)
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed, strict=True)]
 
 
 class Compression:

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from spark_estimators.collective.api.elastic import (
-    BroadcastObject,
     HostsUpdatedInterrupt,
     ObjectState,
     State,
@@ -33,6 +32,8 @@ from spark_estimators.collective.api.elastic import (
 
 if TYPE_CHECKING:
     import torch
+
+    from spark_estimators.collective.api.elastic import BroadcastObject
 
 
 class TorchState(ObjectState):

@@ -38,7 +38,11 @@ from spark_estimators.collective.torch.arrays import (
     in_waited_ops,
     waited,
 )
-from spark_estimators.collective.torch.compression import Compression, Compressor
+from spark_estimators.collective.torch.compression import (
+    Compression,
+    Compressor,
+    compressed_apply,
+)
 from spark_estimators.collective.torch.ops import allreduce_async
 from spark_estimators.errors import CollectiveError
 
@@ -302,28 +306,34 @@ def reducescatter_backward(
     return [h.wait() for h in handles]
 
 
-class _ReducescatterFunction(torch.autograd.Function):
+class ReducescatterFunction(torch.autograd.Function):
+    """Differentiable reducescatter of each tensor (``names[i]`` names tensor i's op)."""
+
     @staticmethod
     @waited
     def forward(
         ctx: OpContext,
-        tensor: torch.Tensor,
-        name: str | None,
+        names: Sequence[str | None],
         op: ReduceOp,
         process_set: ProcessSet | None,
         pre: float,
         post: float,
-    ) -> torch.Tensor:
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Each tensor's block of its reduction across ranks."""
         ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
-        return reducescatter_async(  # type: ignore[no-any-return]
-            tensor, name, Compression.none, op, process_set, pre, post
-        ).wait()
+        handles = [
+            reducescatter_async(t, n, Compression.none, op, process_set, pre, post)
+            for t, n in zip(tensors, names, strict=True)
+        ]
+        return tuple(h.wait() for h in handles)
 
     @staticmethod
     @waited
-    def backward(ctx: OpContext, grad: torch.Tensor) -> Grads:
-        (out,) = reducescatter_backward([grad], ctx.op, ctx.pre, ctx.post, ctx.process_set)
-        return out, None, None, None, None, None
+    def backward(ctx: OpContext, *grads: torch.Tensor) -> Grads:
+        """Horovod's gradient (see :func:`reducescatter_backward`)."""
+        back = reducescatter_backward(grads, ctx.op, ctx.pre, ctx.post, ctx.process_set)
+        return (None, None, None, None, None, *back)
 
 
 @waited
@@ -341,15 +351,15 @@ def reducescatter(
     Blocks are as even as possible, the first ``dim0 % size()`` ranks get one extra row.
     Differentiable (Horovod's gradient: see the module docstring).
     """
-    if tensor.requires_grad and torch.is_grad_enabled():
-        compressed, ctx = compression.compress(tensor)
-        out = _ReducescatterFunction.apply(
-            compressed, name, reducescatter_op(op), process_set, prescale_factor, postscale_factor
-        )
-        return compression.decompress(out, ctx)
-    return reducescatter_async(  # type: ignore[no-any-return]
-        tensor, name, compression, op, process_set, prescale_factor, postscale_factor
-    ).wait()
+    resolved = reducescatter_op(op)
+    args = (resolved, process_set, prescale_factor, postscale_factor)
+    (out,) = compressed_apply(
+        [tensor],
+        compression,
+        lambda sent: ReducescatterFunction.apply([name], *args, *sent),
+        lambda sent: [reducescatter_async(sent[0], name, Compression.none, *args).wait()],
+    )
+    return out
 
 
 def barrier(process_set: ProcessSet | None = None) -> None:

@@ -26,8 +26,12 @@ from spark_estimators.collective.torch.arrays import (
     in_waited_ops,
     waited,
 )
-from spark_estimators.collective.torch.compression import Compression, Compressor
-from spark_estimators.collective.torch.exchange import reducescatter_backward, reducescatter_op
+from spark_estimators.collective.torch.compression import (
+    Compression,
+    Compressor,
+    compressed_apply,
+)
+from spark_estimators.collective.torch.exchange import ReducescatterFunction, reducescatter_op
 from spark_estimators.collective.torch.ops import grouped_allreduce_async
 from spark_estimators.errors import ConfigurationError
 
@@ -128,29 +132,6 @@ def grouped_reducescatter_async(
     return Handle(futures, name or "grouped_reducescatter", lambda results: list(results))
 
 
-class _GroupedReducescatterFunction(torch.autograd.Function):
-    @staticmethod
-    @waited
-    def forward(
-        ctx: OpContext,
-        name: str | None,
-        op: ReduceOp,
-        process_set: ProcessSet | None,
-        pre: float,
-        post: float,
-        *tensors: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
-        handle = grouped_reducescatter_async(list(tensors), name, op, process_set, pre, post)
-        return tuple(handle.wait())
-
-    @staticmethod
-    @waited
-    def backward(ctx: OpContext, *grads: torch.Tensor) -> Grads:
-        back = reducescatter_backward(grads, ctx.op, ctx.pre, ctx.post, ctx.process_set)
-        return (None, None, None, None, None, *back)
-
-
 @waited
 def grouped_reducescatter(
     tensors: Sequence[torch.Tensor],
@@ -169,20 +150,22 @@ def grouped_reducescatter(
         This rank's block of each reduced tensor, in order; differentiable when an input
         requires grad.
     """
-    compressed = [compression.compress(t) for t in tensors]
-    sent = [c for c, _ in compressed]
     resolved = reducescatter_op(op)
-    if torch.is_grad_enabled() and any(c.requires_grad for c in sent):
-        outs = list(
-            _GroupedReducescatterFunction.apply(
-                name, resolved, process_set, prescale_factor, postscale_factor, *sent
-            )
-        )
-    else:
-        outs = grouped_reducescatter_async(
+    return compressed_apply(
+        tensors,
+        compression,
+        lambda sent: ReducescatterFunction.apply(
+            [_part(name, i) for i in range(len(sent))],
+            resolved,
+            process_set,
+            prescale_factor,
+            postscale_factor,
+            *sent,
+        ),  # fmt: skip
+        lambda sent: grouped_reducescatter_async(
             sent, name, resolved, process_set, prescale_factor, postscale_factor
-        ).wait()
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
+        ).wait(),
+    )
 
 
 # -- sparse ----------------------------------------------------------------------------------

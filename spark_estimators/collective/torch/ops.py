@@ -28,7 +28,11 @@ from spark_estimators.collective.torch.arrays import (
     in_waited_ops,
     waited,
 )
-from spark_estimators.collective.torch.compression import Compression, Compressor
+from spark_estimators.collective.torch.compression import (
+    Compression,
+    Compressor,
+    compressed_apply,
+)
 from spark_estimators.errors import CollectiveError
 
 
@@ -285,17 +289,14 @@ def grouped_allreduce(
     This is what tensor fusion does for Horovod: one negotiation and one backend reduction for
     the whole group instead of one per tensor. Differentiable when a tensor requires grad.
     """
-    compressed = [compression.compress(t) for t in tensors]
     resolved = resolve_op(op, average, adasum=True)
-    sent = [c for c, _ in compressed]
-    if torch.is_grad_enabled() and any(c.requires_grad for c in sent):
-        outs = list(
-            _GroupedAllreduceFunction.apply(
-                resolved, name, prescale_factor, postscale_factor, process_set, *sent
-            )
-        )
-    else:
-        outs = grouped_allreduce_async(
+    return compressed_apply(
+        tensors,
+        compression,
+        lambda sent: _GroupedAllreduceFunction.apply(
+            resolved, name, prescale_factor, postscale_factor, process_set, *sent
+        ),
+        lambda sent: grouped_allreduce_async(
             sent, None, name, resolved, prescale_factor, postscale_factor, process_set
-        ).wait()
-    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
+        ).wait(),
+    )

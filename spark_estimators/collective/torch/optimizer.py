@@ -97,7 +97,26 @@ def plan_buckets(
     return buckets
 
 
-class _DistributedOptimizer(torch.optim.Optimizer):
+class _Wrapper(torch.optim.Optimizer):
+    """What both wrappers (averaging and Adasum) keep of their arguments (``_se_common``)."""
+
+    def _se_common(
+        self,
+        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+        compression: type[Compressor],
+        process_set: ProcessSet | None,
+        local_only: bool,
+    ) -> list[torch.Tensor]:
+        """Keep the arguments; return the trainable parameters."""
+        params = self._se_params = _trainable(self.param_groups)
+        self._se_local = local_only
+        self._se_names = _parameter_names(named_parameters, params)
+        self._se_compression = compression
+        self._se_process_set = process_set
+        return params
+
+
+class _DistributedOptimizer(_Wrapper):
     """Mixed in front of the user's optimizer class; see :func:`DistributedOptimizer`."""
 
     _se_buckets: list[list[torch.Tensor]]
@@ -115,14 +134,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         local_only: bool = False,
         sparse_as_dense: bool = False,
     ) -> None:
-        params = _trainable(self.param_groups)
-        self._se_local = local_only
+        params = self._se_common(named_parameters, compression, process_set, local_only)
         self._se_sparse_as_dense = sparse_as_dense
-        self._se_names = _parameter_names(named_parameters, params)
-        self._se_compression = compression
         self._se_passes = backward_passes_per_step
         self._se_op = op
-        self._se_process_set = process_set
         self._se_predivide = gradient_predivide_factor
         ordered = list(reversed(params))
         explicit = None
@@ -289,22 +304,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._se_hooks = []
 
 
-class _AdasumOptimizer(torch.optim.Optimizer):
+class _AdasumOptimizer(_Wrapper):
     """Horovod's Adasum delta optimizer, mixed in front of the user's optimizer class."""
-
-    def _se_setup_adasum(
-        self,
-        named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
-        compression: type[Compressor],
-        process_set: ProcessSet | None,
-        local_only: bool = False,
-    ) -> None:
-        params = _trainable(self.param_groups)
-        self._se_local = local_only
-        self._se_params = params
-        self._se_names = _parameter_names(named_parameters, params)
-        self._se_compression = compression
-        self._se_process_set = process_set
 
     def synchronize(self) -> None:
         """Nothing to do: with Adasum the reduction happens inside ``step()``."""
@@ -473,7 +474,7 @@ def DistributedOptimizer(  # noqa: N802 (Horovod's name)
             _CLASSES[(base, "adasum")] = adasum_cls
         delta: _AdasumOptimizer = object.__new__(adasum_cls)
         delta.__dict__.update({k: v for k, v in optimizer.__dict__.items() if k not in _NOT_COPIED})
-        delta._se_setup_adasum(named_parameters, compression, process_set, local_only)
+        delta._se_common(named_parameters, compression, process_set, local_only)
         return delta
     cls = _CLASSES.get(base)
     if cls is None:
