@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pyspark.ml import Estimator
 
@@ -34,12 +34,16 @@ from spark_estimators.store import Store
 from spark_estimators.store.local import session_local_store
 
 if TYPE_CHECKING:
-    from pyspark.ml._typing import ParamMap
+    from pyspark.ml.param import Param
     from pyspark.sql import DataFrame
 
     from spark_estimators.core.framework import Fit
     from spark_estimators.core.model import SparkModel
     from spark_estimators.data.metadata import ColumnInfo
+
+    # pyspark's ParamMap lives in its type stubs only (pyspark.ml._typing), which the API
+    # reference's TYPE_CHECKING pass cannot import.
+    ParamMap: TypeAlias = dict[Param[Any], Any]
 
 logger = logging.getLogger(__name__)
 
