@@ -14,9 +14,9 @@ from __future__ import annotations
 import hashlib
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
 
 from pyspark.ml import Model
 from pyspark.ml.param.shared import HasOutputCols
@@ -32,9 +32,29 @@ from spark_estimators.core.params.shared import (
 from spark_estimators.core.persistence import PersistenceMixin
 from spark_estimators.errors import ConfigurationError
 
-_CACHE: dict[str, Any] = {}
+if TYPE_CHECKING:
+    import numpy as np
+    import pyarrow as pa
+    from pyspark.sql import Column, DataFrame
+
+_CACHE: dict[str, object] = {}
 _CACHE_LOCK = threading.Lock()
 _CACHE_MAX = 4
+
+
+class PredictSpec(TypedDict):
+    """What ``transform`` ships to the Python workers that score the batches."""
+
+    predictor: Predictor
+    key: str
+    blob: object
+    inputs: dict[str, int]
+    feature_cols: list[str]
+    input_shapes: list[list[int]] | None
+    output_cols: list[str]
+    output_shapes: list[tuple[int, ...]]
+    batch_size: int
+    keep: list[int]
 
 
 class Predictor:
@@ -43,28 +63,30 @@ class Predictor:
     Subclasses implement :meth:`load` (bytes -> ready model) and :meth:`predict`.
     """
 
-    def load(self, blob: bytes) -> Any:
+    def load(self, blob: bytes) -> object:
         """The framework model from the bytes the estimator stored."""
         raise NotImplementedError
 
-    def predict(self, model: Any, inputs: list[Any]) -> list[Any]:
+    def predict(self, model: object, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """Model outputs as numpy arrays, one per output column."""
         raise NotImplementedError
 
 
-def _cached_model(key: str, predictor: Predictor, blob_source: Any) -> Any:
+def _cached_model(key: str, predictor: Predictor, blob_source: object) -> object:
     with _CACHE_LOCK:
         model = _CACHE.get(key)
         if model is None:
             blob = blob_source.value if hasattr(blob_source, "value") else blob_source
-            model = predictor.load(blob)
+            model = predictor.load(cast(bytes, blob))
             if len(_CACHE) >= _CACHE_MAX:
                 _CACHE.pop(next(iter(_CACHE)))
             _CACHE[key] = model
         return model
 
 
-def predict_batches(spec: dict[str, Any], batches: Iterator[Any]) -> Iterator[Any]:
+def predict_batches(
+    spec: PredictSpec, batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: append the model's outputs to every Arrow batch."""
     import numpy as np
     import pyarrow as pa
@@ -74,7 +96,7 @@ def predict_batches(spec: dict[str, Any], batches: Iterator[Any]) -> Iterator[An
     keep = spec["keep"]
     for batch in batches:
         n = batch.num_rows
-        outs: list[list[Any]] = [[] for _ in spec["output_cols"]]
+        outs: list[list[np.ndarray]] = [[] for _ in spec["output_cols"]]
         arrays = {c: tensors.arrow_to_numpy(batch.column(t)) for c, t in spec["inputs"].items()}
         step = spec["batch_size"]
         for start in range(0, n, step):
@@ -93,8 +115,8 @@ def predict_batches(spec: dict[str, Any], batches: Iterator[Any]) -> Iterator[An
 
 
 def _predict_arrays(
-    spec: dict[str, Any], arrays: list[Any], predictor: Predictor, model: Any
-) -> Any:
+    spec: PredictSpec, arrays: list[pa.Array], predictor: Predictor, model: object
+) -> pa.StructArray:
     """Predict one chunk of Arrow feature arrays; returns a struct array of the outputs."""
     import numpy as np
     import pyarrow as pa
@@ -102,7 +124,7 @@ def _predict_arrays(
     features = spec["feature_cols"]
     cols = {c: tensors.arrow_to_numpy(a) for c, a in zip(features, arrays, strict=True)}
     n = len(arrays[0])
-    outs: list[list[Any]] = [[] for _ in spec["output_cols"]]
+    outs: list[list[np.ndarray]] = [[] for _ in spec["output_cols"]]
     step = spec["batch_size"]
     for start in range(0, n, step):
         part = {c: a[start : start + step] for c, a in cols.items()}
@@ -117,7 +139,9 @@ def _predict_arrays(
     return pa.StructArray.from_arrays(fields, names=list(spec["output_cols"]))
 
 
-def predict_udf(spec: dict[str, Any], batches: Iterator[Any]) -> Iterator[Any]:
+def predict_udf(
+    spec: PredictSpec, batches: Iterator[pa.Array | tuple[pa.Array, ...]]
+) -> Iterator[pa.StructArray]:
     """Scalar-iterator Arrow UDF body: the model loads once per task, only features travel."""
     predictor: Predictor = spec["predictor"]
     model = _cached_model(spec["key"], predictor, spec["blob"])
@@ -135,7 +159,7 @@ class ModelParams(
     copies its estimator's values under the same names.
     """
 
-    _defaults: ClassVar[dict[str, Any]] = {"outputCols": []}
+    _defaults: ClassVar[dict[str, object]] = {"outputCols": []}
 
     # horovod's HorovodModel names
     def getFeatureColumns(self) -> list[str]:
@@ -157,11 +181,11 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
     def __init__(
         self,
         *,
-        model: Any = None,
-        history: list[dict[str, Any]] | None = None,
+        model: object = None,
+        history: list[dict[str, object]] | None = None,
         run_id: str | None = None,
         output_shapes: list[tuple[int, ...]] | None = None,
-        **params: Any,
+        **params: object,
     ) -> None:
         """Wrap a trained framework model (estimators build models; users load them).
 
@@ -188,7 +212,7 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
             self._set(**params)
 
     # -- getters ---------------------------------------------------------------------------------
-    def getModel(self) -> Any:
+    def getModel(self) -> object:
         """The trained framework model, on the CPU."""
         return self._model
 
@@ -226,13 +250,13 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
     def _model_to_bytes(self) -> bytes:
         raise NotImplementedError
 
-    def _model_from_bytes(self, blob: bytes) -> Any:
+    def _model_from_bytes(self, blob: bytes) -> object:
         raise NotImplementedError
 
     def _predictor(self) -> Predictor:
         raise NotImplementedError
 
-    def _extra_state(self) -> dict[str, Any]:
+    def _extra_state(self) -> dict[str, object]:
         return {
             "model": self._model_to_bytes(),
             "history": self._history,
@@ -240,14 +264,16 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
             "output_shapes": self._output_shapes,
         }
 
-    def _restore_extra_state(self, state: dict[str, Any]) -> None:
-        self._model = self._model_from_bytes(state["model"])
-        self._history = list(state["history"])
-        self._run_id = state["run_id"]
-        self._output_shapes = [tuple(s) for s in state["output_shapes"]]
+    def _restore_extra_state(self, state: dict[str, object]) -> None:
+        self._model = self._model_from_bytes(cast(bytes, state["model"]))
+        self._history = list(cast("list[dict[str, object]]", state["history"]))
+        self._run_id = cast("str | None", state["run_id"])
+        self._output_shapes = [
+            tuple(s) for s in cast("list[tuple[int, ...]]", state["output_shapes"])
+        ]
 
     # -- transform -------------------------------------------------------------------------------
-    def _transform(self, df: Any) -> Any:
+    def _transform(self, df: DataFrame) -> DataFrame:
         from pyspark.ml.functions import vector_to_array
         from pyspark.ml.linalg import VectorUDT
         from pyspark.sql import functions as F
@@ -292,10 +318,10 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
         )
         blob = self._model_to_bytes()
         try:
-            blob_source: Any = df.sparkSession.sparkContext.broadcast(blob)
+            blob_source: object = df.sparkSession.sparkContext.broadcast(blob)
         except Exception:  # Spark Connect: no broadcast, ship in the closure
             blob_source = blob
-        spec = {
+        spec: PredictSpec = {
             "predictor": self._predictor(),
             # Keyed by content: a model changed after an earlier transform is reloaded.
             "key": hashlib.sha1(blob).hexdigest(),
@@ -312,7 +338,7 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
             from pyspark.sql.functions import ArrowUDFType
 
             out_type = StructType(schema.fields[len(df.columns) :])
-            make_udf: Any = F.arrow_udf
+            make_udf: Callable[..., Callable[..., Column]] = F.arrow_udf
             with warnings.catch_warnings():
                 # The UDF takes one Arrow array per feature column, a number known only here,
                 # so it is declared by type rather than by type hints (pyspark warns about that).

@@ -35,12 +35,22 @@ import time
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
 
 from spark_estimators import envvars
 from spark_estimators.core import checkpoint
+
+if TYPE_CHECKING:
+    from spark_estimators.core.spec import TrainSpec
+    from spark_estimators.data.options import ReaderOptions, TransformFn
+    from spark_estimators.data.reader import BatchReader
+    from spark_estimators.data.stream import StreamMetadata
+    from spark_estimators.data.stream_reader import StreamBatchReader
+    from spark_estimators.store.base import StoreBase
+
+    RankReader = BatchReader | StreamBatchReader
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +93,17 @@ def light_tensorboard() -> None:
         sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
 
 
+T = TypeVar("T")
+
+
+def _as_tuple(values: Sequence[T] | None) -> tuple[T, ...] | None:
+    return None if values is None else tuple(values)
+
+
 # -- readers --------------------------------------------------------------------------------------
-def reader_options(spec: Any, split: str, transformation_fn: Any) -> Any:
+def reader_options(
+    spec: TrainSpec, split: str, transformation_fn: TransformFn | None
+) -> ReaderOptions:
     """The :class:`~spark_estimators.data.ReaderOptions` of ``split`` ("train" or "val").
 
     Only the train split shuffles (``shuffle_buffer_size=0`` turns it off) and uses
@@ -108,31 +127,35 @@ def reader_options(spec: Any, split: str, transformation_fn: Any) -> Any:
         num_workers=spec.train_reader_num_workers if train else spec.val_reader_num_workers,
         reader=spec.reader,
         pool_type=spec.reader_pool_type,
-        transform_edit_fields=spec.transformation_edit_fields,
-        transform_removed_fields=spec.transformation_removed_fields,
+        transform_edit_fields=_as_tuple(spec.transformation_edit_fields),
+        transform_removed_fields=_as_tuple(spec.transformation_removed_fields),
     )
 
 
-def open_readers(spec: Any, rank: int, size: int, transformation_fn: Any) -> tuple[Any, Any]:
+def open_readers(
+    spec: TrainSpec, rank: int, size: int, transformation_fn: TransformFn | None
+) -> tuple[RankReader, RankReader | None]:
     """The rank's train reader, and its val reader (None when the data has no val split)."""
     from spark_estimators.data import make_batch_reader
 
     if getattr(spec.meta, "streamed", False):  # data="stream": the task's spill, not Parquet
         from spark_estimators.data.stream_reader import open_stream_readers
 
-        def options_of(split: str) -> Any:
+        def options_of(split: str) -> ReaderOptions:
             return reader_options(spec, split, transformation_fn)
 
-        return open_stream_readers(spec.meta, options_of, rank, transformation_fn)
+        return open_stream_readers(
+            cast("StreamMetadata", spec.meta), options_of, rank, transformation_fn
+        )
 
-    def open_split(split: str) -> Any:
+    def open_split(split: str) -> BatchReader:
         options = reader_options(spec, split, transformation_fn)
         return make_batch_reader(spec.store, spec.meta, options, split=split, rank=rank, size=size)
 
     return open_split("train"), open_split("val") if spec.meta.has_val else None
 
 
-def epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int | None:
+def epoch_steps(reader: RankReader, limit: int | None, multiple: int = 1) -> int | None:
     """Steps per epoch: the reader's (same on every rank), capped by ``limit``.
 
     With ``multiple`` > 1 (``backward_passes_per_step``) the count is rounded **up** to a
@@ -151,7 +174,7 @@ def epoch_steps(reader: Any, limit: int | None, multiple: int = 1) -> int | None
     if reader.steps_per_epoch is None:
         # A streaming reader before its data is all read: it counts the epoch itself, by the
         # same rule (data/stream_reader.py); None lets the epoch run until the reader ends it.
-        reader.plan(limit, multiple)
+        cast("StreamBatchReader", reader).plan(limit, multiple)
         return None
     steps = int(reader.steps_per_epoch)
     if limit is not None:
@@ -205,9 +228,9 @@ def epoch_logs(
     names: Sequence[str],
     train: Sequence[float],
     val: Sequence[float] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, float]:
     """The epoch's logs: ``epoch``, ``loss``, the metrics, ``val_loss`` and ``val_`` + each."""
-    logs: dict[str, Any] = {"epoch": int(epoch), "loss": train[0]}
+    logs: dict[str, float] = {"epoch": int(epoch), "loss": train[0]}
     logs.update(zip(names, train[1:], strict=True))
     if val is not None:
         logs["val_loss"] = val[0]
@@ -224,7 +247,7 @@ def stop_together(stop: bool) -> bool:
 
 
 # -- events to the driver -------------------------------------------------------------------------
-def send_event(kind: str, data: Any) -> None:
+def send_event(kind: str, data: object) -> None:
     """Send an event (``"epoch"``, ``"first_batch"``) to the driver; nothing outside a run."""
     from spark_estimators.task import send_event as send
 
@@ -246,14 +269,14 @@ class FirstBatchEvent:
 
 # -- checkpoints ----------------------------------------------------------------------------------
 def commit_epoch(
-    store: Any,
+    store: StoreBase,
     run_id: str,
     framework: str,
     epoch: int,
     num_proc: int | None,
-    history: Sequence[dict[str, Any]],
+    history: Sequence[dict[str, float]],
     fingerprint: str | None,
-    extra: Mapping[str, Any] | None = None,
+    extra: Mapping[str, object] | None = None,
 ) -> None:
     """Rank 0, after the framework's checkpoint file is complete: write ``checkpoint.json``."""
     info = checkpoint.CheckpointInfo(
@@ -279,7 +302,7 @@ def lr_rescale(scale_lr: bool, saved_size: int | None, size: int) -> float:
 
 
 # -- the result the driver gets -------------------------------------------------------------------
-def row_shapes(outputs: Any) -> list[tuple[int, ...]]:
+def row_shapes(outputs: object) -> list[tuple[int, ...]]:
     """Per-row shape of each model output (one array or tensor, or a list/tuple of them)."""
     from spark_estimators.core.tensors import output_row_shape
 
@@ -291,17 +314,17 @@ def row_shapes(outputs: Any) -> list[tuple[int, ...]]:
 def rank_result(
     rank: int,
     fingerprint: str,
-    history: Sequence[dict[str, Any]] | None = None,
+    history: Sequence[dict[str, float]] | None = None,
     output_shapes: Sequence[tuple[int, ...]] | None = None,
-    **payload: Any,
-) -> dict[str, Any]:
+    **payload: object,
+) -> dict[str, object]:
     """What ``remote.train`` returns to the driver.
 
     Every rank: ``rank`` and ``fingerprint`` (the driver checks that all ranks end with the same
     weights). Rank 0 also: ``history``, ``output_shapes`` and ``payload`` (the trained weights or
     model and framework extras); other ranks' values for them are dropped.
     """
-    result: dict[str, Any] = {"rank": int(rank), "fingerprint": fingerprint}
+    result: dict[str, object] = {"rank": int(rank), "fingerprint": fingerprint}
     if rank == 0:
         result.update(
             history=list(history or []),

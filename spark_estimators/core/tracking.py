@@ -28,13 +28,42 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import numpy as np
 
 from spark_estimators.errors import ConfigurationError
 
+if TYPE_CHECKING:
+    from mlflow.entities import Metric
+    from mlflow.models import ModelSignature
+    from mlflow.tracking import MlflowClient
+    from mlflow.types import Schema
+    from pyspark.ml.param import Params
+
+    from spark_estimators.core.framework import FitData
+    from spark_estimators.core.model import SparkModel
+    from spark_estimators.data.metadata import DatasetMetadata
+    from spark_estimators.data.stream import StreamMetadata
+    from spark_estimators.store.base import Store
+
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+class FeatureParams(Protocol):
+    """The estimator params the example inputs of a logged model need."""
+
+    def getFeatureCols(self) -> list[str]:
+        """The feature columns, in the model's input order."""
+        ...
+
+    def getInputShapes(self) -> list[list[int]] | None:
+        """The shape of each feature column's batch (None: as read)."""
+        ...
+
 
 RUN_ID_TAG = "spark_estimators.run_id"
 _MAX_PARAM_CHARS = 500
@@ -61,7 +90,7 @@ def metric_key(name: str) -> str:
     return re.sub(r"[^\w\-. /]", "_", name)
 
 
-def _param_value(value: Any) -> Any:
+def _param_value(value: object) -> str | int | float | bool | None:
     if value is None or isinstance(value, bool | int | float | str):
         return value
     if isinstance(value, list | tuple) and all(
@@ -76,15 +105,15 @@ def _param_value(value: Any) -> Any:
 class MlflowTracker:
     """Logs one fit into an MLflow run; made by :meth:`for_fit` (None when not logging)."""
 
-    def __init__(self, client: Any, mlflow_run_id: str, owns_run: bool):
+    def __init__(self, client: MlflowClient, mlflow_run_id: str, owns_run: bool):
         self.client = client
         self.mlflow_run_id = mlflow_run_id
         self.owns_run = owns_run
         # The latest epoch's metrics wait for the model (see log_model) or the end of the fit.
-        self._pending: list[Any] = []
+        self._pending: list[Metric] = []
 
     @classmethod
-    def for_fit(cls, est: Any, run_id: str) -> MlflowTracker | None:
+    def for_fit(cls, est: Params, run_id: str) -> MlflowTracker | None:
         """The tracker of a fit, or None when it is not to log to MLflow."""
         flag = est.getOrDefault("logToMlflow")
         if flag is False or (flag is None and "mlflow" not in sys.modules):
@@ -100,7 +129,7 @@ class MlflowTracker:
         tracker.log_params(est, run_id)
         return tracker
 
-    def log_params(self, est: Any, run_id: str) -> None:
+    def log_params(self, est: Params, run_id: str) -> None:
         """Log the estimator's params (not the store or backend) and the run id as a tag."""
         from mlflow.entities import Param, RunTag
 
@@ -118,7 +147,7 @@ class MlflowTracker:
             ],
         )
 
-    def log_epoch(self, logs: dict[str, Any]) -> None:
+    def log_epoch(self, logs: dict[str, float]) -> None:
         """One epoch's metrics (rank 0's, averaged over the ranks) at ``step`` = epoch.
 
         Each epoch's metrics are sent when the next epoch arrives; the last epoch's go with the
@@ -148,7 +177,7 @@ class MlflowTracker:
         if pending:
             self.client.log_batch(self.mlflow_run_id, metrics=pending)
 
-    def log_model(self, est: Any, model: Any, meta: Any, store: Any) -> None:
+    def log_model(self, est: FeatureParams, model: SparkModel, meta: FitData, store: Store) -> None:
         """The trained framework model with its signature, under the artifact path ``model``.
 
         It is logged at the last epoch's step, and that epoch's metrics are then logged linked
@@ -165,8 +194,15 @@ class MlflowTracker:
         self.flush(model_id=getattr(info, "model_id", None))
 
     def _log_model(
-        self, mlflow: Any, est: Any, model: Any, net: Any, inputs: Any, framework: str, step: int
-    ) -> Any:
+        self,
+        mlflow: ModuleType,
+        est: FeatureParams,
+        model: SparkModel,
+        net: object,
+        inputs: list[np.ndarray],
+        framework: str,
+        step: int,
+    ) -> object:
         info = None
         with _in_run(mlflow, self.mlflow_run_id):
             if framework in ("torch", "lightning"):
@@ -174,7 +210,7 @@ class MlflowTracker:
                 import torch
 
                 with torch.no_grad():
-                    out = net(*[torch.from_numpy(a) for a in inputs])
+                    out = cast(torch.nn.Module, net)(*[torch.from_numpy(a) for a in inputs])
                 outputs = [o.detach().cpu().numpy() for o in _as_list(out)]
                 # Pickle format: it saves any module (scripted ones too) with a dynamic batch
                 # size, where pt2 needs a torch.export trace of one example batch. MLflow logs a
@@ -199,7 +235,9 @@ class MlflowTracker:
                 import keras
                 import mlflow.keras
 
-                out = net.predict(inputs[0] if len(inputs) == 1 else inputs, verbose=0)
+                out = cast(keras.Model, net).predict(
+                    inputs[0] if len(inputs) == 1 else inputs, verbose=0
+                )
                 outputs = [np.asarray(o) for o in _as_list(out)]
                 info = mlflow.keras.log_model(
                     net,
@@ -229,7 +267,7 @@ class MlflowTracker:
 class _in_run:  # noqa: N801 - used like a function
     """Make ``mlflow_run_id`` the active run of this thread for the block (log_model needs one)."""
 
-    def __init__(self, mlflow: Any, mlflow_run_id: str):
+    def __init__(self, mlflow: ModuleType, mlflow_run_id: str):
         self.mlflow, self.run_id, self.started = mlflow, mlflow_run_id, False
 
     def __enter__(self) -> None:
@@ -238,19 +276,22 @@ class _in_run:  # noqa: N801 - used like a function
             self.mlflow.start_run(run_id=self.run_id, nested=active is not None)
             self.started = True
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.started:
             # Leave the run's status alone: ending here only pops it from this thread's stack.
             self.mlflow.end_run(status=self.mlflow.get_run(self.run_id).info.status)
 
 
-def _as_list(out: Any) -> list[Any]:
+def _as_list(out: _T | list[_T] | tuple[_T, ...]) -> list[_T]:
     return list(out) if isinstance(out, list | tuple) else [out]
 
 
 def signature(
-    input_names: list[str], inputs: list[Any], output_names: list[str], outputs: list[Any]
-) -> Any:
+    input_names: list[str],
+    inputs: Sequence[np.ndarray],
+    output_names: list[str],
+    outputs: Sequence[np.ndarray],
+) -> ModelSignature:
     """An MLflow tensor signature: one spec per input/output, the batch dimension as -1.
 
     Built directly (``infer_signature`` needs scipy, which ``mlflow-skinny`` lacks); several
@@ -259,7 +300,7 @@ def signature(
     from mlflow.models import ModelSignature
     from mlflow.types import Schema, TensorSpec
 
-    def schema(names: list[str], arrays: list[Any]) -> Any:
+    def schema(names: list[str], arrays: Sequence[np.ndarray]) -> Schema:
         return Schema(
             [
                 TensorSpec(
@@ -274,7 +315,9 @@ def signature(
     return ModelSignature(inputs=schema(input_names, inputs), outputs=schema(output_names, outputs))
 
 
-def _example_inputs(est: Any, meta: Any, store: Any, index_cols: Sequence[str] = ()) -> list[Any]:
+def _example_inputs(
+    est: FeatureParams, meta: FitData, store: Store, index_cols: Sequence[str] = ()
+) -> list[np.ndarray]:
     """A few prepared training rows as the model's inputs (what training fed it).
 
     ``index_cols``: the feature columns the model takes as int64 class indices (TorchModel's).
@@ -283,11 +326,11 @@ def _example_inputs(est: Any, meta: Any, store: Any, index_cols: Sequence[str] =
     from spark_estimators.data import make_batch_reader
 
     if getattr(meta, "streamed", False):  # data="stream": no prepared files, rows from the df
-        rows = meta.peek(list(est.getFeatureCols()), _EXAMPLE_ROWS)
+        rows = cast("StreamMetadata", meta).peek(list(est.getFeatureCols()), _EXAMPLE_ROWS)
     else:
         rows = make_batch_reader(
             store,
-            meta,
+            cast("DatasetMetadata", meta),
             split="train",
             rank=0,
             size=1,

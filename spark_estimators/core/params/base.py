@@ -17,7 +17,7 @@ import inspect
 import re
 import textwrap
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pyspark
 from pyspark.ml.param import Param, Params, TypeConverters
@@ -33,7 +33,7 @@ def keyword_only(init: Callable[..., None]) -> Callable[..., None]:
     inner = pyspark.keyword_only(init)
 
     @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+    def wrapper(self: object, *args: object, **kwargs: object) -> None:
         if args:
             cls = type(self).__name__
             given = ", ".join(f"{type(a).__name__} {_short_repr(a)}" for a in args)
@@ -47,40 +47,42 @@ def keyword_only(init: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
-def _short_repr(value: Any, limit: int = 60) -> str:
+def _short_repr(value: object, limit: int = 60) -> str:
     text = " ".join(repr(value).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def make_param(name: str, doc: str, conv: Any = TypeConverters.identity) -> Param:
+def make_param(
+    name: str, doc: str, conv: Callable[[object], object] = TypeConverters.identity
+) -> Param:
     """A Spark ML ``Param`` named ``name`` with ``doc`` and a type converter."""
     return Param(Params._dummy(), name, doc, typeConverter=conv)
 
 
-def to_int_or_none(value: Any) -> int | None:
+def to_int_or_none(value: object) -> int | None:
     """``TypeConverters.toInt`` that lets None through."""
     return None if value is None else TypeConverters.toInt(value)
 
 
-def to_list_or_none(value: Any) -> list[Any] | None:
+def to_list_or_none(value: object) -> list[object] | None:
     """``TypeConverters.toList`` that lets None through."""
     return None if value is None else TypeConverters.toList(value)
 
 
-def to_str_list(value: Any) -> list[str]:
+def to_str_list(value: object) -> list[str]:
     """A list of strings; a single string becomes a one-element list."""
     if isinstance(value, str):
         return [value]
     return TypeConverters.toListString(value)
 
 
-def to_str_or_none(value: Any) -> str | None:
+def to_str_or_none(value: object) -> str | None:
     """``TypeConverters.toString`` that lets None through."""
     return None if value is None else TypeConverters.toString(value)
 
 
 #: The type each converter accepts, as the estimators' ``Parameters`` docs write it.
-_TYPE_TEXT: dict[Any, str] = {
+_TYPE_TEXT: dict[Callable[[object], object], str] = {
     TypeConverters.toInt: "int",
     TypeConverters.toFloat: "float",
     TypeConverters.toBoolean: "bool",
@@ -116,9 +118,9 @@ def to_snake(name: str) -> str:
     return _UPPER.sub(lambda m: "_" + m.group(1).lower(), name)
 
 
-def declared_defaults(cls: type) -> dict[str, Any]:
+def declared_defaults(cls: type) -> dict[str, object]:
     """The Param defaults ``cls`` declares in ``_defaults`` along its MRO (subclasses win)."""
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     for klass in reversed(cls.__mro__):
         merged.update(klass.__dict__.get("_defaults", {}))
     return merged
@@ -131,7 +133,7 @@ class DeclaredParams(Params):
     explicit one (see :func:`add_accessors`).
     """
 
-    _defaults: ClassVar[dict[str, Any]] = {}
+    _defaults: ClassVar[dict[str, object]] = {}
 
     def __init__(self) -> None:
         super().__init__()
@@ -139,7 +141,7 @@ class DeclaredParams(Params):
         defaults = {k: copy.copy(v) for k, v in declared_defaults(type(self)).items()}
         self._setDefault(**defaults)
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         add_accessors(cls)
 
@@ -167,8 +169,8 @@ def add_accessors(cls: type) -> type:
     return cls
 
 
-def _setter(name: str) -> Any:
-    def setter(self: Params, value: Any) -> Params:
+def _setter(name: str) -> Callable[[Params, object], Params]:
+    def setter(self: Params, value: object) -> Params:
         return self._set(**{name: value})
 
     setter.__name__ = "set" + name[0].upper() + name[1:]
@@ -176,8 +178,8 @@ def _setter(name: str) -> Any:
     return setter
 
 
-def _getter(name: str) -> Any:
-    def getter(self: Params) -> Any:
+def _getter(name: str) -> Callable[[Params], object]:
+    def getter(self: Params) -> object:
         return self.getOrDefault(name)
 
     getter.__name__ = "get" + name[0].upper() + name[1:]
