@@ -50,7 +50,7 @@ class PredictSpec(TypedDict):
     blob: object
     inputs: dict[str, int]
     feature_cols: list[str]
-    input_shapes: list[list[int]] | None
+    input_shapes: list[list[int] | None] | None
     output_cols: list[str]
     output_shapes: list[tuple[int, ...]]
     batch_size: int

@@ -60,7 +60,7 @@ class FeatureParams(Protocol):
         """The feature columns, in the model's input order."""
         ...
 
-    def getInputShapes(self) -> list[list[int]] | None:
+    def getInputShapes(self) -> list[list[int] | None] | None:
         """The shape of each feature column's batch (None: as read)."""
         ...
 

@@ -8,7 +8,8 @@ supervised Params (optimizer, loss, metrics, ...) are not here: see
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from pyspark.ml.param import TypeConverters
 from pyspark.ml.param.shared import HasOutputCols
@@ -25,6 +26,10 @@ from spark_estimators.core.params.shared import (
     HasLabelCols,
     HasTransformBatchSize,
 )
+
+if TYPE_CHECKING:
+    from spark_estimators.core.backend import Backend
+    from spark_estimators.store.base import Store
 
 
 class LaunchParams(DeclaredParams):
@@ -59,7 +64,7 @@ class LaunchParams(DeclaredParams):
         "logToMlflow",
         "MLflow tracking: None logs into an active run, True always (starting a run), False never",
     )
-    _defaults: ClassVar[dict[str, Any]] = {
+    _defaults: ClassVar[dict[str, object]] = {
         "numProc": None,
         "backend": None,
         "collectiveBackend": "auto",
@@ -78,7 +83,7 @@ class LaunchParams(DeclaredParams):
         """Gets the value of ``numProc`` or its default value."""
         return self.getOrDefault(self.numProc)
 
-    def getBackend(self) -> Any:
+    def getBackend(self) -> Backend | None:
         """Gets the value of ``backend`` or its default value."""
         return self.getOrDefault(self.backend)
 
@@ -86,7 +91,7 @@ class LaunchParams(DeclaredParams):
         """Gets the value of ``collectiveBackend`` or its default value."""
         return self.getOrDefault(self.collectiveBackend)
 
-    def getStore(self) -> Any:
+    def getStore(self) -> Store | None:
         """Gets the value of ``store`` or its default value."""
         return self.getOrDefault(self.store)
 
@@ -179,7 +184,7 @@ class DataParams(DeclaredParams):
         "store) or 'stream' (the training stage reads the DataFrame itself, no copy)",
         TypeConverters.toString,
     )
-    _defaults: ClassVar[dict[str, Any]] = {
+    _defaults: ClassVar[dict[str, object]] = {
         "data": "parquet",
         "dropInvalidRows": False,
         "sampleWeightCol": None,
@@ -205,11 +210,11 @@ class DataParams(DeclaredParams):
         """Gets the value of ``sampleWeightCol`` or its default value."""
         return self.getOrDefault(self.sampleWeightCol)
 
-    def getLabelShapes(self) -> Any:
+    def getLabelShapes(self) -> list[list[int] | None] | None:
         """Gets the value of ``labelShapes`` or its default value."""
         return self.getOrDefault(self.labelShapes)
 
-    def getValidation(self) -> Any:
+    def getValidation(self) -> float | str | None:
         """Gets the value of ``validation`` or its default value."""
         return self.getOrDefault(self.validation)
 
@@ -241,7 +246,7 @@ class DataParams(DeclaredParams):
         """Gets the value of ``randomSeed`` or its default value."""
         return self.getOrDefault(self.randomSeed)
 
-    def getTransformationFn(self) -> Any:
+    def getTransformationFn(self) -> Callable[..., object] | None:
         """Gets the value of ``transformationFn`` or its default value."""
         return self.getOrDefault(self.transformationFn)
 
@@ -288,7 +293,7 @@ class TrainingParams(DeclaredParams):
         "mean and variance) over the ranks; False returns rank 0's, as horovod does",
         TypeConverters.toBoolean,
     )
-    _defaults: ClassVar[dict[str, Any]] = {
+    _defaults: ClassVar[dict[str, object]] = {
         "model": None,
         "callbacks": None,
         "epochs": 1,
@@ -301,7 +306,7 @@ class TrainingParams(DeclaredParams):
         """Gets the value of ``model`` or its default value."""
         return self.getOrDefault(self.model)
 
-    def getCallbacks(self) -> Any:
+    def getCallbacks(self) -> object:
         """Gets the value of ``callbacks`` or its default value."""
         return self.getOrDefault(self.callbacks)
 
@@ -346,7 +351,7 @@ class HorovodCompatParams(DeclaredParams):
         "reader='petastorm': TransformSpec removed_fields of transformation_fn; the default "
         "reader needs none (only None)",
     )
-    _defaults: ClassVar[dict[str, Any]] = {
+    _defaults: ClassVar[dict[str, object]] = {
         "readerPoolType": "thread",
         "mpStartMethod": None,
         "transformationEditFields": None,
@@ -357,7 +362,7 @@ class HorovodCompatParams(DeclaredParams):
         """Gets the value of ``readerPoolType`` or its default value."""
         return self.getOrDefault(self.readerPoolType) or "thread"
 
-    def getTransformationEditFields(self) -> list[Any] | None:
+    def getTransformationEditFields(self) -> list[object] | None:
         """Gets the value of ``transformationEditFields`` or its default value."""
         return self.getOrDefault(self.transformationEditFields)
 
@@ -379,14 +384,14 @@ class EstimatorParams(
 ):
     """Params common to every estimator (horovod.spark parity plus our additions)."""
 
-    _defaults: ClassVar[dict[str, Any]] = {"outputCols": []}
+    _defaults: ClassVar[dict[str, object]] = {"outputCols": []}
 
     # horovod's spellings of a few accessors
     def getShufflingBufferSize(self) -> int | None:
         """Horovod's spelling of :meth:`getShuffleBufferSize`."""
         return self.getShuffleBufferSize()
 
-    def setShufflingBufferSize(self, value: int | None) -> Any:
+    def setShufflingBufferSize(self, value: int | None) -> Self:
         """Sets the value of ``shuffleBufferSize``."""
         return self._set(shuffleBufferSize=value)
 
@@ -394,7 +399,7 @@ class EstimatorParams(
         """Horovod's spelling of :meth:`getTrainReaderNumWorkers`."""
         return self.getTrainReaderNumWorkers()
 
-    def setTrainReaderNumWorker(self, value: int) -> Any:
+    def setTrainReaderNumWorker(self, value: int) -> Self:
         """Sets the value of ``trainReaderNumWorkers``."""
         return self._set(trainReaderNumWorkers=value)
 
@@ -402,7 +407,7 @@ class EstimatorParams(
         """Horovod's spelling of :meth:`getValReaderNumWorkers`."""
         return self.getValReaderNumWorkers()
 
-    def setValReaderNumWorker(self, value: int) -> Any:
+    def setValReaderNumWorker(self, value: int) -> Self:
         """Sets the value of ``valReaderNumWorkers``."""
         return self._set(valReaderNumWorkers=value)
 
@@ -410,6 +415,6 @@ class EstimatorParams(
         """Horovod's spelling of :meth:`getInmemoryCacheAll`."""
         return self.getInmemoryCacheAll()
 
-    def setInMemoryCacheAll(self, value: bool) -> Any:
+    def setInMemoryCacheAll(self, value: bool) -> Self:
         """Sets the value of ``inmemoryCacheAll``."""
         return self._set(inmemoryCacheAll=value)

@@ -26,7 +26,7 @@ class HasFeatureCols(DeclaredParams):
     """Mixin for ``featureCols``: the feature columns, one model input each."""
 
     featureCols = make_param("featureCols", "feature column names", to_str_list)
-    _defaults: ClassVar[dict[str, Any]] = {"featureCols": []}
+    _defaults: ClassVar[dict[str, object]] = {"featureCols": []}
 
     def getFeatureCols(self) -> list[str]:
         """Gets the value of ``featureCols`` or its default value."""
@@ -37,7 +37,7 @@ class HasLabelCols(DeclaredParams):
     """Mixin for ``labelCols``: the label columns, one model output each."""
 
     labelCols = make_param("labelCols", "label column names", to_str_list)
-    _defaults: ClassVar[dict[str, Any]] = {"labelCols": []}
+    _defaults: ClassVar[dict[str, object]] = {"labelCols": []}
 
     def getLabelCols(self) -> list[str]:
         """Gets the value of ``labelCols`` or its default value."""
@@ -50,9 +50,9 @@ class HasInputShapes(DeclaredParams):
     inputShapes = make_param(
         "inputShapes", "shape of each feature input, with -1 for the batch (horovod's rule)"
     )
-    _defaults: ClassVar[dict[str, Any]] = {"inputShapes": None}
+    _defaults: ClassVar[dict[str, object]] = {"inputShapes": None}
 
-    def getInputShapes(self) -> Any:
+    def getInputShapes(self) -> list[list[int] | None] | None:
         """Gets the value of ``inputShapes`` or its default value."""
         return self.getOrDefault(self.inputShapes)
 
@@ -63,7 +63,7 @@ class HasTransformBatchSize(DeclaredParams):
     transformBatchSize = make_param(
         "transformBatchSize", "rows per inference batch in transform()", TypeConverters.toInt
     )
-    _defaults: ClassVar[dict[str, Any]] = {"transformBatchSize": 1024}
+    _defaults: ClassVar[dict[str, object]] = {"transformBatchSize": 1024}
 
     def getTransformBatchSize(self) -> int:
         """Gets the value of ``transformBatchSize`` or its default value."""
@@ -77,9 +77,9 @@ class HasOptimizer(DeclaredParams):
     """Mixin for ``optimizer``: the framework optimizer the estimator drives."""
 
     optimizer = make_param("optimizer", "optimizer (bound to the model's parameters)")
-    _defaults: ClassVar[dict[str, Any]] = {"optimizer": None}
+    _defaults: ClassVar[dict[str, object]] = {"optimizer": None}
 
-    def getOptimizer(self) -> Any:
+    def getOptimizer(self) -> object:
         """Gets the value of ``optimizer`` or its default value."""
         return self.getOrDefault(self.optimizer)
 
@@ -88,9 +88,9 @@ class HasLoss(DeclaredParams):
     """Mixin for ``loss``: one loss, or one per label column."""
 
     loss = make_param("loss", "loss function, or a list of them, one per label column")
-    _defaults: ClassVar[dict[str, Any]] = {"loss": None}
+    _defaults: ClassVar[dict[str, object]] = {"loss": None}
 
-    def getLoss(self) -> Any:
+    def getLoss(self) -> object:
         """Gets the value of ``loss`` or its default value."""
         return self.getOrDefault(self.loss)
 
@@ -101,9 +101,9 @@ class HasLossConstructors(DeclaredParams):
     lossConstructors = make_param(
         "lossConstructors", "callables that build the loss functions (instead of loss)"
     )
-    _defaults: ClassVar[dict[str, Any]] = {"lossConstructors": None}
+    _defaults: ClassVar[dict[str, object]] = {"lossConstructors": None}
 
-    def getLossConstructors(self) -> Any:
+    def getLossConstructors(self) -> object:
         """Gets the value of ``lossConstructors`` or its default value."""
         return self.getOrDefault(self.lossConstructors)
 
@@ -112,7 +112,7 @@ class HasLossWeights(DeclaredParams):
     """Mixin for ``lossWeights``: the weight of each label's loss."""
 
     lossWeights = make_param("lossWeights", "weights of each label's loss", to_list_or_none)
-    _defaults: ClassVar[dict[str, Any]] = {"lossWeights": None}
+    _defaults: ClassVar[dict[str, object]] = {"lossWeights": None}
 
     def getLossWeights(self) -> list[float] | None:
         """Gets the value of ``lossWeights`` or its default value."""
@@ -123,9 +123,9 @@ class HasMetrics(DeclaredParams):
     """Mixin for ``metrics``: metric functions averaged over the ranks every epoch."""
 
     metrics = make_param("metrics", "metric functions metric(output, label) -> value")
-    _defaults: ClassVar[dict[str, Any]] = {"metrics": None}
+    _defaults: ClassVar[dict[str, object]] = {"metrics": None}
 
-    def getMetrics(self) -> Any:
+    def getMetrics(self) -> object:
         """Gets the value of ``metrics`` or its default value."""
         return self.getOrDefault(self.metrics)
 
@@ -136,9 +136,9 @@ class HasGradientCompression(DeclaredParams):
     gradientCompression = make_param(
         "gradientCompression", "Compression.none or Compression.fp16 for the gradients' allreduce"
     )
-    _defaults: ClassVar[dict[str, Any]] = {"gradientCompression": None}
+    _defaults: ClassVar[dict[str, object]] = {"gradientCompression": None}
 
-    def getGradientCompression(self) -> Any:
+    def getGradientCompression(self) -> object:
         """Gets the value of ``gradientCompression`` or its default value."""
         return self.getOrDefault(self.gradientCompression)
 
@@ -161,7 +161,7 @@ class HasTrainMinibatchFn(DeclaredParams):
         "custom fn(model, optimizer, transform_outputs, "
         "loss_fn, inputs, labels, sample_weights) -> (outputs, loss)",
     )
-    _defaults: ClassVar[dict[str, Any]] = {"trainMinibatchFn": None}
+    _defaults: ClassVar[dict[str, object]] = {"trainMinibatchFn": None}
 
     def getTrainMinibatchFn(self) -> Any:
         """Gets the value of ``trainMinibatchFn`` or its default value."""
