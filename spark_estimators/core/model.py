@@ -16,7 +16,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, ClassVar, TypedDict, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
 from pyspark.ml import Model
 from pyspark.ml.param.shared import HasOutputCols
@@ -212,7 +212,7 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
             self._set(**params)
 
     # -- getters ---------------------------------------------------------------------------------
-    def getModel(self) -> object:
+    def getModel(self) -> Any:
         """The trained framework model, on the CPU."""
         return self._model
 

@@ -15,7 +15,7 @@ ConfigurationError` that names the alternative, never accepted and ignored:
 from __future__ import annotations
 
 import difflib
-from typing import Any, ClassVar
+from typing import ClassVar, Self
 
 from pyspark.ml.param import Params
 
@@ -23,7 +23,7 @@ from spark_estimators.core.params.base import to_camel, to_snake
 from spark_estimators.errors import ConfigurationError
 
 # horovod's data-module keywords (TorchEstimator, KerasEstimator): the reader here is built in.
-HOROVOD_DATA_MODULE_KEYWORDS: dict[str, tuple[tuple[Any, ...], str]] = {
+HOROVOD_DATA_MODULE_KEYWORDS: dict[str, tuple[tuple[object, ...], str]] = {
     "data_module": (
         (None,),
         "batches come from the built-in reader over the prepared data; shape them with "
@@ -41,7 +41,7 @@ HOROVOD_DATA_MODULE_KEYWORDS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
-def _unused(value: Any, accepted: tuple[Any, ...]) -> bool:
+def _unused(value: object, accepted: tuple[object, ...]) -> bool:
     return any(value is a or (a is not None and value == a) for a in accepted)
 
 
@@ -50,12 +50,12 @@ class KeywordParams(Params):
 
     # horovod keywords of this estimator with no Param here: name -> (values accepted because
     # they mean "not used", the alternative named in the error for any other value).
-    _horovod_only: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
+    _horovod_only: ClassVar[dict[str, tuple[tuple[object, ...], str]]] = {}
     # keywords of other estimators this one does not take: name -> (values accepted because
     # they mean "not used", why and what to do instead).
-    _not_taken: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
+    _not_taken: ClassVar[dict[str, tuple[tuple[object, ...], str]]] = {}
 
-    def setParams(self, **kwargs: Any) -> Any:
+    def setParams(self, **kwargs: object) -> Self:
         """Set params by Spark ML (camelCase) or horovod (snake_case) names; returns self."""
         for key, value in kwargs.items():
             name = to_camel(key)
@@ -65,7 +65,7 @@ class KeywordParams(Params):
             self._set(**{name: value})
         return self
 
-    def _refuse_keyword(self, key: str, value: Any) -> None:
+    def _refuse_keyword(self, key: str, value: object) -> None:
         """Accept a keyword without a Param at its "not used" value; else raise, naming why."""
         cls = type(self).__name__
         snake = to_snake(key)
@@ -89,7 +89,7 @@ class KeywordParams(Params):
 
 # Horovod parameters with no equivalent here: a value other than the default is refused with the
 # alternative (they were accepted and silently ignored before).
-UNSUPPORTED: dict[str, tuple[str, Any, str]] = {
+UNSUPPORTED: dict[str, tuple[str, tuple[object, ...], str]] = {
     "readerPoolType": (
         "reader_pool_type",
         ("thread", None),
