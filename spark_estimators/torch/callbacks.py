@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 
 class EarlyStopping:
@@ -27,7 +32,7 @@ class EarlyStopping:
         self.stop_training = False
         self.stopped_epoch: int | None = None
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, float]) -> None:
         """Track the monitored metric; stop after more than ``patience`` epochs without gain."""
         if self.monitor not in logs:
             raise KeyError(
@@ -55,7 +60,9 @@ GROUP_LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 _SCHEDULER_LR_LISTS = ("base_lrs", "max_lrs", "min_lrs", "_last_lr")
 
 
-def scale_learning_rates(optimizer: Any, callbacks: list[Any], factor: float) -> None:
+def scale_learning_rates(
+    optimizer: torch.optim.Optimizer, callbacks: Sequence[object], factor: float
+) -> None:
     """Multiply the optimizer's learning rates by ``factor``, schedules included.
 
     The param groups' ``lr`` and the keys schedulers keep beside it (``initial_lr``,
@@ -99,7 +106,12 @@ class LearningRateScheduler:
     >>> TorchEstimator(model=model, optimizer=opt, callbacks=[sched], ...)  # doctest: +SKIP
     """
 
-    def __init__(self, scheduler: Any, interval: str = "epoch", monitor: str = "val_loss"):
+    def __init__(
+        self,
+        scheduler: LRScheduler,
+        interval: str = "epoch",
+        monitor: str = "val_loss",
+    ):
         if interval not in ("epoch", "step"):
             raise ValueError(f"interval={interval!r} is not 'epoch' or 'step'")
         if not hasattr(scheduler, "step") or not hasattr(scheduler, "optimizer"):
@@ -110,26 +122,27 @@ class LearningRateScheduler:
         self.scheduler, self.interval, self.monitor = scheduler, interval, monitor
 
     @property
-    def optimizer(self) -> Any:
+    def optimizer(self) -> torch.optim.Optimizer:
         """The optimizer the scheduler steps."""
         return self.scheduler.optimizer
 
-    def _plateau(self) -> bool:
+    def _plateau(self) -> ReduceLROnPlateau | None:
         from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-        return isinstance(self.scheduler, ReduceLROnPlateau)
+        return self.scheduler if isinstance(self.scheduler, ReduceLROnPlateau) else None
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any]) -> None:
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, float]) -> None:
         """After an optimizer step: step a per-step schedule."""
-        if self.interval == "step" and not self._plateau():
+        if self.interval == "step" and self._plateau() is None:
             self.scheduler.step()
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+    def on_epoch_end(self, epoch: int, logs: dict[str, float]) -> None:
         """Record the epoch's ``lr``, then step a per-epoch schedule."""
         logs["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        if self._plateau():
+        plateau = self._plateau()
+        if plateau is not None:
             key = self.monitor if self.monitor in logs else "loss"
-            self.scheduler.step(float(logs[key]))
+            plateau.step(float(logs[key]))
         elif self.interval == "epoch":
             self.scheduler.step()
 
@@ -140,10 +153,10 @@ class LearningRateScheduler:
             if isinstance(values, list | tuple):
                 setattr(self.scheduler, name, [v * factor for v in values])
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, dict[str, object]]:
         """The scheduler's state (saved in every checkpoint)."""
         return {"scheduler": self.scheduler.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, dict[str, object]]) -> None:
         """Restore the scheduler's state (hot start)."""
         self.scheduler.load_state_dict(state["scheduler"])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from spark_estimators.core import checks
 from spark_estimators.core.estimator import SparkEstimator, listify
@@ -181,7 +181,9 @@ class TorchFramework:
             losses = losses * len(est.getLabelCols())
         self.losses = losses
         # TorchScript modules cannot be pickled: they travel as torch.jit.save bytes.
-        model, optimizer = serialization.pack(est.getModel(), est.getOptimizer())
+        model, optimizer = serialization.pack(
+            est.getModel(), cast("torch.optim.Optimizer", est.getOptimizer())
+        )
         user = UserObjects(
             model=model,
             optimizer=optimizer,

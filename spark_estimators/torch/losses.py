@@ -10,15 +10,30 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeAlias
+
+if TYPE_CHECKING:
+    import torch
+
+    #: A loss: ``(output, label) -> tensor`` (a torch loss module or a function).
+    Loss: TypeAlias = Callable[..., torch.Tensor]
+    #: A metric: ``(output, label) -> value``.
+    Metric: TypeAlias = Callable[..., "torch.Tensor | float"]
+    #: One ``metrics`` entry: a metric for every output, or a group with one per output.
+    MetricEntry: TypeAlias = Metric | list[Metric] | tuple[Metric, ...]
+    #: A model's output(s).
+    Outputs: TypeAlias = "torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]"
 
 
-def metric_name(metric: Any) -> str:
+def metric_name(metric: object) -> str:
     """A metric's or loss's name: its ``__name__``, else its class name."""
     return str(getattr(metric, "__name__", None) or type(metric).__name__)
 
 
-def metric_plan(metrics: list[Any], label_cols: list[str]) -> list[tuple[str, Any, int]]:
+def metric_plan(
+    metrics: Sequence[MetricEntry], label_cols: list[str]
+) -> list[tuple[str, Metric, int]]:
     """``(name, fn, output index)`` for each metric value recorded per epoch.
 
     As in Horovod, an entry may be a group (a list): one function for every output, or one per
@@ -26,7 +41,7 @@ def metric_plan(metrics: list[Any], label_cols: list[str]) -> list[tuple[str, An
     function (``mae``); with several, by function and label column (``mae_y1``, ``mae_y2``).
     """
     several = len(label_cols) > 1
-    plan = []
+    plan: list[tuple[str, Metric, int]] = []
     for entry in metrics:
         group = list(entry) if isinstance(entry, list | tuple) else [entry]
         fns = group * len(label_cols) if len(group) == 1 else group
@@ -36,12 +51,12 @@ def metric_plan(metrics: list[Any], label_cols: list[str]) -> list[tuple[str, An
 
 
 def compute_loss(
-    losses: list[Any],
-    outputs: list[Any],
-    labels: list[Any],
+    losses: Sequence[Loss],
+    outputs: list[torch.Tensor],
+    labels: list[torch.Tensor],
     loss_weights: list[float] | None,
-    sample_weights: Any,
-) -> Any:
+    sample_weights: torch.Tensor | None,
+) -> torch.Tensor:
     """Horovod's loss: ``sum_i loss_weights[i] * loss_i``, equal weights ``1/labels`` by default.
 
     With ``sample_weights`` each loss must give one value per row (``losses`` are made so by
@@ -67,10 +82,11 @@ def compute_loss(
         elif value.dim() != 0:
             value = value.mean()
         total = value * float(weight) if total is None else total + value * float(weight)
+    assert total is not None  # as_list gives at least one output
     return total
 
 
-def unreduced(loss_fn: Any) -> Any:
+def unreduced(loss_fn: Loss) -> Loss:
     """``loss_fn`` returning per-element losses, as Horovod calls it for sample weights.
 
     A torch loss module (anything with a string ``reduction`` attribute) is copied with
@@ -98,7 +114,9 @@ def unreduced(loss_fn: Any) -> Any:
     return loss_fn
 
 
-def transform_outputs(outputs: Any, labels: list[Any]) -> tuple[list[Any], list[Any]]:
+def transform_outputs(
+    outputs: Outputs, labels: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Horovod's ``transform_outputs``: outputs as a list, each label shaped like its output."""
     outputs = as_list(outputs)
     return outputs, [match_output(lab, out) for lab, out in zip(labels, outputs)]
@@ -107,23 +125,28 @@ def transform_outputs(outputs: Any, labels: list[Any]) -> tuple[list[Any], list[
 class LossFn:
     """Horovod's ``loss_fn(outputs, labels, sample_weights)`` handed to ``train_minibatch_fn``."""
 
-    def __init__(self, losses: list[Any], loss_weights: list[float] | None, weighted: bool):
+    def __init__(self, losses: Sequence[Loss], loss_weights: list[float] | None, weighted: bool):
         self.losses = [unreduced(f) for f in losses] if weighted else list(losses)
         self.loss_weights = loss_weights
 
-    def __call__(self, outputs: Any, labels: list[Any], sample_weights: Any = None) -> Any:
+    def __call__(
+        self,
+        outputs: Outputs,
+        labels: list[torch.Tensor],
+        sample_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return compute_loss(
             self.losses, as_list(outputs), labels, self.loss_weights, sample_weights
         )
 
 
-def match_output(label: Any, output: Any) -> Any:
+def match_output(label: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     """Reshape a label to its output's shape when both hold as many values (Horovod's rule)."""
     if label.shape != output.shape and label.numel() == output.numel():
         return label.reshape(output.shape)
     return label
 
 
-def as_list(outputs: Any) -> list[Any]:
+def as_list(outputs: Outputs) -> list[torch.Tensor]:
     """A model's output(s) as a list."""
     return list(outputs) if isinstance(outputs, list | tuple) else [outputs]

@@ -24,16 +24,29 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 from spark_estimators.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from spark_estimators.core.spec import TrainSpec
+    from spark_estimators.data.metadata import DatasetMetadata
+    from spark_estimators.data.stream import StreamMetadata
+    from spark_estimators.store.base import StoreBase
+    from spark_estimators.torch.losses import Loss
 
 logger = logging.getLogger(__name__)
 
 ROWS = 4
 
 
-def read_rows(store: Any, meta: Any, spec: Any, rows: int = ROWS) -> Any:
+def read_rows(
+    store: StoreBase, meta: DatasetMetadata | StreamMetadata, spec: TrainSpec, rows: int = ROWS
+) -> dict[str, np.ndarray] | None:
     """The first ``rows`` prepared training rows of the spec's columns (``{column: ndarray}``).
 
     None when nothing can be read (a streaming fit prepares no files).
@@ -48,7 +61,7 @@ def read_rows(store: Any, meta: Any, spec: Any, rows: int = ROWS) -> Any:
     try:
         reader = make_batch_reader(
             store,
-            meta,
+            cast("DatasetMetadata", meta),  # it has train files: prepared Parquet
             split="train",
             rank=0,
             size=1,
@@ -64,7 +77,12 @@ def read_rows(store: Any, meta: Any, spec: Any, rows: int = ROWS) -> Any:
 
 
 def check_model_on_rows(
-    spec: Any, model: Any, losses: list[Any], store: Any, meta: Any, custom_batches: bool
+    spec: TrainSpec,
+    model: object,
+    losses: Sequence[Loss],
+    store: StoreBase,
+    meta: DatasetMetadata | StreamMetadata,
+    custom_batches: bool,
 ) -> float:
     """Run the model and loss on a few rows in the driver; returns the milliseconds it took.
 
@@ -86,7 +104,9 @@ def check_model_on_rows(
     if rows is None:
         return 0.0
     from spark_estimators.torch import losses as loss_lib
-    from spark_estimators.torch.remote import converter
+    from spark_estimators.torch.remote import TorchTrainSpec, converter
+
+    assert isinstance(spec, TorchTrainSpec)  # the torch framework's spec
 
     batch = converter(spec)(rows)
     inputs = [batch[c] for c in spec.feature_cols]
@@ -124,14 +144,16 @@ def check_model_on_rows(
     return ms
 
 
-def _shapes(spec: Any, tensors: list[Any], names: list[str]) -> str:
+def _shapes(spec: TrainSpec, tensors: Sequence[torch.Tensor], names: list[str]) -> str:
     return ", ".join(
         f"{name!r} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
         for name, t in zip(names, tensors, strict=False)
     )
 
 
-def _forward_error(spec: Any, model: Any, inputs: list[Any], exc: BaseException) -> Exception:
+def _forward_error(
+    spec: TrainSpec, model: torch.nn.Module, inputs: list[torch.Tensor], exc: BaseException
+) -> Exception:
     features = list(spec.feature_cols)
     got = _shapes(spec, inputs, features)
     cause = f"{type(exc).__name__}: {exc}"
@@ -154,15 +176,15 @@ def _forward_error(spec: Any, model: Any, inputs: list[Any], exc: BaseException)
 
 
 def _loss_error(
-    spec: Any,
-    outputs: list[Any],
-    labels: list[Any],
+    spec: TrainSpec,
+    outputs: list[torch.Tensor],
+    labels: list[torch.Tensor],
     failure: BaseException | None,
-    size_warning: Any,
+    size_warning: warnings.WarningMessage | None,
 ) -> Exception:
     cause = (
         f"{type(failure).__name__}: {failure}"
-        if failure is not None
+        if failure is not None or size_warning is None
         else f"{size_warning.category.__name__}: {size_warning.message}"
     )
     label_cols = list(spec.label_cols)

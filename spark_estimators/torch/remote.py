@@ -16,8 +16,11 @@ converted to tensors in the reader's prefetch thread.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from spark_estimators.core import checkpoint
 from spark_estimators.core import rank as protocol
@@ -28,8 +31,19 @@ from spark_estimators.torch import losses, serialization
 from spark_estimators.torch.callbacks import scale_learning_rates
 from spark_estimators.torch.running_stats import average_running_stats
 
+if TYPE_CHECKING:
+    import torch
+
+    from spark_estimators.store.base import StoreBase
+    from spark_estimators.torch.losses import Loss, MetricEntry, Outputs
+    from spark_estimators.torch.serialization import TravellingModel, TravellingOptimizer
+
 CHECKPOINT_FILE = "checkpoint.pt"
 FRAMEWORK = "torch"
+
+
+class _Reader(Protocol):
+    def peek(self) -> dict[str, np.ndarray]: ...
 
 
 @dataclass(kw_only=True)
@@ -46,22 +60,22 @@ class TorchTrainSpec(TrainSpec):
 class UserObjects:
     """The user's objects, pickled together so the optimizer keeps pointing at the model."""
 
-    model: Any
-    optimizer: Any
-    losses: list[Any]
-    metrics: list[Any]
-    callbacks: list[Any]
-    transformation_fn: Any = None
-    train_minibatch_fn: Any = None
+    model: TravellingModel
+    optimizer: TravellingOptimizer
+    losses: list[Loss]
+    metrics: list[MetricEntry]
+    callbacks: list[object]
+    transformation_fn: Callable[..., object] | None = None
+    train_minibatch_fn: Callable[..., tuple[Outputs, torch.Tensor]] | None = None
 
 
-def checkpoint_paths(store: Any, run_id: str) -> tuple[str, str]:
+def checkpoint_paths(store: StoreBase, run_id: str) -> tuple[str, str]:
     """The run's ``checkpoint.pt`` and ``checkpoint.json`` paths in ``store``."""
     weights = checkpoint.store_path(store, run_id, CHECKPOINT_FILE)
     return weights, checkpoint.info_path(store, run_id)
 
 
-def _call(callbacks: list[Any], hook: str, *args: Any) -> None:
+def _call(callbacks: Sequence[object], hook: str, *args: object) -> None:
     for cb in callbacks:
         fn = getattr(cb, hook, None)
         if fn is not None:
@@ -73,7 +87,9 @@ def converter(spec: TorchTrainSpec) -> BatchConverter:
     return BatchConverter.for_spec(spec, scalar_features_as_column=True)
 
 
-def _on_device(spec: TorchTrainSpec, batch: dict[str, Any], device: Any) -> tuple[Any, Any, Any]:
+def _on_device(
+    spec: TorchTrainSpec, batch: Mapping[str, torch.Tensor], device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
     """``(inputs, labels, sample weights)`` of a converted batch, moved to ``device``."""
     inputs = [batch[c].to(device) for c in spec.feature_cols]
     labels = [batch[c].to(device) for c in spec.label_cols]
@@ -87,14 +103,14 @@ class _Epoch:
 
     spec: TorchTrainSpec
     user: UserObjects
-    model: Any
-    optimizer: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
     loss_fn: losses.LossFn
-    device: Any
+    device: torch.device
     convert: BatchConverter
     first_batch: protocol.FirstBatchEvent
 
-    def run(self, reader: Any, epoch: int, steps: int | None, train: bool) -> list[float]:
+    def run(self, reader: _Reader, epoch: int, steps: int | None, train: bool) -> list[float]:
         """One pass; returns ``[loss, *metrics]`` averaged over the rows of all ranks."""
         import torch
 
@@ -132,25 +148,25 @@ class _Epoch:
         return protocol.average_over_ranks(sums)
 
 
-def _callback_state(cb: Any) -> Any:
+def _callback_state(cb: object) -> object:
     state_dict = getattr(cb, "state_dict", None)
     return state_dict() if callable(state_dict) else None
 
 
 def _save_checkpoint(
     spec: TorchTrainSpec,
-    model: Any,
-    optimizer: Any,
-    callbacks: list[Any],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    callbacks: Sequence[object],
     epoch: int,
-    history: list[Any],
+    history: list[dict[str, float]],
     size: int,
 ) -> None:
     import torch
 
     ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
     buf = io.BytesIO()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    state: dict[str, object] = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     # Callbacks with state (a LearningRateScheduler's schedule) go on where they stopped.
     state["callbacks"] = [_callback_state(cb) for cb in callbacks]
     torch.save({**state, "epoch": epoch, "size": size, "history": history}, buf)
@@ -161,8 +177,13 @@ def _save_checkpoint(
 
 
 def _restore(
-    spec: TorchTrainSpec, model: Any, optimizer: Any, callbacks: list[Any], device: Any, size: int
-) -> tuple[int, list[dict[str, Any]]]:
+    spec: TorchTrainSpec,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    callbacks: Sequence[object],
+    device: torch.device,
+    size: int,
+) -> tuple[int, list[dict[str, float]]]:
     """Rank 0 on hot-start: load ``checkpoint.pt``; returns (start epoch, history)."""
     ckpt, _ = checkpoint_paths(spec.store, spec.run_id)
     state = serialization.load_checkpoint(
@@ -185,7 +206,7 @@ def _restore(
     return start_epoch, history
 
 
-def train(spec: TorchTrainSpec) -> dict[str, Any]:
+def train(spec: TorchTrainSpec) -> dict[str, object]:
     """Train on this rank; rank 0 returns the state dict, every rank a weights fingerprint."""
     import cloudpickle
     import torch
@@ -282,7 +303,11 @@ def train(spec: TorchTrainSpec) -> dict[str, Any]:
 
 
 def _output_shapes(
-    model: Any, reader: Any, spec: TorchTrainSpec, convert: BatchConverter, device: Any
+    model: torch.nn.Module,
+    reader: _Reader,
+    spec: TorchTrainSpec,
+    convert: BatchConverter,
+    device: torch.device,
 ) -> list[tuple[int, ...]]:
     """Per-row shape of each model output, from one forward pass on a training batch."""
     import torch

@@ -21,19 +21,27 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias, TypeGuard, cast
+
+if TYPE_CHECKING:
+    import os
+
+    import torch
+
+    #: Where ``torch.load`` / ``torch.jit.load`` put the tensors.
+    MapLocation = str | torch.device | None
 
 SCRIPT_MAGIC = b"SPARK_ESTIMATORS_TORCHSCRIPT\n"
 
 
-def is_script_module(model: Any) -> bool:
+def is_script_module(model: object) -> TypeGuard[torch.jit.ScriptModule]:
     """True for a ``torch.jit.ScriptModule`` (scripted or traced)."""
     import torch
 
     return isinstance(model, torch.jit.ScriptModule)
 
 
-def script_to_bytes(model: Any) -> bytes:
+def script_to_bytes(model: torch.jit.ScriptModule) -> bytes:
     """A TorchScript module as bytes (``torch.jit.save``)."""
     import torch
 
@@ -42,7 +50,7 @@ def script_to_bytes(model: Any) -> bytes:
     return buf.getvalue()
 
 
-def script_from_bytes(blob: bytes, map_location: Any = "cpu") -> Any:
+def script_from_bytes(blob: bytes, map_location: MapLocation = "cpu") -> torch.jit.ScriptModule:
     """The TorchScript module of :func:`script_to_bytes`, on ``map_location``."""
     import torch
 
@@ -55,7 +63,7 @@ class ScriptedModel:
 
     blob: bytes
 
-    def load(self) -> Any:
+    def load(self) -> torch.jit.ScriptModule:
         """The TorchScript module these bytes hold."""
         return script_from_bytes(self.blob)
 
@@ -64,31 +72,41 @@ class ScriptedModel:
 class OptimizerRecipe:
     """How to rebuild an optimizer on a module's parameters after the module was re-loaded."""
 
-    cls: type
-    groups: list[dict[str, Any]]  # each group's options plus "params": positions in parameters()
-    state: dict[str, Any]
+    cls: type  # the optimizer class
+    groups: list[dict[str, object]]  # each group's options plus "params": positions in parameters()
+    state: dict[str, object]
 
     @classmethod
-    def of(cls, optimizer: Any, model: Any) -> OptimizerRecipe:
+    def of(cls, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> OptimizerRecipe:
         """The recipe of ``optimizer``: class, param groups (by position in ``model``), state."""
         position = {id(p): i for i, p in enumerate(model.parameters())}
-        groups = []
+        groups: list[dict[str, object]] = []
         for group in optimizer.param_groups:
             options = {k: v for k, v in group.items() if k != "params"}
             options["params"] = [position[id(p)] for p in group["params"]]
             groups.append(options)
         return cls(type(optimizer), groups, optimizer.state_dict())
 
-    def build(self, model: Any) -> Any:
+    def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         """A new optimizer of the recipe over ``model``'s parameters."""
         params = list(model.parameters())
-        groups = [{**g, "params": [params[i] for i in g["params"]]} for g in self.groups]
+        groups = [
+            {**g, "params": [params[i] for i in cast("list[int]", g["params"])]}
+            for g in self.groups
+        ]
         optimizer = self.cls(groups)
         optimizer.load_state_dict(self.state)
         return optimizer
 
 
-def pack(model: Any, optimizer: Any) -> tuple[Any, Any]:
+#: How a model and its optimizer travel to the ranks (see :func:`pack`).
+TravellingModel: TypeAlias = "torch.nn.Module | ScriptedModel"
+TravellingOptimizer: TypeAlias = "torch.optim.Optimizer | OptimizerRecipe"
+
+
+def pack(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[TravellingModel, TravellingOptimizer]:
     """(model, optimizer) as they travel to the ranks: scripted ones as bytes and a recipe."""
     if optimizer is not None and is_script_module(model):
         return ScriptedModel(script_to_bytes(model)), OptimizerRecipe.of(optimizer, model)
@@ -97,7 +115,9 @@ def pack(model: Any, optimizer: Any) -> tuple[Any, Any]:
     return model, optimizer
 
 
-def unpack(model: Any, optimizer: Any) -> tuple[Any, Any]:
+def unpack(
+    model: TravellingModel, optimizer: TravellingOptimizer
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The inverse of :func:`pack`, on a rank."""
     if isinstance(model, ScriptedModel):
         model = model.load()
@@ -106,7 +126,9 @@ def unpack(model: Any, optimizer: Any) -> tuple[Any, Any]:
     return model, optimizer
 
 
-def load_checkpoint(source: Any, map_location: Any, name: str) -> Any:
+def load_checkpoint(
+    source: str | os.PathLike[str] | BinaryIO, map_location: MapLocation, name: str
+) -> dict[str, Any]:
     """``torch.load(source, weights_only=True)``; a refused object raises ModelIntegrityError.
 
     Parameters
@@ -139,7 +161,7 @@ def load_checkpoint(source: Any, map_location: Any, name: str) -> Any:
         ) from exc
 
 
-def model_to_bytes(model: Any) -> bytes:
+def model_to_bytes(model: object) -> bytes:
     """A trained model as bytes: TorchScript modules through ``torch.jit.save``."""
     if is_script_module(model):
         return SCRIPT_MAGIC + script_to_bytes(model)
@@ -148,7 +170,7 @@ def model_to_bytes(model: Any) -> bytes:
     return dumps_by_value(model)
 
 
-def model_from_bytes(blob: bytes) -> Any:
+def model_from_bytes(blob: bytes) -> torch.nn.Module:
     """Read :func:`model_to_bytes`'s output (on the CPU)."""
     if blob.startswith(SCRIPT_MAGIC):
         return script_from_bytes(blob[len(SCRIPT_MAGIC) :])
