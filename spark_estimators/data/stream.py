@@ -252,21 +252,3 @@ def check_data_mode(est: Any) -> None:
                     "Pass store=Store.create('/shared/path') (checkpoints and logs go there; the "
                     "data still streams), or drop it"
                 )
-
-
-def fit_streaming(est: Any, df: Any) -> Any:
-    """``est.fit(df)`` with ``data="stream"``: the store only for checkpoints, no Parquet copy."""
-    store = est._store()
-    est._preflight(store)
-    with est._hold_run(store):
-        source, meta = prepare_stream(
-            est._num_proc(),
-            df,
-            feature_cols=est.getFeatureCols(),
-            label_cols=est.getLabelCols(),
-            validation=est.getValidation(),
-            sample_weight_col=est.getSampleWeightCol(),
-            check_columns=est._check_data_shapes,
-        )
-        meta.source = source
-        return est._fit_on_prepared(meta)
