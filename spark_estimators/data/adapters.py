@@ -9,7 +9,33 @@ rest of :mod:`spark_estimators.data`) never loads a framework.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, cast
+
+if TYPE_CHECKING:
+    import numpy as np
+    import tensorflow as tf
+    import torch
+
+    from spark_estimators.data._pipeline import Batch, BlockFormat
+
+
+class BatchSource(Protocol):
+    """A rank's reader as the adapters see it (BatchReader, StreamBatchReader, petastorm's)."""
+
+    batch_size: int
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Batches per epoch (None: a stream reader before its data is all read)."""
+        ...
+
+    def __iter__(self) -> Iterator[Batch]:
+        """The next epoch's batches."""
+        ...
+
+    def peek(self) -> Batch:
+        """The first batch, without starting an epoch."""
+        ...
 
 
 class TorchBatches:
@@ -23,25 +49,25 @@ class TorchBatches:
 
     def __init__(
         self,
-        reader: Any,
+        reader: BatchSource,
         shapes: Mapping[str, Sequence[int]] | None = None,
-        dtypes: Mapping[str, Any] | None = None,
+        dtypes: Mapping[str, torch.dtype] | None = None,
     ) -> None:
         self.reader = reader
         self.shapes = {k: tuple(v) for k, v in (shapes or {}).items()}
         self.dtypes = dict(dtypes or {})
 
     def __len__(self) -> int:
-        return int(self.reader.steps_per_epoch)
+        return int(cast(int, self.reader.steps_per_epoch))
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         import torch
 
         from spark_estimators.data.reader import BlockFormat
 
         shapes, dtypes = self.shapes, self.dtypes
 
-        def to_tensors(block: dict[str, Any]) -> dict[str, Any]:
+        def to_tensors(block: Batch) -> dict[str, torch.Tensor]:
             out = {}
             for name, values in block.items():
                 tensor = torch.from_numpy(values)
@@ -52,10 +78,11 @@ class TorchBatches:
                 out[name] = tensor
             return out
 
-        return converted_epoch(self.reader, BlockFormat(convert=to_tensors, concat=torch.cat))
+        tensors = converted_epoch(self.reader, BlockFormat(convert=to_tensors, concat=torch.cat))
+        return cast("Iterator[dict[str, torch.Tensor]]", tensors)
 
 
-def converted_epoch(reader: Any, block_format: Any) -> Iterator[dict[str, Any]]:
+def converted_epoch(reader: BatchSource, block_format: BlockFormat) -> Iterator[dict[str, object]]:
     """The reader's next epoch, each batch converted by ``block_format.convert``.
 
     Our Arrow reader converts whole decoded blocks in its prefetch thread and slices batches out
@@ -70,9 +97,9 @@ def converted_epoch(reader: Any, block_format: Any) -> Iterator[dict[str, Any]]:
 
 
 def torch_batches(
-    reader: Any,
+    reader: BatchSource,
     shapes: Mapping[str, Sequence[int]] | None = None,
-    dtypes: Mapping[str, Any] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> TorchBatches:
     """Wrap a reader so it yields dicts of torch tensors (see :class:`TorchBatches`).
 
@@ -83,12 +110,12 @@ def torch_batches(
 
 
 def tf_dataset(
-    reader: Any,
+    reader: BatchSource,
     feature_cols: Sequence[str],
     label_cols: Sequence[str] = (),
     sample_weight_col: str | None = None,
     shapes: Mapping[str, Sequence[int]] | None = None,
-) -> Any:
+) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` of ``(x, y[, sample_weight])`` batches for Keras ``fit``.
 
     ``x`` (and ``y``) is one tensor for one column, else a tuple in the given order. Each pass over
@@ -101,32 +128,32 @@ def tf_dataset(
     sample = reader.peek()
     batch_size = int(reader.batch_size)
 
-    def spec(name: str) -> Any:
+    def spec(name: str) -> tf.TensorSpec:
         if name not in sample:
             raise KeyError(f"column {name!r} is not in the reader's batches {sorted(sample)!r}")
         row_shape = shapes.get(name, sample[name].shape[1:])
         return tf.TensorSpec((batch_size, *row_shape), tf.as_dtype(sample[name].dtype), name=name)
 
-    def group(names: Sequence[str]) -> Any:
+    def group(names: Sequence[str]) -> tf.TensorSpec | tuple[tf.TensorSpec, ...]:
         specs = tuple(spec(n) for n in names)
         return specs[0] if len(specs) == 1 else specs
 
-    signature: tuple[Any, ...] = (group(feature_cols),)
+    signature: tuple[tf.TensorSpec | tuple[tf.TensorSpec, ...], ...] = (group(feature_cols),)
     if label_cols:
         signature += (group(label_cols),)
     if sample_weight_col:
         signature += (spec(sample_weight_col),)
 
-    def pick(batch: dict[str, Any], names: Sequence[str]) -> Any:
+    def pick(batch: Batch, names: Sequence[str]) -> np.ndarray | tuple[np.ndarray, ...]:
         arrays = tuple(
             batch[n].reshape((len(batch[n]), *shapes[n])) if n in shapes else batch[n]
             for n in names
         )
         return arrays[0] if len(arrays) == 1 else arrays
 
-    def generate() -> Iterator[tuple[Any, ...]]:
+    def generate() -> Iterator[tuple[np.ndarray | tuple[np.ndarray, ...], ...]]:
         for batch in reader:
-            item: tuple[Any, ...] = (pick(batch, feature_cols),)
+            item: tuple[np.ndarray | tuple[np.ndarray, ...], ...] = (pick(batch, feature_cols),)
             if label_cols:
                 item += (pick(batch, label_cols),)
             if sample_weight_col:

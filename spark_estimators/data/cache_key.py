@@ -39,13 +39,20 @@ import hashlib
 import json
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, cast
 
 from spark_estimators.data.metadata import FORMAT_VERSION
 from spark_estimators.store.base import StoreBase
 
 if TYPE_CHECKING:
+    from google.protobuf.descriptor import FieldDescriptor
+    from google.protobuf.message import Message
+    from py4j.java_gateway import JavaObject
     from pyspark.sql import DataFrame
+
+#: ``[path, size, mtime]`` of one input file (size and mtime None when it cannot be seen).
+FileStat = list[str | int | None]
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +68,7 @@ _NAMED_RELATIONS = frozenset(
 )
 
 
-def compute_cache_key(df: DataFrame, params: dict[str, Any], store: StoreBase) -> str:
+def compute_cache_key(df: DataFrame, params: Mapping[str, object], store: StoreBase) -> str:
     """sha256 of the plan's fingerprint, input files (size, mtime), params and store paths."""
     material = {
         "format": FORMAT_VERSION,
@@ -74,7 +81,7 @@ def compute_cache_key(df: DataFrame, params: dict[str, Any], store: StoreBase) -
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def plan_fingerprint(df: DataFrame) -> Any:
+def plan_fingerprint(df: DataFrame) -> int | dict[str, object]:
     """What identifies ``df``'s plan: its semantic hash, or its content (see the module doc).
 
     An int (the semantic hash) for plans it is stable for (``spark.range``, local data), or a
@@ -91,7 +98,7 @@ def plan_fingerprint(df: DataFrame) -> Any:
     return content if content is not None else int(df.semanticHash())
 
 
-def _classic_content_plan(df: DataFrame) -> dict[str, Any] | None:
+def _classic_content_plan(df: DataFrame) -> dict[str, object] | None:
     plan = df._jdf.queryExecution().analyzed().canonicalized()
     text = str(plan.toJSON())
     leaves = plan.collectLeaves()
@@ -115,14 +122,14 @@ def _classic_content_plan(df: DataFrame) -> dict[str, Any] | None:
     }
 
 
-def _is_file_relation(leaf: Any) -> bool:
+def _is_file_relation(leaf: JavaObject) -> bool:
     return bool(
         leaf.getClass().getName().endswith(".LogicalRelation")
         and leaf.relation().getClass().getName().endswith(".HadoopFsRelation")
     )
 
 
-def _leaf_fingerprint(leaf: Any) -> Any:
+def _leaf_fingerprint(leaf: JavaObject) -> list[str] | int:
     """A leaf plan node's content, the same in every driver process where it can be.
 
     A file relation's semantic hash involves its file format's JVM identity (another driver
@@ -143,7 +150,7 @@ def _leaf_fingerprint(leaf: Any) -> Any:
     return int(leaf.semanticHash())
 
 
-def _opaque(value: Any, cls: str = "", key: str = "") -> bool:
+def _opaque(value: object, cls: str = "", key: str = "") -> bool:
     """True when a plan node's JSON hides content (a null that is not a ScalaUDF's function)."""
     if isinstance(value, dict):
         cls = value.get("class", cls)
@@ -159,18 +166,18 @@ def _opaque(value: Any, cls: str = "", key: str = "") -> bool:
     return False
 
 
-def _scala_udfs(plan: Any) -> list[Any]:
+def _scala_udfs(plan: JavaObject) -> list[JavaObject]:
     """The ScalaUDF expressions of a JVM plan, in a fixed order (nodes, then expressions)."""
-    found: list[Any] = []
+    found: list[JavaObject] = []
 
-    def visit_expression(expr: Any) -> None:
+    def visit_expression(expr: JavaObject) -> None:
         if expr.getClass().getName() == _SCALA_UDF:
             found.append(expr)
         children = expr.children()
         for i in range(children.size()):
             visit_expression(children.apply(i))
 
-    def visit_plan(node: Any) -> None:
+    def visit_plan(node: JavaObject) -> None:
         expressions = node.expressions()
         for i in range(expressions.size()):
             visit_expression(expressions.apply(i))
@@ -182,7 +189,7 @@ def _scala_udfs(plan: Any) -> list[Any]:
     return found
 
 
-def _connect_ml_plan(df: DataFrame) -> dict[str, Any] | None:
+def _connect_ml_plan(df: DataFrame) -> dict[str, object] | None:
     plan = getattr(df, "_plan", None)
     session = getattr(df, "sparkSession", None)
     if plan is None or session is None:
@@ -196,27 +203,27 @@ def _connect_ml_plan(df: DataFrame) -> dict[str, Any] | None:
     return {"connect_plan": hashlib.sha256(proto.SerializeToString(deterministic=True)).hexdigest()}
 
 
-def _submessages(field: Any, value: Any) -> list[Any]:
+def _submessages(field: FieldDescriptor, value: object) -> list[Message]:
     """The messages held by one set field of a protobuf message (maps by their values)."""
     if field.message_type is None:
         return []
     if field.message_type.GetOptions().map_entry:
-        items = list(value.values())
+        items = list(cast("Mapping[object, Message]", value).values())
     elif _is_repeated(field):
-        items = list(value)
+        items = list(cast("Iterable[Message]", value))
     else:
-        items = [value]
+        items = [cast("Message", value)]
     return [item for item in items if hasattr(item, "ListFields")]
 
 
-def _is_repeated(field: Any) -> bool:
+def _is_repeated(field: FieldDescriptor) -> bool:
     repeated = getattr(field, "is_repeated", None)  # protobuf >= 6; older ones have ``label``
     if repeated is None:
         return bool(field.label == field.LABEL_REPEATED)
     return bool(repeated() if callable(repeated) else repeated)
 
 
-def _has_field(message: Any, name: str) -> bool:
+def _has_field(message: Message, name: str) -> bool:
     for field, value in message.ListFields():
         if field.name == name:
             return True
@@ -225,7 +232,7 @@ def _has_field(message: Any, name: str) -> bool:
     return False
 
 
-def _strip_ids(message: Any, plan_ids: dict[int, int] | None = None) -> None:
+def _strip_ids(message: Message, plan_ids: dict[int, int] | None = None) -> None:
     """Make equal plans equal: transformers' ``uid`` cleared, ``plan_id``s renumbered.
 
     Plan ids count up in the client for every DataFrame; column references use them too
@@ -243,7 +250,7 @@ def _strip_ids(message: Any, plan_ids: dict[int, int] | None = None) -> None:
             _strip_ids(item, plan_ids)
 
 
-def input_file_stats(df: DataFrame) -> list[list[Any]]:
+def input_file_stats(df: DataFrame) -> list[FileStat]:
     """``[path, size, mtime]`` of every file the plan reads (sizes/mtimes from Hadoop's FS)."""
     files = sorted(df.inputFiles())
     if not files:
@@ -254,7 +261,7 @@ def input_file_stats(df: DataFrame) -> list[list[Any]]:
         assert jvm is not None  # a classic session
         conf = spark.sparkContext._jsc.hadoopConfiguration()
         by_dir: dict[str, dict[str, tuple[int, int]]] = {}
-        out: list[list[Any]] = []
+        out: list[FileStat] = []
         for f in files:
             parent = f.rsplit("/", 1)[0]
             if parent not in by_dir:
@@ -272,7 +279,7 @@ def input_file_stats(df: DataFrame) -> list[list[Any]]:
         return _stat_with_pyarrow(files)
 
 
-def _stat_with_pyarrow(files: list[str]) -> list[list[Any]]:
+def _stat_with_pyarrow(files: list[str]) -> list[FileStat]:
     """``[path, size, mtime]`` through pyarrow's filesystems (Spark Connect clients).
 
     A file this process cannot see (another machine's local path, a scheme pyarrow lacks) keys
@@ -281,7 +288,7 @@ def _stat_with_pyarrow(files: list[str]) -> list[list[Any]]:
     """
     import pyarrow.fs as pafs
 
-    out: list[list[Any]] = []
+    out: list[FileStat] = []
     unseen = []
     for f in files:
         try:
