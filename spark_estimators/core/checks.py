@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from spark_estimators.errors import ConfigurationError, TrainingFailedError
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+    from spark_estimators.core.framework import RankResult
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +34,7 @@ __all__ = [
 _MAX_DEPTH = 8
 
 
-def check_dataframe(df: Any, estimator: str) -> None:
+def check_dataframe(df: object, estimator: str) -> None:
     """Refuse anything but a Spark DataFrame (classic or Connect), naming how to make one."""
     module = type(df).__module__ or ""
     if module.startswith("pyspark.") and hasattr(df, "schema"):
@@ -44,7 +49,7 @@ def check_dataframe(df: Any, estimator: str) -> None:
     raise ConfigurationError(f"{estimator}.fit got a {kind}, not a pyspark.sql.DataFrame: {fix}")
 
 
-def check_model_object(model: Any) -> None:
+def check_model_object(model: object) -> None:
     """A class passed as ``model=`` (``model=Net``) instead of an instance (``model=Net()``)."""
     if isinstance(model, type):
         name = model.__name__
@@ -79,7 +84,7 @@ def cap_batch_size(batch_size: int, rows: int, num_proc: int, name: str = "batch
 
 
 @contextlib.contextmanager
-def explain_null_vectors(df: Any, columns: Sequence[str]) -> Iterator[None]:
+def explain_null_vectors(df: DataFrame, columns: Sequence[str]) -> Iterator[None]:
     """Re-raise Spark's null-vector failure inside the block as :func:`null_vector_error`'s."""
     try:
         yield
@@ -90,7 +95,9 @@ def explain_null_vectors(df: Any, columns: Sequence[str]) -> Iterator[None]:
         raise clear from exc
 
 
-def null_vector_error(exc: BaseException, df: Any, columns: Sequence[str]) -> Exception | None:
+def null_vector_error(
+    exc: BaseException, df: DataFrame, columns: Sequence[str]
+) -> Exception | None:
     """The ConfigurationError for a Spark failure caused by null vectors, else None.
 
     Spark's ``vector_to_array`` fails on a null vector with a JVM error; the columns are
@@ -102,6 +109,7 @@ def null_vector_error(exc: BaseException, df: Any, columns: Sequence[str]) -> Ex
 
     try:
         row = df.select([F.sum(F.col(c).isNull().cast("long")).alias(c) for c in columns]).first()
+        assert row is not None  # an aggregate has one row
         counts = {c: int(row[c] or 0) for c in columns}
     except Exception:  # noqa: BLE001 - the count is a courtesy; the original error stays
         counts = {}
@@ -113,7 +121,7 @@ def null_vector_error(exc: BaseException, df: Any, columns: Sequence[str]) -> Ex
     )
 
 
-def unpicklable_error(objects: dict[str, Any], exc: BaseException) -> ConfigurationError:
+def unpicklable_error(objects: Mapping[str, object], exc: BaseException) -> ConfigurationError:
     """Name the attribute path that cannot be pickled (``model.lock: _thread.lock``)."""
     found = None
     for name, obj in objects.items():
@@ -133,7 +141,7 @@ def unpicklable_error(objects: dict[str, Any], exc: BaseException) -> Configurat
     )
 
 
-def _dumps(obj: Any) -> bool:
+def _dumps(obj: object) -> bool:
     import cloudpickle
 
     try:
@@ -143,7 +151,7 @@ def _dumps(obj: Any) -> bool:
     return True
 
 
-def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
+def _children(obj: object, path: str) -> Iterator[tuple[str, object]]:
     if isinstance(obj, dict):
         for key, value in obj.items():
             yield f"{path}[{key!r}]", value
@@ -164,7 +172,7 @@ def _children(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
             yield f"{path}.{key}", value
 
 
-def _find_unpicklable(obj: Any, path: str, depth: int) -> tuple[str, Any] | None:
+def _find_unpicklable(obj: object, path: str, depth: int) -> tuple[str, object] | None:
     """The deepest attribute path under ``obj`` that fails to pickle, or None if it pickles."""
     if _dumps(obj):
         return None
@@ -176,7 +184,7 @@ def _find_unpicklable(obj: Any, path: str, depth: int) -> tuple[str, Any] | None
     return path, obj
 
 
-def check_fingerprints(results: list[Any]) -> list[str]:
+def check_fingerprints(results: list[RankResult]) -> list[str]:
     """Every rank must end with the same parameters; returns the fingerprints by rank.
 
     The fingerprints cover the trainable parameters only (see

@@ -11,10 +11,12 @@ as a key and has the dict methods ``keys``, ``items``, ``values``, ``get`` and `
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, SupportsIndex, overload
+from typing import SupportsIndex, TypeVar, overload
+
+_D = TypeVar("_D")
 
 
-class History(list[dict[str, Any]]):
+class History(list[dict[str, float]]):
     """Per-epoch metric dicts; ``history[name]`` is that metric's value per epoch.
 
     >>> h = History([{"epoch": 0, "loss": 0.9}, {"epoch": 1, "loss": 0.4, "val_loss": 0.5}])
@@ -26,16 +28,18 @@ class History(list[dict[str, Any]]):
     (['loss', 'val_loss'], True, 2)
     """
 
-    def __init__(self, epochs: Iterable[dict[str, Any]] = ()):
+    def __init__(self, epochs: Iterable[dict[str, float]] = ()):
         super().__init__(dict(e) for e in epochs)
 
     @overload  # type: ignore[override]
-    def __getitem__(self, key: SupportsIndex) -> dict[str, Any]: ...
+    def __getitem__(self, key: SupportsIndex) -> dict[str, float]: ...
     @overload
-    def __getitem__(self, key: slice) -> list[dict[str, Any]]: ...
+    def __getitem__(self, key: slice) -> list[dict[str, float]]: ...
     @overload
-    def __getitem__(self, key: str) -> list[Any]: ...
-    def __getitem__(self, key: Any) -> Any:
+    def __getitem__(self, key: str) -> list[float | None]: ...
+    def __getitem__(
+        self, key: SupportsIndex | slice | str
+    ) -> dict[str, float] | list[dict[str, float]] | list[float | None]:
         """An epoch's dict by position, epochs by slice, or a metric's values by name."""
         if isinstance(key, str):
             if key not in self:
@@ -59,21 +63,25 @@ class History(list[dict[str, Any]]):
             names.update((k, None) for k in epoch if k != "epoch")
         return list(names)
 
-    def values(self) -> list[list[Any]]:
+    def values(self) -> list[list[float | None]]:
         """Each metric's per-epoch values, in :meth:`keys` order."""
         return [self[name] for name in self.keys()]
 
-    def items(self) -> Iterator[tuple[str, list[Any]]]:
+    def items(self) -> Iterator[tuple[str, list[float | None]]]:
         """``(metric name, per-epoch values)`` pairs, as horovod's dict gave them."""
         return ((name, self[name]) for name in self.keys())
 
-    def get(self, key: str, default: Any = None) -> Any:
+    @overload
+    def get(self, key: str) -> list[float | None] | None: ...
+    @overload
+    def get(self, key: str, default: _D) -> list[float | None] | _D: ...
+    def get(self, key: str, default: object = None) -> object:
         """A metric's per-epoch values, or ``default`` when no epoch has it."""
         if key not in self:
             return default
         return self[key]
 
-    def as_dict(self) -> dict[str, list[Any]]:
+    def as_dict(self) -> dict[str, list[float | None]]:
         """The form horovod's Keras history had: ``{metric name: [value per epoch]}``."""
         return dict(self.items())
 

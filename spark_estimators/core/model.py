@@ -182,7 +182,7 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
         self,
         *,
         model: object = None,
-        history: list[dict[str, object]] | None = None,
+        history: list[dict[str, float]] | None = None,
         run_id: str | None = None,
         output_shapes: list[tuple[int, ...]] | None = None,
         **params: object,
@@ -266,7 +266,7 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
 
     def _restore_extra_state(self, state: dict[str, object]) -> None:
         self._model = self._model_from_bytes(cast(bytes, state["model"]))
-        self._history = list(cast("list[dict[str, object]]", state["history"]))
+        self._history = list(cast("list[dict[str, float]]", state["history"]))
         self._run_id = cast("str | None", state["run_id"])
         self._output_shapes = [
             tuple(s) for s in cast("list[tuple[int, ...]]", state["output_shapes"])

@@ -31,8 +31,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 from spark_estimators._base.console_bar import SPARK_CONSOLE_BAR
 
@@ -47,7 +47,7 @@ def epoch_label(epoch: int, epochs: int) -> str:
     return f"epoch {int(epoch) + 1}/{epochs}"
 
 
-def history_lines(history: list[dict[str, Any]], epochs: int | None = None) -> list[str]:
+def history_lines(history: Sequence[Mapping[str, float]], epochs: int | None = None) -> list[str]:
     """The lines a fit printed live, from its history (``model.getHistory()``).
 
     ``epochs`` defaults to the number of entries (a fit that ran to its end).
@@ -56,10 +56,10 @@ def history_lines(history: list[dict[str, Any]], epochs: int | None = None) -> l
     ['epoch 1/2: loss=0.5', 'epoch 2/2: loss=0.25']
     """
     total = epochs if epochs is not None else len(history)
-    return [f"{epoch_label(h['epoch'], total)}: {format_metrics(h)}" for h in history]
+    return [f"{epoch_label(cast(int, h['epoch']), total)}: {format_metrics(h)}" for h in history]
 
 
-def format_metrics(logs: dict[str, Any]) -> str:
+def format_metrics(logs: Mapping[str, object]) -> str:
     """``key=value`` for each metric (the epoch number is not repeated).
 
     ``loss`` is left out when another training metric shows the same value (a LightningModule
@@ -84,7 +84,7 @@ def format_metrics(logs: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _shown(value: Any) -> str | None:
+def _shown(value: object) -> str | None:
     if isinstance(value, float) and not isinstance(value, bool):
         return f"{value:.4g}"
     return None
@@ -126,10 +126,10 @@ def _hint_once() -> None:
 
 
 def plot_history(
-    history: list[dict[str, Any]],
+    history: Sequence[Mapping[str, float]],
     keys: tuple[str, ...] = ("loss", "val_loss"),
     title: str = "loss per epoch",
-) -> Any:
+) -> None:
     """Plot metrics per epoch (``model.getHistory()``); a text chart without matplotlib.
 
     The x axis counts epochs from 1, as the epoch lines do; the y axis is logarithmic when every
@@ -149,7 +149,7 @@ def plot_history(
                 if k in h:
                     bar = "#" * round(40 * abs(float(h[k])) / (top or 1.0))
                     print(f"epoch {n:>3} {k:>12} {float(h[k]):10.4g} {bar}")
-        return None
+        return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for k in keys:
         ax.plot(
@@ -165,7 +165,7 @@ def plot_history(
     ax.legend()
     plt.show()
     plt.close(fig)
-    return None
+    return
 
 
 class EpochProgress:
@@ -182,13 +182,13 @@ class EpochProgress:
         verbose: int = 1,
         start_epoch: int = 0,
         run_id: str | None = None,
-        on_epoch: Callable[[dict[str, Any]], None] | None = None,
+        on_epoch: Callable[[dict[str, float]], None] | None = None,
     ):
         self.verbose = verbose
         self.on_epoch = on_epoch
         self.epochs = epochs
         self.run_id = run_id
-        self.history: list[dict[str, Any]] = []
+        self.history: list[dict[str, float]] = []
         self._lock = threading.Lock()
         self._bar: Any = None
         self._muted = False
@@ -223,22 +223,23 @@ class EpochProgress:
     def _label(self) -> str:
         return f"[{self.run_id}] " if self._labelled and self.run_id else ""
 
-    def __call__(self, rank: int, kind: str, data: Any) -> None:
+    def __call__(self, rank: int, kind: str, data: object) -> None:
         """Take one event from a rank: record and show each ``epoch`` event, ignore others."""
         if kind != "epoch":
             return
+        logs = cast("dict[str, float]", data)
         with self._lock:
-            self.history.append(dict(data))
+            self.history.append(dict(logs))
             if self.on_epoch is not None:
                 try:
-                    self.on_epoch(dict(data))
+                    self.on_epoch(dict(logs))
                 except Exception as exc:  # noqa: BLE001 - tracking must not stop training
-                    logger.warning("could not record epoch %s: %r", data.get("epoch"), exc)
+                    logger.warning("could not record epoch %s: %r", logs.get("epoch"), exc)
             if self.verbose < 1:
                 return
-            epoch = data.get("epoch")
+            epoch = logs.get("epoch")
             label = epoch_label(epoch, self.epochs) if isinstance(epoch, int) else "epoch ?"
-            line = f"{self._label()}{label}: {format_metrics(data)}"
+            line = f"{self._label()}{label}: {format_metrics(logs)}"
             if self._bar is not None:
                 self._bar.update(1)
                 if in_notebook():
