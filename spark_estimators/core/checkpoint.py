@@ -25,12 +25,15 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.store.layout import join_path
 
 if TYPE_CHECKING:
+    import keras
+    import torch
+
     from spark_estimators.store.base import StoreBase
 
 INFO_FILE = "checkpoint.json"
@@ -66,9 +69,9 @@ class CheckpointInfo:
     framework: str | None
     epoch: int
     num_proc: int | None = None
-    history: tuple[dict[str, Any], ...] = ()
+    history: tuple[dict[str, float], ...] = ()
     fingerprint: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, object] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """The info as the JSON text of ``checkpoint.json``."""
@@ -164,7 +167,14 @@ def write_info(store: StoreBase, run_id: str, info: CheckpointInfo) -> None:
     store.write_bytes_atomic(info_path(store, run_id), info.to_json().encode("utf-8"))
 
 
-def start_fields(info: CheckpointInfo | None) -> dict[str, Any]:
+class StartFields(TypedDict):
+    """Where a (hot) start begins: the train spec's ``start_epoch`` and ``history``."""
+
+    start_epoch: int
+    history: list[dict[str, float]]
+
+
+def start_fields(info: CheckpointInfo | None) -> StartFields:
     """The train spec's ``start_epoch`` and ``history`` for a (hot) start from ``info``."""
     if info is None:
         return {"start_epoch": 0, "history": []}
@@ -185,7 +195,7 @@ def fingerprint(chunks: Iterable[bytes]) -> str:
     return h.hexdigest()
 
 
-def torch_fingerprint(model: Any) -> str:
+def torch_fingerprint(model: torch.nn.Module) -> str:
     """Fingerprint of a torch module's parameters (names and values, sorted by name).
 
     Buffers (BatchNorm running statistics, ``num_batches_tracked``) are not included.
@@ -199,7 +209,7 @@ def torch_fingerprint(model: Any) -> str:
     return fingerprint(chunks())
 
 
-def keras_fingerprint(model: Any) -> str:
+def keras_fingerprint(model: keras.Model) -> str:
     """Fingerprint of a Keras model's trainable weights, in ``model.trainable_weights`` order.
 
     Non-trainable weights (BatchNormalization's moving mean and variance) are not included.

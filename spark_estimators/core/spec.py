@@ -27,8 +27,8 @@ class TrainSpec:
     feature_cols: list[str]
     label_cols: list[str]
     sample_weight_col: str | None
-    input_shapes: list[Any] | None
-    label_shapes: list[Any] | None
+    input_shapes: list[list[int] | None] | None
+    label_shapes: list[list[int] | None] | None
     batch_size: int
     val_batch_size: int
     epochs: int
@@ -42,7 +42,7 @@ class TrainSpec:
     reader: str
     train_reader_num_workers: int
     val_reader_num_workers: int
-    history: list[dict[str, Any]] = field(default_factory=list)
+    history: list[dict[str, float]] = field(default_factory=list)
     shuffle_buffer_size: int | None = None  # None: the reader's default; 0: no shuffling
     # Average normalisation running statistics over the ranks when training ends.
     average_running_stats: bool = False

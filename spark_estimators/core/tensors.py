@@ -23,9 +23,13 @@ Conventions (documented for users in docs/concepts.md):
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql.types import DataType
 
 
 def as_model_array(values: np.ndarray) -> np.ndarray:
@@ -83,7 +87,10 @@ def shape_column(
 
 
 def check_shapes(
-    param: str, cols: Sequence[str], shapes: Sequence[Any] | None, row_sizes: dict[str, int]
+    param: str,
+    cols: Sequence[str],
+    shapes: Sequence[Sequence[int] | None] | None,
+    row_sizes: dict[str, int],
 ) -> None:
     """Raise ConfigurationError when a shape in ``shapes`` cannot hold its column's rows.
 
@@ -120,7 +127,7 @@ def check_shapes(
 def model_inputs(
     arrays: dict[str, np.ndarray],
     cols: Sequence[str],
-    shapes: Sequence[Any] | None,
+    shapes: Sequence[Sequence[int] | None] | None,
     scalar_as_column: bool = True,
     index_cols: Collection[str] = (),
 ) -> list[np.ndarray]:
@@ -137,7 +144,7 @@ def model_inputs(
     return out
 
 
-def arrow_to_numpy(column: Any) -> np.ndarray:
+def arrow_to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """An Arrow column (scalars or fixed-length lists of numbers) as a numpy array."""
     import pyarrow as pa
 
@@ -160,22 +167,22 @@ def arrow_to_numpy(column: Any) -> np.ndarray:
     return column.to_numpy(zero_copy_only=False)
 
 
-def output_type(row_shape: Sequence[int]) -> Any:
+def output_type(row_shape: Sequence[int]) -> DataType:
     """Spark type of an output column for a per-row shape: double, array, nested arrays."""
     from pyspark.sql.types import ArrayType, DoubleType
 
-    t: Any = DoubleType()
+    t: DataType = DoubleType()
     for _ in row_shape:
         t = ArrayType(t, containsNull=False)
     return t
 
 
-def numpy_to_arrow(values: np.ndarray) -> Any:
+def numpy_to_arrow(values: np.ndarray) -> pa.Array:
     """[n, *row_shape] float array -> Arrow double / list<double> / list<list<double>>."""
     import pyarrow as pa
 
     values = np.ascontiguousarray(values, dtype=np.float64)
-    arr: Any = pa.array(values.reshape(-1))
+    arr: pa.Array = pa.array(values.reshape(-1))
     for dim in reversed(values.shape[1:]):
         count = len(arr) // dim if dim else 0
         offsets = pa.array(
