@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol, cast
 
 import keras
 import numpy as np
@@ -23,11 +24,39 @@ from spark_estimators.core import rank as protocol
 from spark_estimators.keras.serialization import scale_learning_rate
 from spark_estimators.task.scratch import make_temp_dir, scratch_root
 
+if TYPE_CHECKING:
+    from spark_estimators.store.base import StoreBase
+
 CHECKPOINT_FILE = "checkpoint.keras"
 FRAMEWORK = "keras"
 
+#: Keras's ``logs`` argument of a callback hook.
+Logs = Mapping[str, object] | None
 
-def restore_checkpoint(model: Any, spec: Any, size: int) -> None:
+
+class RunSpec(Protocol):
+    """What the callbacks read of ``KerasTrainSpec`` (which imports this module)."""
+
+    store: StoreBase
+    run_id: str
+    scale_lr: bool
+
+
+class EpochSetter(Protocol):
+    """What :class:`FeedEpochCallback` sets: ``EpochFeed`` (which imports this module)."""
+
+    repeat: bool
+    epoch: int
+
+
+class UserCallbacks(Protocol):
+    """The user's callbacks in ``KerasUserObjects`` (which imports this module)."""
+
+    callbacks: list[keras.callbacks.Callback]
+    checkpoint_callback: keras.callbacks.ModelCheckpoint | None
+
+
+def restore_checkpoint(model: keras.Model, spec: RunSpec, size: int) -> None:
     """Load the run's last checkpoint (weights and optimizer state) into ``model``.
 
     The optimizer state includes the learning rate, scaled for the ranks of the run that saved
@@ -52,7 +81,7 @@ def restore_checkpoint(model: Any, spec: Any, size: int) -> None:
         scale_learning_rate(model.optimizer, factor)
 
 
-def checkpoint_path(store: Any, run_id: str) -> str:
+def checkpoint_path(store: StoreBase, run_id: str) -> str:
     """The run's ``checkpoint.keras`` in ``store`` (its info file: core/checkpoint.py)."""
     return checkpoint.store_path(store, run_id, CHECKPOINT_FILE)
 
@@ -60,11 +89,11 @@ def checkpoint_path(store: Any, run_id: str) -> str:
 class FeedEpochCallback(keras.callbacks.Callback):
     """Tells the training feed which reader epoch the next pass is."""
 
-    def __init__(self, feed: Any):
+    def __init__(self, feed: EpochSetter):
         super().__init__()
         self.feed = feed
 
-    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_epoch_begin(self, epoch: int, logs: Logs = None) -> None:
         """Set the feed's epoch (unless it repeats: then each pass takes the next one)."""
         if not self.feed.repeat:
             self.feed.epoch = epoch
@@ -77,7 +106,7 @@ class FirstBatchEvent(keras.callbacks.Callback):
         super().__init__()
         self.event = protocol.FirstBatchEvent()
 
-    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_train_batch_end(self, batch: int, logs: Logs = None) -> None:
         """Send ``first_batch`` after the first step."""
         self.event()
 
@@ -93,8 +122,8 @@ class StoreCheckpoint(keras.callbacks.Callback):
 
     def __init__(
         self,
-        spec: Any,
-        history: list[dict[str, Any]],
+        spec: RunSpec,
+        history: list[dict[str, float]],
         local_dirs: dict[str, str],
         size: int,
     ):
@@ -105,11 +134,11 @@ class StoreCheckpoint(keras.callbacks.Callback):
         # The learning rate in the checkpoint is scaled for this many ranks (see _restore).
         self.size = size
 
-    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+    def on_epoch_end(self, epoch: int, logs: Logs = None) -> None:
         """Checkpoint, sync the local directories and report the epoch (rank 0)."""
         spec = self.spec
-        entry: dict[str, Any] = {"epoch": int(epoch)}
-        entry.update({k: _plain(v) for k, v in (logs or {}).items()})
+        entry: dict[str, float] = {"epoch": int(epoch)}
+        entry.update({k: cast(float, _plain(v)) for k, v in (logs or {}).items()})
         self.history.append(entry)
         ckpt = checkpoint_path(spec.store, spec.run_id)
         with tempfile.TemporaryDirectory(prefix="se-keras-ckpt-", dir=scratch_root()) as tmp:
@@ -128,7 +157,7 @@ class StoreCheckpoint(keras.callbacks.Callback):
         protocol.send_event("epoch", entry)
 
 
-def moving_statistics(model: Any) -> list[Any]:
+def moving_statistics(model: keras.Model) -> list[keras.Variable]:
     """The moving mean and variance of every ``BatchNormalization`` layer, nested ones too.
 
     In layer order (the same on every rank). Horovod returns rank 0's statistics; these are
@@ -136,7 +165,7 @@ def moving_statistics(model: Any) -> list[Any]:
     """
     flatten = getattr(model, "_flatten_layers", None)
     layers = list(flatten(include_self=False)) if flatten is not None else list(model.layers)
-    out = []
+    out: list[keras.Variable] = []
     for layer in layers:
         if isinstance(layer, keras.layers.BatchNormalization):
             out += [layer.moving_mean, layer.moving_variance]
@@ -150,7 +179,7 @@ class AverageRunningStats(keras.callbacks.Callback):
     ``on_train_end`` already sees the averaged values. One allreduce for all of them.
     """
 
-    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+    def on_train_end(self, logs: Logs = None) -> None:
         """Replace each moving statistic by its mean over the ranks (every rank calls it)."""
         from spark_estimators import collective
 
@@ -166,7 +195,7 @@ class AverageRunningStats(keras.callbacks.Callback):
             offset += a.size
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """Log values as JSON-friendly Python scalars."""
     if isinstance(value, np.ndarray | np.generic):
         return value.item() if np.ndim(value) == 0 else value.tolist()
@@ -175,9 +204,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def rank_zero_callbacks(user: Any, rank: int, local_dirs: dict[str, str]) -> list[Any]:
+def rank_zero_callbacks(
+    user: UserCallbacks, rank: int, local_dirs: dict[str, str]
+) -> list[keras.callbacks.Callback]:
     """The user's callbacks; file-writing ones run on rank 0 only, into local dirs we sync."""
-    out: list[Any] = []
+    out: list[keras.callbacks.Callback] = []
     for cb in user.callbacks:
         if isinstance(cb, keras.callbacks.TensorBoard):
             if rank == 0:
@@ -200,7 +231,7 @@ def rank_zero_callbacks(user: Any, rank: int, local_dirs: dict[str, str]) -> lis
     return out
 
 
-def load_checkpoint_callback_weights(model: Any, user: Any) -> None:
+def load_checkpoint_callback_weights(model: keras.Model, user: UserCallbacks) -> None:
     """Rank 0: give back the weights ``checkpoint_callback`` saved last (e.g. the best epoch)."""
     cb = user.checkpoint_callback
     path = str(getattr(cb, "filepath", "") or "")
@@ -210,7 +241,7 @@ def load_checkpoint_callback_weights(model: Any, user: Any) -> None:
         model.load_weights(path)
 
 
-def _redirect(cb: Any, local_dirs: dict[str, str]) -> None:
+def _redirect(cb: keras.callbacks.ModelCheckpoint, local_dirs: dict[str, str]) -> None:
     """Point a ModelCheckpoint at a local dir synced to the run's ``checkpoints/``."""
     local = local_dirs.setdefault("checkpoints", make_temp_dir("se-ckpt-"))
     name = os.path.basename(str(cb.filepath)) or "model.keras"

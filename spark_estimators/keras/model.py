@@ -14,16 +14,21 @@ import logging
 import os
 import pickle
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
 from spark_estimators.core.model import Predictor, SparkModel
 
+if TYPE_CHECKING:
+    import keras
+    import numpy as np
+
 logger = logging.getLogger(__name__)
 
 
-def dumps_custom_objects(custom_objects: dict[str, Any] | None) -> bytes:
+def dumps_custom_objects(custom_objects: Mapping[str, object] | None) -> bytes:
     """Pickle ``custom_objects``; classes from the user's own modules go by value."""
     from spark_estimators._base.pickling import dumps_by_value
 
@@ -31,7 +36,7 @@ def dumps_custom_objects(custom_objects: dict[str, Any] | None) -> bytes:
     return dumps_by_value(objects, roots=list(objects.values()))
 
 
-def load_keras_model(data: bytes, custom_objects: dict[str, Any] | None) -> Any:
+def load_keras_model(data: bytes, custom_objects: Mapping[str, object] | None) -> keras.Model:
     """``.keras`` bytes -> a Keras model, compiled when its loss and metrics can be loaded.
 
     Keras finds a custom loss/metric when it is registered or in ``custom_objects`` (the
@@ -68,7 +73,7 @@ def warn_uncompiled(reason: str) -> None:
 class KerasPredictor(Predictor):
     """Loads the Keras model once per Python worker and predicts numpy batches."""
 
-    def load(self, blob: bytes) -> Any:
+    def load(self, blob: bytes) -> keras.Model:
         """The Keras model from its bytes, with its custom objects."""
         if "tensorflow" not in sys.modules:
             # An executor's Python worker: quiet TensorFlow before its first import.
@@ -78,7 +83,7 @@ class KerasPredictor(Predictor):
         custom = cloudpickle.loads(state["custom_objects"]) or {}
         return load_keras_model(state["keras"], custom)
 
-    def predict(self, model: Any, inputs: list[Any]) -> list[Any]:
+    def predict(self, model: keras.Model, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """Run the model on one batch of input arrays and return one array per output."""
         import numpy as np
 
@@ -99,13 +104,15 @@ class KerasModel(SparkModel):
     ``safe_mode=False``, so it is verified first, as for ``TorchModel`` (docs/security.md).
     """
 
-    def __init__(self, *, custom_objects: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *, custom_objects: Mapping[str, object] | None = None, **kwargs: Any
+    ) -> None:
         """``custom_objects`` to load the model with; the other keywords as for SparkModel."""
         super().__init__(**kwargs)
         self._custom_objects = dict(custom_objects or {})
         self._rank_fingerprints: list[str] = []
 
-    def getCustomObjects(self) -> dict[str, Any]:
+    def getCustomObjects(self) -> dict[str, object]:
         """The ``custom_objects`` the model is loaded with."""
         return dict(self._custom_objects)
 
@@ -119,7 +126,7 @@ class KerasModel(SparkModel):
             }
         )
 
-    def _model_from_bytes(self, blob: bytes) -> Any:
+    def _model_from_bytes(self, blob: bytes) -> keras.Model:
         state = pickle.loads(blob)
         self._custom_objects = cloudpickle.loads(state["custom_objects"]) or {}
         return load_keras_model(state["keras"], self._custom_objects)

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators import envvars
 
@@ -52,6 +52,7 @@ from spark_estimators.core.spec import TrainSpec  # noqa: E402
 from spark_estimators.keras import callbacks as rank_callbacks  # noqa: E402
 from spark_estimators.keras.callbacks import CHECKPOINT_FILE, checkpoint_path  # noqa: E402
 from spark_estimators.keras.serialization import (  # noqa: E402
+    OptimizerRecipe,
     drop_unsaveable_compile_state,
     model_from_bytes,
     model_to_bytes,
@@ -60,6 +61,11 @@ from spark_estimators.keras.serialization import (  # noqa: E402
     register_shipped_objects,
     scale_learning_rate,
 )
+
+if TYPE_CHECKING:
+    import tensorflow as tf
+
+    from spark_estimators.core.rank import RankReader
 
 __all__ = [
     "CHECKPOINT_FILE",
@@ -90,12 +96,12 @@ class KerasTrainSpec(TrainSpec):
 class KerasUserObjects:
     """Objects unpickled inside ``custom_object_scope`` (Keras objects may need it)."""
 
-    optimizer_recipe: Any
-    loss: Any
-    metrics: Any
-    callbacks: list[Any]
-    checkpoint_callback: Any = None
-    transformation_fn: Any = None
+    optimizer_recipe: OptimizerRecipe
+    loss: object  # as model.compile takes it: a name, a function, a Loss, a list or a dict
+    metrics: object
+    callbacks: list[keras.callbacks.Callback]
+    checkpoint_callback: keras.callbacks.ModelCheckpoint | None = None
+    transformation_fn: Callable[..., object] | None = None
 
 
 # -- rank setup ----------------------------------------------------------------------------------
@@ -124,7 +130,7 @@ class EpochFeed:
     steps per epoch) each pass takes the next reader epoch instead.
     """
 
-    def __init__(self, reader: Any, spec: KerasTrainSpec, start_epoch: int, repeat: bool):
+    def __init__(self, reader: RankReader, spec: KerasTrainSpec, start_epoch: int, repeat: bool):
         self.reader = reader
         self.convert = BatchConverter.for_spec(spec, scalar_labels_as_column=True, to_torch=False)
         self.batch_size = reader.batch_size
@@ -143,7 +149,7 @@ class EpochFeed:
         return epoch_batches(self.reader, self.convert, epoch=epoch)
 
 
-def make_dataset(feed: EpochFeed, spec: KerasTrainSpec) -> Any:
+def make_dataset(feed: EpochFeed, spec: KerasTrainSpec) -> tf.data.Dataset:
     """A ``tf.data.Dataset`` over the feed's batches, repeated when the epoch needs more steps."""
     from spark_estimators.data import tf_dataset
 
@@ -151,7 +157,7 @@ def make_dataset(feed: EpochFeed, spec: KerasTrainSpec) -> Any:
     return ds.repeat() if feed.repeat else ds
 
 
-def _steps(reader: Any, limit: int | None) -> tuple[int | None, bool]:
+def _steps(reader: RankReader, limit: int | None) -> tuple[int | None, bool]:
     """Keras ``steps_per_epoch`` and whether the dataset must repeat to provide them."""
     if reader.steps_per_epoch is None:
         # data="stream": the count is agreed while the data is read; the reader ends each epoch
@@ -163,7 +169,7 @@ def _steps(reader: Any, limit: int | None) -> tuple[int | None, bool]:
     return int(limit), True
 
 
-def _compile(model: Any, user: KerasUserObjects, spec: KerasTrainSpec, size: int) -> None:
+def _compile(model: keras.Model, user: KerasUserObjects, spec: KerasTrainSpec, size: int) -> None:
     import spark_estimators.collective.keras as hvd
 
     optimizer = optimizer_from_recipe(user.optimizer_recipe)
@@ -179,7 +185,7 @@ def _compile(model: Any, user: KerasUserObjects, spec: KerasTrainSpec, size: int
     )
 
 
-def train(spec: KerasTrainSpec) -> dict[str, Any]:
+def train(spec: KerasTrainSpec) -> dict[str, object]:
     """Train on this rank; rank 0 returns the trained model as ``.keras`` bytes and history."""
     import cloudpickle
 
@@ -211,7 +217,7 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
     history = list(spec.history)
     local_dirs: dict[str, str] = {}
     try:
-        callbacks: list[Any] = [
+        callbacks: list[keras.callbacks.Callback] = [
             hvd.callbacks.BroadcastGlobalVariablesCallback(0),
             hvd.callbacks.MetricAverageCallback(),
             rank_callbacks.FeedEpochCallback(feed),
@@ -249,7 +255,9 @@ def train(spec: KerasTrainSpec) -> dict[str, Any]:
     return protocol.rank_result(rank, fingerprint, history, shapes, **payload)
 
 
-def _output_shapes(model: Any, feed: EpochFeed, spec: KerasTrainSpec) -> list[tuple[int, ...]]:
+def _output_shapes(
+    model: keras.Model, feed: EpochFeed, spec: KerasTrainSpec
+) -> list[tuple[int, ...]]:
     """Per-row shape of each model output, from one prediction on a training batch."""
     batch = feed.peek()
     inputs = [batch[c] for c in spec.feature_cols]

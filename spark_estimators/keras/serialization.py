@@ -22,14 +22,17 @@ import shutil
 import sys
 import types
 import zipfile
-from typing import Any
+from collections.abc import Mapping
 
 import keras
 
 from spark_estimators.task.scratch import make_temp_dir
 
+#: ``(optimizer class, config)``: how an optimizer travels (:func:`optimizer_recipe`).
+OptimizerRecipe = tuple[type[keras.optimizers.Optimizer], dict[str, object]]
 
-def model_to_bytes(model: Any, compile_state: bool = True) -> bytes:
+
+def model_to_bytes(model: keras.Model, compile_state: bool = True) -> bytes:
     """The model as ``.keras`` archive bytes (``compile_state=False``: without loss/metrics)."""
     tmp = make_temp_dir("se-keras-")
     shadowed = not compile_state and "get_compile_config" not in vars(model)
@@ -50,7 +53,7 @@ def _no_compile_config() -> None:
     return None
 
 
-def drop_unsaveable_compile_state(model: Any) -> str | None:
+def drop_unsaveable_compile_state(model: keras.Model) -> str | None:
     """Make a compiled model save without its compile state when that cannot be saved.
 
     A loss or metric Keras cannot serialize (a ``functools.partial``, a callable object
@@ -66,8 +69,8 @@ def drop_unsaveable_compile_state(model: Any) -> str | None:
 
 
 def model_from_bytes(
-    data: bytes, custom_objects: dict[str, Any] | None, compile: bool = True
-) -> Any:
+    data: bytes, custom_objects: Mapping[str, object] | None, compile: bool = True
+) -> keras.Model:
     """Load ``.keras`` bytes; ``safe_mode`` is off because the model is the user's own."""
     tmp = make_temp_dir("se-keras-")
     try:
@@ -81,7 +84,7 @@ def model_from_bytes(
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def find_custom_objects(model_bytes: bytes | None, *objects: Any) -> dict[str, Any]:
+def find_custom_objects(model_bytes: bytes | None, *objects: object) -> dict[str, object]:
     """The custom objects needed to load ``model_bytes`` and ``objects`` (loss, metrics).
 
     Keys are the names the ``.keras`` config looks up: ``"package>name"`` for a registered
@@ -93,7 +96,7 @@ def find_custom_objects(model_bytes: bytes | None, *objects: Any) -> dict[str, A
     >>> sorted(find_custom_objects(None, my_loss, ["mae"]))
     ['my_loss']
     """
-    found: dict[str, Any] = {}
+    found: dict[str, object] = {}
     for obj in objects:
         _passed_objects(obj, found)
     if model_bytes:
@@ -103,12 +106,12 @@ def find_custom_objects(model_bytes: bytes | None, *objects: Any) -> dict[str, A
     return found
 
 
-def _is_keras_own(obj: Any) -> bool:
+def _is_keras_own(obj: object) -> bool:
     module = getattr(obj, "__module__", None) or ""
     return module == "keras" or module.startswith("keras.")
 
 
-def _add(found: dict[str, Any], key: str, obj: Any) -> None:
+def _add(found: dict[str, object], key: str, obj: object) -> None:
     if obj is None or _is_keras_own(obj):
         return
     keys = [key, key.split(">", 1)[-1]]
@@ -119,7 +122,7 @@ def _add(found: dict[str, Any], key: str, obj: Any) -> None:
         found.setdefault(name, obj)
 
 
-def _passed_objects(value: Any, found: dict[str, Any]) -> None:
+def _passed_objects(value: object, found: dict[str, object]) -> None:
     """Custom objects among a ``loss``/``metrics`` value (nested lists and dicts)."""
     if isinstance(value, dict):
         for item in value.values():
@@ -135,7 +138,7 @@ def _passed_objects(value: Any, found: dict[str, Any]) -> None:
         _add(found, keras.saving.get_registered_name(type(value)), type(value))
 
 
-def _config_objects(config: Any, found: dict[str, Any]) -> None:
+def _config_objects(config: object, found: dict[str, object]) -> None:
     """Custom classes and functions named in a ``.keras`` config (walked recursively)."""
     if isinstance(config, list):
         for item in config:
@@ -166,7 +169,7 @@ def _config_objects(config: Any, found: dict[str, Any]) -> None:
     _add(found, name, obj)
 
 
-def register_shipped_objects(custom_objects: dict[str, Any]) -> None:
+def register_shipped_objects(custom_objects: Mapping[str, object]) -> None:
     """Register ``"package>name"`` entries of shipped custom objects (on a rank).
 
     Their registration does not travel with them (the decorator ran in the driver); after this
@@ -182,7 +185,7 @@ def register_shipped_objects(custom_objects: dict[str, Any]) -> None:
             continue
 
 
-def optimizer_recipe(optimizer: Any) -> tuple[type, dict[str, Any]]:
+def optimizer_recipe(optimizer: keras.optimizers.Optimizer) -> OptimizerRecipe:
     """``(class, config)`` that rebuilds ``optimizer`` (fresh state) with ``cls.from_config``.
 
     Schedules and wrapped optimizers stay objects (pickled), so custom ones need no
@@ -198,7 +201,7 @@ def optimizer_recipe(optimizer: Any) -> tuple[type, dict[str, Any]]:
     return type(optimizer), config
 
 
-def optimizer_from_recipe(recipe: tuple[Any, dict[str, Any]]) -> Any:
+def optimizer_from_recipe(recipe: OptimizerRecipe) -> keras.optimizers.Optimizer:
     """A fresh optimizer from :func:`optimizer_recipe`'s ``(class, config)``."""
     cls, config = recipe
     config = dict(config)
@@ -209,7 +212,7 @@ def optimizer_from_recipe(recipe: tuple[Any, dict[str, Any]]) -> Any:
     return cls.from_config(config)
 
 
-def scale_learning_rate(optimizer: Any, factor: float) -> None:
+def scale_learning_rate(optimizer: keras.optimizers.Optimizer, factor: float) -> None:
     """Multiply the optimizer's learning rate variable by ``factor`` (in place)."""
     target = getattr(optimizer, "inner_optimizer", optimizer)
     lr = target._learning_rate

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -20,6 +20,11 @@ from pytorch_lightning.callbacks import Callback, ModelCheckpoint
 
 from spark_estimators.core import checkpoint
 from spark_estimators.core.rank import commit_epoch, send_event
+
+if TYPE_CHECKING:
+    from pytorch_lightning.utilities.types import STEP_OUTPUT
+
+    from spark_estimators.store.base import StoreBase
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +34,7 @@ CHECKPOINT_SUFFIX = ".ckpt"
 FRAMEWORK = "lightning"
 
 
-def _step_loss(outputs: Any) -> torch.Tensor | None:
+def _step_loss(outputs: object) -> torch.Tensor | None:
     """The loss a ``training_step`` returned (a tensor or a dict with ``"loss"``), if any."""
     if isinstance(outputs, torch.Tensor):
         return outputs
@@ -50,8 +55,8 @@ class TerminateOnNaN(Callback):
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
+        outputs: object,
+        batch: object,
         batch_idx: int,
     ) -> None:
         """Raise naming the epoch, batch and rank when the step's loss is not finite."""
@@ -110,9 +115,9 @@ class StoreCheckpoint(ModelCheckpoint):
         self,
         local_dir: str,
         logs_dir: str,
-        store: Any,
+        store: StoreBase,
         run_id: str,
-        history: list[dict[str, Any]] | None = None,
+        history: list[dict[str, float]] | None = None,
     ) -> None:
         super().__init__(
             dirpath=local_dir,
@@ -125,7 +130,7 @@ class StoreCheckpoint(ModelCheckpoint):
         self.logs_dir = logs_dir
         self.store = store
         self.run_id = run_id
-        self.history: list[dict[str, Any]] = list(history or [])
+        self.history: list[dict[str, float]] = list(history or [])
         self._loss_sum = 0.0
         self._loss_steps = 0
 
@@ -155,8 +160,8 @@ class StoreCheckpoint(ModelCheckpoint):
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
+        outputs: STEP_OUTPUT,
+        batch: object,
         batch_idx: int,
     ) -> None:
         """Add the step's loss to the epoch's running sum."""
@@ -168,7 +173,7 @@ class StoreCheckpoint(ModelCheckpoint):
             self._loss_sum += float(loss.detach()) * scale
             self._loss_steps += 1
 
-    def _epoch_logs(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    def _epoch_logs(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
         """The epoch's metrics averaged over the ranks (a collective: every rank calls it)."""
         local: dict[str, float] = {}
         for key, value in trainer.callback_metrics.items():
@@ -186,7 +191,7 @@ class StoreCheckpoint(ModelCheckpoint):
         )
         if trainer.world_size > 1:
             values = trainer.strategy.reduce(values, reduce_op="mean")
-        logs: dict[str, Any] = {"epoch": trainer.current_epoch}
+        logs: dict[str, float] = {"epoch": trainer.current_epoch}
         logs.update({k: float(v) for k, v in zip(keys, values.cpu().tolist(), strict=True)})
         return logs
 

@@ -20,13 +20,21 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.core import checkpoint, tensors
 from spark_estimators.core import rank as protocol
 from spark_estimators.core.batches import BatchConverter, epoch_batches
 from spark_estimators.core.spec import TrainSpec
 from spark_estimators.task.scratch import make_temp_dir, remove_at_rank_exit
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.loggers import Logger
+    from pytorch_lightning.profilers import Profiler
+
+    from spark_estimators.core.rank import RankReader
 
 
 @dataclass(kw_only=True)
@@ -37,7 +45,7 @@ class LightningTrainSpec(TrainSpec):
     collective_backend: str
     backward_passes_per_step: int
     log_every_n_steps: int
-    trainer_args: dict[str, Any]
+    trainer_args: dict[str, object]
     terminate_on_nan: bool
     verbose: int
     checkpoint_file: str | None = None
@@ -47,11 +55,11 @@ class LightningTrainSpec(TrainSpec):
 class LightningUserObjects:
     """The user's objects, pickled together (callbacks may refer to the module)."""
 
-    model: Any
-    callbacks: list[Any]
-    logger: Any = None
-    profiler: Any = None
-    transformation_fn: Any = None
+    model: pl.LightningModule
+    callbacks: list[pl.Callback]
+    logger: Logger | list[Logger] | bool | None = None
+    profiler: Profiler | str | None = None
+    transformation_fn: Callable[..., object] | None = None
 
 
 def converter(spec: LightningTrainSpec) -> BatchConverter:
@@ -69,7 +77,7 @@ class ReaderLoader:
 
     def __init__(
         self,
-        reader: Any,
+        reader: RankReader,
         steps: int | None,
         convert: BatchConverter,
         epoch_fn: Callable[[], int] | None = None,
@@ -84,7 +92,7 @@ class ReaderLoader:
             raise TypeError("the number of batches per epoch is not known (data='stream')")
         return self.steps
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         epoch = None if self.epoch_fn is None else self.epoch_fn()
         return epoch_batches(self.reader, self.convert, self.steps, epoch)
 
@@ -122,7 +130,7 @@ def _fetch_checkpoints(spec: LightningTrainSpec, rank: int, local_dir: str) -> s
     return os.path.join(local_dir, spec.checkpoint_file)
 
 
-def train(spec: LightningTrainSpec) -> dict[str, Any]:
+def train(spec: LightningTrainSpec) -> dict[str, object]:
     """Fit on this rank; rank 0 returns weights, history and metrics, every rank a fingerprint."""
     import cloudpickle
     import pytorch_lightning as pl
@@ -153,11 +161,11 @@ def _fit(
     spec: LightningTrainSpec,
     rank: int,
     user: LightningUserObjects,
-    module: Any,
+    module: pl.LightningModule,
     use_cuda: bool,
     run_dir: str,
     ckpt_dir: str,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     import pytorch_lightning as pl
     import torch
     from pytorch_lightning.callbacks import ModelCheckpoint
@@ -239,7 +247,7 @@ def _fit(
 
 
 def _output_shapes(
-    module: Any, reader: Any, spec: LightningTrainSpec
+    module: pl.LightningModule, reader: RankReader, spec: LightningTrainSpec
 ) -> tuple[list[tuple[int, ...]], str | None]:
     """Per-row output shapes of ``module(*features)`` (how ``transform`` calls it), or the error."""
     import torch

@@ -12,14 +12,42 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from spark_estimators.core.rank import light_tensorboard
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    import torch
+    from pytorch_lightning.loggers import Logger
+    from pytorch_lightning.profilers import Profiler
 
 logger = logging.getLogger(__name__)
 
 
-def rank_uses_cuda(spec: Any) -> bool:
+class TrainerSpec(Protocol):
+    """What the trainer set-up reads of ``LightningTrainSpec`` (whose module imports this one)."""
+
+    @property
+    def num_gpus(self) -> int | None: ...
+    @property
+    def use_gpu(self) -> bool | None: ...
+    @property
+    def collective_backend(self) -> str: ...
+    @property
+    def epochs(self) -> int: ...
+    @property
+    def log_every_n_steps(self) -> int: ...
+    @property
+    def backward_passes_per_step(self) -> int: ...
+    @property
+    def verbose(self) -> int: ...
+    @property
+    def trainer_args(self) -> Mapping[str, object]: ...
+
+
+def rank_uses_cuda(spec: TrainerSpec) -> bool:
     """Whether this rank trains on its GPU (``num_gpus=1`` without one is an error)."""
     import torch
 
@@ -37,7 +65,7 @@ def rank_uses_cuda(spec: Any) -> bool:
     return has_gpu
 
 
-def _process_group_backend(spec: Any, use_cuda: bool) -> str:
+def _process_group_backend(spec: TrainerSpec, use_cuda: bool) -> str:
     if spec.collective_backend == "auto":
         return "nccl" if use_cuda else "gloo"
     if spec.collective_backend == "nccl" and not use_cuda:
@@ -45,7 +73,9 @@ def _process_group_backend(spec: Any, use_cuda: bool) -> str:
     return spec.collective_backend
 
 
-def make_logger(user_logger: Any, logs_dir: str) -> Any:
+def make_logger(
+    user_logger: Logger | list[Logger] | bool | None, logs_dir: str
+) -> Logger | list[Logger] | bool:
     """The user's logger (or False), else a TensorBoardLogger into ``logs_dir``."""
     if user_logger is not None:
         return user_logger  # a logger the user configured, or False for none
@@ -59,7 +89,7 @@ def make_logger(user_logger: Any, logs_dir: str) -> Any:
         return False
 
 
-def make_profiler(profiler: Any, logs_dir: str) -> Any:
+def make_profiler(profiler: Profiler | str | None, logs_dir: str) -> Profiler | None:
     """The user's profiler; a profiler name becomes one writing into ``logs_dir``."""
     if not isinstance(profiler, str):
         return profiler
@@ -75,11 +105,11 @@ def make_profiler(profiler: Any, logs_dir: str) -> Any:
 
 
 def trainer_kwargs(
-    spec: Any,
+    spec: TrainerSpec,
     use_cuda: bool,
-    callbacks: list[Any],
-    train_logger: Any,
-    profiler: Any,
+    callbacks: list[pl.Callback],
+    train_logger: Logger | list[Logger] | bool,
+    profiler: Profiler | None,
     default_root_dir: str,
 ) -> dict[str, Any]:
     """``pl.Trainer`` keywords: DDP on the Spark ranks, one device each, ``trainer_args`` last."""
@@ -146,7 +176,9 @@ def quiet_lightning(verbose: int, rank: int) -> None:
     warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
-def weights_only_resume(trainer: Any, ckpt_path: str | None, name: str | None) -> dict[str, Any]:
+def weights_only_resume(
+    trainer: pl.Trainer, ckpt_path: str | None, name: str | None
+) -> dict[str, Any]:
     """``trainer.fit`` keywords that load the resumed checkpoint (from the store) weights-only.
 
     pytorch-lightning >= 2.6 takes ``weights_only``; older ones load with ``weights_only=False``,
@@ -164,7 +196,7 @@ def weights_only_resume(trainer: Any, ckpt_path: str | None, name: str | None) -
     return {}
 
 
-def best_checkpoint(callbacks: list[Any]) -> str | None:
+def best_checkpoint(callbacks: Sequence[object]) -> str | None:
     """The best checkpoint of the user's monitoring ModelCheckpoint, as horovod returned it."""
     from pytorch_lightning.callbacks import ModelCheckpoint
 
@@ -176,7 +208,7 @@ def best_checkpoint(callbacks: list[Any]) -> str | None:
     return None
 
 
-def logged_floats(metrics: dict[str, Any]) -> dict[str, float]:
+def logged_floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
     """The trainer's logged metrics that are numbers, as floats."""
     out = {}
     for key, value in metrics.items():
