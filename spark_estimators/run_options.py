@@ -73,7 +73,7 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def check_unsupported(where: str, **values: Any) -> None:
+def check_unsupported(where: str, **values: object) -> None:
     """Raise for the first argument of ``values`` that is set (not None/False/empty)."""
     for name, value in values.items():
         if value is None or value is False or value == "" or value == () or value == []:
@@ -178,7 +178,13 @@ _UNSUPPORTED_SWITCHES = {
 class _Unsupported(argparse.Action):
     """Fails the command line naming the horovodrun flag and what to use instead."""
 
-    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[object] | None,
+        option: str | None = None,
+    ) -> None:
         parser.error(f"{option} is not supported: {UNSUPPORTED[self.dest]}")
 
 

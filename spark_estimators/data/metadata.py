@@ -130,7 +130,7 @@ class DatasetMetadata:
     val_path: str | None
     train_files: list[ParquetFileInfo]
     val_files: list[ParquetFileInfo] = field(default_factory=list)
-    params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, object] = field(default_factory=dict)
     created_at: str = ""
     format_version: int = FORMAT_VERSION
 
@@ -412,7 +412,7 @@ def infer_column(name: str, column: pa.Array | pa.ChunkedArray) -> ColumnInfo:
     )
 
 
-def _numpy_name(arrow_type: Any) -> str:
+def _numpy_name(arrow_type: pa.DataType) -> str:
     import numpy as np
 
     return np.dtype(arrow_type.to_pandas_dtype()).name

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any, TypedDict, TypeGuard
 
 from spark_estimators.errors import ConfigurationError
 
@@ -75,7 +75,7 @@ class ReaderOptions:
     num_workers: int = 2
     reader: str = "arrow"
     pool_type: str = "thread"
-    transform_edit_fields: tuple[Any, ...] | None = None
+    transform_edit_fields: tuple[object, ...] | None = None
     transform_removed_fields: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -133,7 +133,11 @@ class ReaderOptions:
 PETASTORM_ONLY = ("pool_type", "transform_edit_fields", "transform_removed_fields")
 
 
-def check_arrow_reader_settings(pool_type: Any, edit_fields: Any, removed_fields: Any) -> None:
+def check_arrow_reader_settings(
+    pool_type: str | None,
+    edit_fields: Sequence[object] | None,
+    removed_fields: Sequence[str] | None,
+) -> None:
     """Refuse petastorm-only reader options with the default reader, naming the alternative."""
     if pool_type not in ("thread", None):
         raise ConfigurationError(
@@ -167,16 +171,16 @@ class ReaderKeywords(TypedDict, total=False):
     num_workers: int
     reader: str
     pool_type: str
-    transform_edit_fields: Sequence[Any] | None
+    transform_edit_fields: Sequence[object] | None
     transform_removed_fields: Sequence[str] | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ReaderOptions))
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: object) -> TypeGuard[int]:
     return _non_negative_int(value) and value >= 1
 
 
-def _non_negative_int(value: Any) -> bool:
+def _non_negative_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
