@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
+
+_N = TypeVar("_N")
 
 # torchrun-compatible variables set in every rank process.
 MASTER_ADDR = "MASTER_ADDR"
@@ -131,7 +133,7 @@ DEFAULT_INLINE_GATHER_BYTES = 1024 * 1024
 DEFAULT_INLINE_LIMIT_MAX = 256 * 1024
 
 
-def _env_number(name: str, default: Any, parse: Callable[[str], Any], what: str) -> Any:
+def _env_number(name: str, default: _N, parse: Callable[[str], _N], what: str) -> _N:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default

@@ -7,7 +7,7 @@ Every error that can cross a process boundary (rank child -> Spark task -> drive
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Self
 
 
 class SparkEstimatorsError(Exception):
@@ -22,7 +22,7 @@ class _PickledWithFields:
 
     _fields: tuple[str, ...] = ()
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[Self], tuple[object, ...]]:
         return (type(self), (str(self), *(getattr(self, name) for name in self._fields)))
 
 
@@ -128,7 +128,7 @@ class TrainingFailedError(SparkEstimatorsError, RuntimeError):
         """The ranks that failed, sorted."""
         return sorted(self.worker_failures)
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[type[Self], tuple[object, ...]]:
         return (type(self), (self._message, self.worker_failures))
 
 

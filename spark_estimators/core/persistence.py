@@ -39,7 +39,8 @@ import hmac
 import json
 import os
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import cloudpickle
 from pyspark.ml.util import (
@@ -55,6 +56,12 @@ from spark_estimators import envvars
 from spark_estimators._base.versions import installed_pyspark, parse_version
 from spark_estimators.errors import ConfigurationError, ModelIntegrityError, UnverifiedModelWarning
 
+if TYPE_CHECKING:
+    from fsspec.core import OpenFile
+    from pyspark import SparkContext
+    from pyspark.ml.param import Params
+    from pyspark.sql import SparkSession
+
 NOT_SAVED = ("store", "backend")
 BLOB_NAME = "stage.pkl"
 #: Key of the integrity record in the stage's Spark metadata (``metadata/part-00000``).
@@ -64,7 +71,7 @@ SIGNED_METADATA = ("class", "uid", "paramMap", "defaultParamMap")
 _METADATA_DOMAIN = b"spark_estimators stage metadata v1\0"
 
 
-def _is_json(value: Any) -> bool:
+def _is_json(value: object) -> bool:
     try:
         json.dumps(value)
     except (TypeError, ValueError):
@@ -72,7 +79,7 @@ def _is_json(value: Any) -> bool:
     return True
 
 
-def _open(path: str, mode: str) -> Any:
+def _open(path: str, mode: str) -> OpenFile:
     import fsspec
 
     return fsspec.open(path, mode)
@@ -95,7 +102,7 @@ def integrity_record(blob: bytes, key: bytes | None) -> dict[str, str]:
     return record
 
 
-def metadata_mac(key: bytes, blob_sha256: str, metadata: dict[str, Any]) -> str:
+def metadata_mac(key: bytes, blob_sha256: str, metadata: Mapping[str, object]) -> str:
     """HMAC-SHA256 of the stage's :data:`SIGNED_METADATA` fields (canonical JSON) and digest."""
     fields = {name: metadata.get(name) for name in SIGNED_METADATA}
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), allow_nan=True)
@@ -103,7 +110,7 @@ def metadata_mac(key: bytes, blob_sha256: str, metadata: dict[str, Any]) -> str:
     return hmac.new(key, message, hashlib.sha256).hexdigest()
 
 
-def saved_metadata(instance: Any, json_params: dict[str, Any]) -> dict[str, Any]:
+def saved_metadata(instance: Params, json_params: Mapping[str, object]) -> dict[str, object]:
     """The :data:`SIGNED_METADATA` fields as Spark's ``DefaultParamsWriter`` writes them."""
     fields = {
         "class": type(instance).__module__ + "." + type(instance).__name__,
@@ -210,7 +217,7 @@ def verify_blob(path: str, blob: bytes, record: Any, key: bytes | None) -> None:
         )
 
 
-def _metadata_context(io: MLWriter | MLReader) -> Any:
+def _metadata_context(io: MLWriter | MLReader) -> SparkSession | SparkContext:
     """What Spark ML's metadata helpers take: the session, or on pyspark 3.5 the SparkContext.
 
     pyspark 4 takes the session (a Spark Connect client has no SparkContext); 3.5's helpers call
@@ -253,7 +260,7 @@ def remove_for_overwrite(path: str) -> None:
 class StageWriter(MLWriter):
     """Writes a stage; the stage may define ``_extra_state() -> dict`` for non-param state."""
 
-    def __init__(self, instance: Any, key: str | bytes | None = None):
+    def __init__(self, instance: Params, key: str | bytes | None = None):
         super().__init__()
         self.instance = instance
         self._key = key
@@ -265,8 +272,8 @@ class StageWriter(MLWriter):
     def saveImpl(self, path: str) -> None:
         """Write the JSON metadata and ``stage.pkl`` (other params, the model) with its digest."""
         inst = self.instance
-        json_params: dict[str, Any] = {}
-        blob_params: dict[str, Any] = {}
+        json_params: dict[str, object] = {}
+        blob_params: dict[str, object] = {}
         for param, value in inst._paramMap.items():
             if param.name in NOT_SAVED:
                 continue
@@ -300,7 +307,7 @@ class StageReader(MLReader):
         self.cls = cls
         self._key = key
 
-    def load(self, path: str) -> Any:
+    def load(self, path: str) -> Params:
         """Verify ``stage.pkl`` against its digest (and HMAC with a key), then rebuild the stage."""
         metadata = DefaultParamsReader.loadMetadata(path, _metadata_context(self))
         blob_path = path.rstrip("/") + "/" + BLOB_NAME
@@ -321,7 +328,9 @@ class StageReader(MLReader):
         return instance
 
 
-def _drop_params_gone(instance: Any, metadata: dict[str, Any], blob_params: dict[str, Any]) -> None:
+def _drop_params_gone(
+    instance: Params, metadata: dict[str, Any], blob_params: dict[str, object]
+) -> None:
     """Remove Params the class no longer has from a saved stage's maps, before they are set.
 
     A stage saved by an older version may hold Params its class has since lost (the Lightning
@@ -347,11 +356,11 @@ class PersistenceMixin(MLWritable, MLReadable):
 
     def write(self) -> MLWriter:
         """A writer of this stage (``.write().overwrite().save(path)``)."""
-        return StageWriter(self)
+        return StageWriter(cast("Params", self))  # mixed into Params classes only
 
     def save(self, path: str, key: str | bytes | None = None) -> None:
         """Save to ``path``; ``key`` (or ``SPARK_ESTIMATORS_MODEL_KEY``) signs it with an HMAC."""
-        StageWriter(self, key=key).save(path)
+        StageWriter(cast("Params", self), key=key).save(path)
 
     @classmethod
     def read(cls) -> MLReader:
@@ -359,6 +368,6 @@ class PersistenceMixin(MLWritable, MLReadable):
         return StageReader(cls)
 
     @classmethod
-    def load(cls, path: str, key: str | bytes | None = None) -> Any:
+    def load(cls, path: str, key: str | bytes | None = None) -> Self:
         """Load a stage saved by :meth:`save`; ``key`` checks its HMAC (see the module doc)."""
-        return StageReader(cls, key=key).load(path)
+        return cast(Self, StageReader(cls, key=key).load(path))

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from spark_estimators import envvars as ev
 
-_client: Any = None
+if TYPE_CHECKING:
+    from spark_estimators.driver.rpc import RpcClient
+
+_client: RpcClient | None = None
 _rank: int = -1
 _lock = threading.Lock()
 _task_started: float | None = None
 
 
-def set_driver_client(client: Any, rank: int) -> None:
+def set_driver_client(client: RpcClient, rank: int) -> None:
     """Called once by the rank process entry point."""
     global _client, _rank
     with _lock:
@@ -26,7 +29,7 @@ def set_driver_client(client: Any, rank: int) -> None:
     install_env_rendezvous(driver_client)
 
 
-def driver_client() -> Any:
+def driver_client() -> RpcClient | None:
     """The rank's connection to the driver service (None outside a rank)."""
     return _client
 
@@ -50,7 +53,7 @@ def has_driver() -> bool:
     return _client is not None
 
 
-def send_event(kind: str, data: Any) -> bool:
+def send_event(kind: str, data: object) -> bool:
     """Send a small picklable event (metrics, progress) to the driver; False outside ``run``."""
     with _lock:
         client, rank = _client, _rank

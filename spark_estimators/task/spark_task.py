@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from spark_estimators import envvars as ev
 from spark_estimators._base.ports import reserve_port, reserved_port
@@ -34,6 +34,9 @@ from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import RemoteError
 from spark_estimators.task import spare
 from spark_estimators.task.scratch import create_scratch, remove_scratch
+
+if TYPE_CHECKING:
+    from pyspark import TaskContext
 
 STDERR_TAIL_LINES = 40
 WATCH_INTERVAL_S = 1.0
@@ -113,7 +116,7 @@ def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict
     return env
 
 
-def task_gpus(ctx: Any, use_gpu: bool | None) -> tuple[str, ...]:
+def task_gpus(ctx: TaskContext, use_gpu: bool | None) -> tuple[str, ...]:
     """The GPU addresses Spark assigned to this task (none when ``use_gpu`` is False)."""
     if use_gpu is False:
         return ()
