@@ -34,7 +34,7 @@ MIN_ROW_GROUP_ROWS = 64
 MAX_ROW_GROUP_ROWS = 1 << 20
 
 
-def arrow_type(info: ColumnInfo) -> Any:
+def arrow_type(info: ColumnInfo) -> pa.DataType:
     """The Arrow type a column is stored with."""
     import pyarrow as pa
 
@@ -44,7 +44,7 @@ def arrow_type(info: ColumnInfo) -> Any:
     return scalar if info.kind == "scalar" else pa.list_(scalar)
 
 
-def stored_schema(columns: tuple[ColumnInfo, ...]) -> Any:
+def stored_schema(columns: tuple[ColumnInfo, ...]) -> pa.Schema:
     import pyarrow as pa
 
     payload = json.dumps([c.to_dict() for c in columns]).encode()
@@ -85,7 +85,7 @@ class _RollingParquetWriter:
         self._row_group_bytes = row_group_bytes
         self._max_file_bytes = max_file_bytes
         self._group_rows = 0
-        self._pending: list[Any] = []
+        self._pending: list[pa.RecordBatch] = []
         self._pending_rows = 0
         self._seq = 0
         self._sink: Any = None
@@ -94,7 +94,7 @@ class _RollingParquetWriter:
         self._groups: list[int] = []
         self.files: list[dict[str, Any]] = []
 
-    def write(self, batch: Any) -> None:
+    def write(self, batch: pa.RecordBatch) -> None:
         if batch.num_rows == 0:
             return
         if not self._group_rows:
@@ -180,7 +180,7 @@ class PartitionWriter:
     max_file_bytes: int
     rank_imports: tuple[str, ...] = ()  # a spare rank process imports these meanwhile
 
-    def __call__(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
         from pyspark import TaskContext
 
@@ -233,8 +233,8 @@ class PartitionWriter:
         yield pa.RecordBatch.from_pydict({"info": lines})
 
     def _convert(
-        self, batch: Any, schema: pa.Schema, stats: dict[str, Any]
-    ) -> tuple[Any, Any, bool]:
+        self, batch: pa.RecordBatch, schema: pa.Schema, stats: dict[str, Any]
+    ) -> tuple[pa.RecordBatch, np.ndarray | None, bool]:
         """Check and convert one batch; returns (stored batch, validation mask, has_errors)."""
         import pyarrow as pa
 
