@@ -8,7 +8,7 @@ unsupported column, or a shape that cannot be inferred fails in milliseconds wit
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.data.metadata import ColumnInfo
 from spark_estimators.errors import ConfigurationError
@@ -16,6 +16,7 @@ from spark_estimators.store.base import StoreBase
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
+    from pyspark.sql.types import DataType
 
 #: Rows read to infer shapes when the schema does not give them.
 SAMPLE_ROWS = 32
@@ -45,14 +46,14 @@ def _as_list(value: Sequence[str] | str | None, what: str) -> list[str]:
 
 
 def check_args(
-    num_proc: Any,
+    num_proc: object,
     store: StoreBase,
     df: DataFrame,
-    feature_cols: Any,
-    label_cols: Any,
-    validation: Any,
-    sample_weight_col: Any,
-    partitions_per_process: Any,
+    feature_cols: Sequence[str] | str | None,
+    label_cols: Sequence[str] | str | None,
+    validation: object,
+    sample_weight_col: object,
+    partitions_per_process: object,
 ) -> tuple[list[str], list[str], str | None, float]:
     """Check ``prepare_data``'s arguments in the driver, or raise a ConfigurationError.
 
@@ -155,7 +156,7 @@ def kind_of(df: DataFrame, name: str, for_validation: bool = False) -> str:
     )
 
 
-def _scalar_column(name: str, dt: Any) -> ColumnInfo:
+def _scalar_column(name: str, dt: DataType) -> ColumnInfo:
     return ColumnInfo(name, "scalar", SCALAR_DTYPES[dt.simpleString()], (), dt.simpleString())
 
 
