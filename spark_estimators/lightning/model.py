@@ -10,10 +10,13 @@ of training (what horovod's Lightning estimator returned).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.torch.model import TorchModel
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 
 class LightningModel(TorchModel):
@@ -46,18 +49,18 @@ class LightningModel(TorchModel):
         """Rank 0's ``trainer.logged_metrics`` after the last epoch, as floats."""
         return dict(self._logged_metrics)
 
-    def _extra_state(self) -> dict[str, Any]:
+    def _extra_state(self) -> dict[str, object]:
         state = super()._extra_state()
         state["logged_metrics"] = self._logged_metrics
         state["forward_error"] = self._forward_error
         return state
 
-    def _restore_extra_state(self, state: dict[str, Any]) -> None:
+    def _restore_extra_state(self, state: dict[str, object]) -> None:
         super()._restore_extra_state(state)
-        self._logged_metrics = dict(state.get("logged_metrics", {}))
-        self._forward_error = state.get("forward_error")
+        self._logged_metrics = dict(cast("dict[str, float]", state.get("logged_metrics", {})))
+        self._forward_error = cast("str | None", state.get("forward_error"))
 
-    def _transform(self, df: Any) -> Any:
+    def _transform(self, df: DataFrame) -> DataFrame:
         if self._forward_error is not None:
             raise ConfigurationError(
                 "transform calls the module as module(*feature_tensors), one tensor per "

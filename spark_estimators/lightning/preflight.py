@@ -16,24 +16,39 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from spark_estimators.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
+    import torch
+
+    from spark_estimators.core.spec import TrainSpec
+    from spark_estimators.data.metadata import DatasetMetadata
+    from spark_estimators.data.stream import StreamMetadata
+    from spark_estimators.store.base import StoreBase
 
 logger = logging.getLogger(__name__)
 
 
 def check_training_step_on_rows(
-    spec: Any, module: Any, store: Any, meta: Any, custom_batches: bool
+    spec: TrainSpec,
+    module: pl.LightningModule,
+    store: StoreBase,
+    meta: DatasetMetadata | StreamMetadata,
+    custom_batches: bool,
 ) -> float:
     """Run ``module.training_step`` on a few rows; returns the milliseconds it took."""
     import torch
 
     if custom_batches or any(p.device.type != "cpu" for p in module.parameters()):
         return 0.0
-    from spark_estimators.lightning.remote import converter
+    from spark_estimators.lightning.remote import LightningTrainSpec, converter
     from spark_estimators.torch.preflight import read_rows
 
+    assert isinstance(spec, LightningTrainSpec)  # the lightning framework's spec
     start = time.perf_counter()
     rows = read_rows(store, meta, spec)
     if rows is None:
@@ -61,7 +76,11 @@ def check_training_step_on_rows(
 
 
 def _step_error(
-    spec: Any, module: Any, batch: dict[str, Any], failure: Any, size_warning: Any
+    spec: TrainSpec,
+    module: object,
+    batch: Mapping[str, torch.Tensor],
+    failure: BaseException | None,
+    size_warning: warnings.WarningMessage | None,
 ) -> Exception:
     shapes = ", ".join(
         f"{c!r} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for c, t in batch.items()
@@ -69,7 +88,7 @@ def _step_error(
     name = type(module).__name__
     cause = (
         f"{type(failure).__name__}: {failure}"
-        if failure is not None
+        if failure is not None or size_warning is None
         else f"{size_warning.category.__name__}: {size_warning.message}"
     )
     rows = len(next(iter(batch.values())))

@@ -26,14 +26,22 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from spark_estimators.core import tensors
 from spark_estimators.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    import torch
+
+    from spark_estimators.data.metadata import ColumnInfo, DatasetMetadata
+    from spark_estimators.data.stream import StreamMetadata
+    from spark_estimators.store.base import StoreBase
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +54,7 @@ class IndexColumn:
     reason: str
 
 
-def class_index_mode(loss: Any) -> str:
+def class_index_mode(loss: object) -> str:
     """``"any"``, ``"scalar"`` (label shapes it applies to) or ``""`` for a loss."""
     import torch
     import torch.nn.functional as F  # noqa: N812
@@ -64,7 +72,7 @@ def class_index_mode(loss: Any) -> str:
     return ""
 
 
-def _loss_name(loss: Any) -> str:
+def _loss_name(loss: object) -> str:
     from spark_estimators.torch.losses import metric_name
 
     while isinstance(loss, functools.partial) and not hasattr(loss, "__name__"):
@@ -72,13 +80,13 @@ def _loss_name(loss: Any) -> str:
     return metric_name(loss)
 
 
-def _floating(columns: dict[str, Any], col: str) -> bool:
+def _floating(columns: Mapping[str, ColumnInfo], col: str) -> bool:
     info = columns.get(col)
     return info is not None and np.dtype(info.dtype).kind == "f"
 
 
 def label_index_cols(
-    losses: Sequence[Any], label_cols: Sequence[str], columns: dict[str, Any]
+    losses: Sequence[object], label_cols: Sequence[str], columns: Mapping[str, ColumnInfo]
 ) -> list[IndexColumn]:
     """The floating label columns whose loss takes class indices."""
     per_label = list(losses) * len(label_cols) if len(losses) == 1 else list(losses)
@@ -94,17 +102,17 @@ def label_index_cols(
 
 
 def embedding_index_cols(
-    model: Any,
+    model: torch.nn.Module,
     feature_cols: Sequence[str],
-    columns: dict[str, Any],
-    input_shapes: Sequence[Any] | None,
+    columns: Mapping[str, ColumnInfo],
+    input_shapes: Sequence[Sequence[int] | None] | None,
 ) -> list[IndexColumn]:
     """The floating feature columns that reach an ``nn.Embedding``/``nn.EmbeddingBag`` whole."""
     import torch
 
     if isinstance(model, torch.jit.ScriptModule):
         return []
-    names = {
+    names: dict[torch.nn.Module, str] = {
         m: name or type(m).__name__
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag)
@@ -124,7 +132,9 @@ def embedding_index_cols(
     }
     found: dict[str, str] = {}
 
-    def cast_indices(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def cast_indices(
+        module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]] | None:
         x = args[0] if args else kwargs.get("input")
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return None
@@ -155,14 +165,16 @@ def embedding_index_cols(
     ]
 
 
-def _layer_type(model: Any, name: str) -> str:
+def _layer_type(model: torch.nn.Module, name: str) -> str:
     for n, m in model.named_modules():
         if (n or type(m).__name__) == name:
             return type(m).__name__
     return "embedding"
 
 
-def check_whole_numbers(store: Any, meta: Any, cols: Sequence[IndexColumn]) -> None:
+def check_whole_numbers(
+    store: StoreBase, meta: DatasetMetadata | StreamMetadata, cols: Sequence[IndexColumn]
+) -> None:
     """Refuse index columns with fractional or NaN values, reading the prepared files in Spark.
 
     One task per few files reads only ``cols`` (through the store's filesystem, as the ranks do);
@@ -205,7 +217,9 @@ def check_whole_numbers(store: Any, meta: Any, cols: Sequence[IndexColumn]) -> N
             )
 
 
-def fractional_in_file(store: Any, cols: list[str], path: str) -> dict[str, tuple[int, float]]:
+def fractional_in_file(
+    store: StoreBase, cols: list[str], path: str
+) -> dict[str, tuple[int, float]]:
     """``{col: (count of non-whole values, first such value)}`` of one Parquet file (executor)."""
     import pyarrow.parquet as pq
 
@@ -222,7 +236,7 @@ def fractional_in_file(store: Any, cols: list[str], path: str) -> dict[str, tupl
     return out
 
 
-def _flat_values(column: Any) -> np.ndarray:
+def _flat_values(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """Every number of an Arrow column (scalars, lists, sparse ``struct<..., values>``)."""
     import pyarrow as pa
 

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import logging
 import shutil
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from spark_estimators.core.rank import light_tensorboard
 from spark_estimators.task.scratch import make_temp_dir
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from spark_estimators.store.base import StoreBase
 
 logger = logging.getLogger(__name__)
 
@@ -15,11 +21,11 @@ logger = logging.getLogger(__name__)
 class TensorBoardScalars:
     """Scalars into a local event dir, synced to the run's logs/ in the store after each epoch."""
 
-    def __init__(self, store: Any, run_id: str):
+    def __init__(self, store: StoreBase, run_id: str):
         self.store, self.run_id = store, run_id
         # Removed by close() (or with the rank's scratch).
         self.local = make_temp_dir("se-tb-")
-        self.writer: Any = None
+        self.writer: SummaryWriter | None = None
         try:
             light_tensorboard()
             from torch.utils.tensorboard import SummaryWriter
@@ -28,7 +34,7 @@ class TensorBoardScalars:
         except ImportError:
             logger.warning("tensorboard is not installed: no TensorBoard logs for this run")
 
-    def log(self, epoch: int, logs: dict[str, Any]) -> None:
+    def log(self, epoch: int, logs: Mapping[str, object]) -> None:
         """Write the epoch's float metrics and sync the event dir to the store."""
         if self.writer is None:
             return

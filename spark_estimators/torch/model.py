@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from pyspark.ml.param import Param, Params, TypeConverters
 
 from spark_estimators.core import tensors
 from spark_estimators.core.model import Predictor, SparkModel
 from spark_estimators.torch.serialization import model_from_bytes, model_to_bytes
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 class TorchPredictor(Predictor):
@@ -21,7 +25,7 @@ class TorchPredictor(Predictor):
     def __init__(self, index_inputs: dict[int, str] | None = None) -> None:
         self.index_inputs = dict(index_inputs or {})
 
-    def load(self, blob: bytes) -> Any:
+    def load(self, blob: bytes) -> torch.nn.Module:
         """The torch model from its bytes (TorchScript or pickled), in eval mode on this device."""
         import torch
 
@@ -34,10 +38,11 @@ class TorchPredictor(Predictor):
         model.eval()
         return model
 
-    def predict(self, model: Any, inputs: list[Any]) -> list[Any]:
+    def predict(self, model: object, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """Run the model on one batch of input arrays and return one array per output."""
         import torch
 
+        model = cast("torch.nn.Module", model)  # what load() returned
         first = next(iter(model.parameters()), None)
         device = first.device if first is not None else torch.device("cpu")
         arrays = [
@@ -66,7 +71,7 @@ class TorchModel(SparkModel):
     floating columns that feed an ``nn.Embedding``, e.g. ``StringIndexer`` output).
     """
 
-    indexCols: Param[Any] = Param(
+    indexCols: Param[list[str]] = Param(
         Params._dummy(),
         "indexCols",
         "feature columns cast to int64 class indices before the model (floating columns that "
@@ -76,7 +81,10 @@ class TorchModel(SparkModel):
 
     def getIndexCols(self) -> list[str]:
         """The feature columns fed as int64 class indices (``[]`` when none)."""
-        return list(self.getOrDefault(self.indexCols)) if self.isDefined(self.indexCols) else []
+        if not self.isDefined(self.indexCols):
+            return []
+        cols: list[str] = self.getOrDefault(self.indexCols)
+        return list(cols)
 
     def setIndexCols(self, value: list[str]) -> TorchModel:
         """Sets the value of ``indexCols``."""
@@ -85,7 +93,7 @@ class TorchModel(SparkModel):
     def _model_to_bytes(self) -> bytes:
         return model_to_bytes(self._model)  # TorchScript modules through torch.jit.save
 
-    def _model_from_bytes(self, blob: bytes) -> Any:
+    def _model_from_bytes(self, blob: bytes) -> torch.nn.Module:
         model = model_from_bytes(blob)
         model.eval()
         return model

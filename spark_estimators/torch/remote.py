@@ -18,9 +18,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from spark_estimators.core import checkpoint
 from spark_estimators.core import rank as protocol
@@ -34,16 +32,13 @@ from spark_estimators.torch.running_stats import average_running_stats
 if TYPE_CHECKING:
     import torch
 
+    from spark_estimators.core.rank import RankReader
     from spark_estimators.store.base import StoreBase
     from spark_estimators.torch.losses import Loss, MetricEntry, Outputs
     from spark_estimators.torch.serialization import TravellingModel, TravellingOptimizer
 
 CHECKPOINT_FILE = "checkpoint.pt"
 FRAMEWORK = "torch"
-
-
-class _Reader(Protocol):
-    def peek(self) -> dict[str, np.ndarray]: ...
 
 
 @dataclass(kw_only=True)
@@ -110,7 +105,7 @@ class _Epoch:
     convert: BatchConverter
     first_batch: protocol.FirstBatchEvent
 
-    def run(self, reader: _Reader, epoch: int, steps: int | None, train: bool) -> list[float]:
+    def run(self, reader: RankReader, epoch: int, steps: int | None, train: bool) -> list[float]:
         """One pass; returns ``[loss, *metrics]`` averaged over the rows of all ranks."""
         import torch
 
@@ -304,7 +299,7 @@ def train(spec: TorchTrainSpec) -> dict[str, object]:
 
 def _output_shapes(
     model: torch.nn.Module,
-    reader: _Reader,
+    reader: RankReader,
     spec: TorchTrainSpec,
     convert: BatchConverter,
     device: torch.device,

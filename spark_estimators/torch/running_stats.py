@@ -13,10 +13,13 @@ of the whole global batch at every step use ``spark_estimators.collective.torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
-def running_stat_buffers(module: Any) -> list[Any]:
+def running_stat_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
     """The floating-point running statistics of every normalisation layer in ``module``.
 
     In ``module.named_modules()`` order (the same on every rank): each ``_NormBase`` layer
@@ -37,7 +40,9 @@ def running_stat_buffers(module: Any) -> list[Any]:
     return buffers
 
 
-def average_running_stats(module: Any, allreduce_sum_: Callable[[Any], Any], size: int) -> int:
+def average_running_stats(
+    module: torch.nn.Module, allreduce_sum_: Callable[[torch.Tensor], object], size: int
+) -> int:
     """Replace every running statistic of ``module`` by its mean over the ranks, in place.
 
     ``allreduce_sum_`` sums one flat tensor over the ranks in place (every rank calls this
