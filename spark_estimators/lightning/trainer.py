@@ -30,21 +30,36 @@ class TrainerSpec(Protocol):
     """What the trainer set-up reads of ``LightningTrainSpec`` (whose module imports this one)."""
 
     @property
-    def num_gpus(self) -> int | None: ...
+    def num_gpus(self) -> int | None:
+        """GPUs per rank (``None``: decided by ``use_gpu``)."""
+
     @property
-    def use_gpu(self) -> bool | None: ...
+    def use_gpu(self) -> bool | None:
+        """Whether ranks train on CUDA (``None``: when one is there)."""
+
     @property
-    def collective_backend(self) -> str: ...
+    def collective_backend(self) -> str:
+        """The collective backend's name."""
+
     @property
-    def epochs(self) -> int: ...
+    def epochs(self) -> int:
+        """Epochs to train."""
+
     @property
-    def log_every_n_steps(self) -> int: ...
+    def log_every_n_steps(self) -> int:
+        """Lightning's logging interval."""
+
     @property
-    def backward_passes_per_step(self) -> int: ...
+    def backward_passes_per_step(self) -> int:
+        """Local gradient accumulation steps."""
+
     @property
-    def verbose(self) -> int: ...
+    def verbose(self) -> int:
+        """Verbosity of the rank's output."""
+
     @property
-    def trainer_args(self) -> Mapping[str, object]: ...
+    def trainer_args(self) -> Mapping[str, object]:
+        """Extra ``pl.Trainer`` keywords."""
 
 
 def rank_uses_cuda(spec: TrainerSpec) -> bool:

@@ -25,3 +25,13 @@ for f in test_torch.py test_adasum_pytorch.py; do
     --backend nccl -m pytest "tests/conformance/parallel/$f" -q -p no:cacheprovider -rfE \
     -o timeout=60 2>&1 | tee "$OUT/${f%.py}_nccl.log" | tail -30
 done
+# 3. Adasum (horovod's test_adasum_pytorch.py needs MPI and CUDA): with the mpi4py and mpich
+#    wheels carried in .whl/ (README of the device tool), one rank over --backend mpi.
+if ls .whl/mpi4py-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/mpi-site .whl/*.whl && export PYTHONPATH=/tmp/mpi-site:$PYTHONPATH
+  mkdir -p "$OUT/adasum_mpi"
+  CONFORMANCE_REPORT_DIR="$OUT/adasum_mpi" timeout 150 $PY -m spark_estimators.launch -np 1 \
+    --backend mpi -m pytest tests/conformance/parallel/test_adasum_pytorch.py -q \
+    -p no:cacheprovider -rfE -o timeout=60 2>&1 | tee "$OUT/adasum_mpi.log" | tail -30
+fi

@@ -17,8 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 #: The count after issue 28's typing passes (1,328 before them; collective/ 404 -> 18; core/,
-#: data/, task/ and the top-level modules 398 -> 117). It may only go down.
-CEILING = 247
+#: data/, task/ and the top-level modules 398 -> 117; torch/, keras/, lightning/ 258 -> 12). It may
+#: only go down.
+CEILING = 204
 
 
 def _mentions_any(node: ast.AST | None) -> bool:
