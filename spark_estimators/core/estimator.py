@@ -73,7 +73,6 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
     :func:`~spark_estimators.core.params.document_constructor` for its ``Parameters`` docs.
     """
 
-    _framework = "base"
     _input_kwargs: dict[str, Any]  # set by @keyword_only: the keywords the caller passed
 
     @keyword_only

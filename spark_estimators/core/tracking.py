@@ -177,7 +177,9 @@ class MlflowTracker:
         if pending:
             self.client.log_batch(self.mlflow_run_id, metrics=pending)
 
-    def log_model(self, est: FeatureParams, model: SparkModel, meta: FitData, store: Store) -> None:
+    def log_model(
+        self, est: FeatureParams, model: SparkModel, meta: FitData, store: Store, framework: str
+    ) -> None:
         """The trained framework model with its signature, under the artifact path ``model``.
 
         It is logged at the last epoch's step, and that epoch's metrics are then logged linked
@@ -187,7 +189,6 @@ class MlflowTracker:
         import mlflow
 
         inputs = _example_inputs(est, meta, store, getattr(model, "getIndexCols", list)())
-        framework = getattr(est, "_framework", "")
         net = model.getModel()
         step = self._pending[0].step if self._pending else 0
         info = self._log_model(mlflow, est, model, net, inputs, framework, step)

@@ -199,7 +199,7 @@ class TrainingRun:
             model = self.framework.build_model(results, run_id)
             if tracker is not None:
                 try:
-                    tracker.log_model(self.est, model, data, store)
+                    tracker.log_model(self.est, model, data, store, self.framework.name)
                 except Exception as exc:  # noqa: BLE001 - the fit itself succeeded
                     logger.warning("the trained model could not be logged to MLflow: %r", exc)
         except BaseException:

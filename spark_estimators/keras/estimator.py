@@ -96,7 +96,6 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
     optimizer's ``gradient_accumulation_steps``).
     """
 
-    _framework = "keras"
     _horovod_only = {
         **HOROVOD_DATA_MODULE_KEYWORDS,
         "tensorflow_dataset_prefetch_buffer_size": (

@@ -109,8 +109,6 @@ class LightningEstimator(SparkEstimator):
     did); otherwise it holds the final weights.
     """
 
-    _framework = "lightning"
-
     numGpus = make_param("numGpus", "GPUs per rank: None (auto), 0 or 1", to_int_or_none)
     logger = make_param("logger", "Lightning logger (default TensorBoard into the store)")
     logEveryNSteps = make_param(

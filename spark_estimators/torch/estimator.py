@@ -42,7 +42,7 @@ from spark_estimators.core.training_run import TrainingRun, wrap_model
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.torch import indices, preflight, serialization
 from spark_estimators.torch.model import TorchModel
-from spark_estimators.torch.remote import TorchTrainSpec, UserObjects, train
+from spark_estimators.torch.remote import FRAMEWORK, TorchTrainSpec, UserObjects, train
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,6 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
     ``categorical_cols`` are accepted at None and refused otherwise, naming the alternative.
     """
 
-    _framework = "torch"
     _horovod_only = HOROVOD_DATA_MODULE_KEYWORDS
 
     @keyword_only
@@ -157,7 +156,7 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
 class TorchFramework:
     """What a torch fit adds to its TrainingRun (see :mod:`spark_estimators.core.framework`)."""
 
-    name = "torch"
+    name = FRAMEWORK
 
     def __init__(self, est: TorchEstimator) -> None:
         self.est = est
