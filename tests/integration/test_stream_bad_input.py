@@ -7,8 +7,6 @@ with a ``TrainingFailedError`` naming the column, the value and the fix.
 
 from __future__ import annotations
 
-import uuid
-
 import numpy as np
 import pytest
 
@@ -18,6 +16,7 @@ from pyspark.ml.linalg import Vectors  # noqa: E402
 
 from spark_estimators.errors import ConfigurationError, TrainingFailedError  # noqa: E402
 from spark_estimators.torch import TorchEstimator  # noqa: E402
+from tests.integration.test_prepare_data_errors import jobs_run_by  # noqa: E402
 
 pytestmark = [pytest.mark.spark, pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -64,18 +63,6 @@ def make_estimator(**kw):
     )
     opts.update(kw)
     return TorchEstimator(**opts)
-
-
-def jobs_run_by(spark, fn):
-    """Call fn() under a fresh job group and return the ids of the Spark jobs it started."""
-    sc = spark.sparkContext
-    group = f"test-{uuid.uuid4().hex}"
-    sc.setJobGroup(group, "stream input checks")
-    try:
-        fn()
-    finally:
-        sc.setLocalProperty("spark.jobGroup.id", None)
-    return list(sc.statusTracker().getJobIdsForGroup(group))
 
 
 @pytest.mark.parametrize(
