@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from spark_estimators.data._arrow import table_to_numpy
+from spark_estimators.data._arrow import invalid_rows, table_to_numpy
 from spark_estimators.data._pipeline import (
     NUMPY_BLOCKS,
     Batch,
@@ -186,8 +186,6 @@ def check_rows(batch: pa.RecordBatch, columns: Mapping[str, ColumnInfo], where: 
 
     The message names the column, the first bad value, ``where`` the rows came from, and the fix.
     """
-    from spark_estimators.data._arrow import invalid_rows
-
     for name, info in columns.items():
         if info.is_sparse or name not in batch.schema.names:  # stream vectors arrive dense
             continue
