@@ -88,54 +88,53 @@ def predict_batches(
     spec: PredictSpec, batches: Iterator[pa.RecordBatch]
 ) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` body: append the model's outputs to every Arrow batch."""
-    import numpy as np
     import pyarrow as pa
 
     predictor: Predictor = spec["predictor"]
     model = _cached_model(spec["key"], predictor, spec["blob"])
     keep = spec["keep"]
     for batch in batches:
-        n = batch.num_rows
-        outs: list[list[np.ndarray]] = [[] for _ in spec["output_cols"]]
         arrays = {c: tensors.arrow_to_numpy(batch.column(t)) for c, t in spec["inputs"].items()}
-        step = spec["batch_size"]
-        for start in range(0, n, step):
-            part = {c: a[start : start + step] for c, a in arrays.items()}
-            inputs = tensors.model_inputs(part, spec["feature_cols"], spec["input_shapes"])
-            for i, out in enumerate(predictor.predict(model, inputs)):
-                outs[i].append(out)
         columns = [batch.column(i) for i in keep]
-        names = [batch.schema.field(i).name for i in keep]
-        for i, name in enumerate(spec["output_cols"]):
-            shape = spec["output_shapes"][i]
-            values = np.concatenate(outs[i]).reshape((n, *shape)) if n else np.zeros((0, *shape))
-            columns.append(tensors.numpy_to_arrow(values))
-            names.append(name)
+        columns += _predict_columns(spec, arrays, batch.num_rows, predictor, model)
+        names = [batch.schema.field(i).name for i in keep] + list(spec["output_cols"])
         yield pa.RecordBatch.from_arrays(columns, names=names)
+
+
+def _predict_columns(
+    spec: PredictSpec,
+    arrays: dict[str, np.ndarray],
+    n: int,
+    predictor: Predictor,
+    model: object,
+) -> list[pa.Array]:
+    """The output columns for ``n`` rows of feature ``arrays``, ``batch_size`` rows at a time."""
+    import numpy as np
+
+    outs: list[list[np.ndarray]] = [[] for _ in spec["output_cols"]]
+    step = spec["batch_size"]
+    for start in range(0, n, step):
+        part = {c: a[start : start + step] for c, a in arrays.items()}
+        inputs = tensors.model_inputs(part, spec["feature_cols"], spec["input_shapes"])
+        for i, out in enumerate(predictor.predict(model, inputs)):
+            outs[i].append(out)
+    columns = []
+    for i in range(len(spec["output_cols"])):
+        shape = spec["output_shapes"][i]
+        values = np.concatenate(outs[i]).reshape((n, *shape)) if n else np.zeros((0, *shape))
+        columns.append(tensors.numpy_to_arrow(values))
+    return columns
 
 
 def _predict_arrays(
     spec: PredictSpec, arrays: list[pa.Array], predictor: Predictor, model: object
 ) -> pa.StructArray:
     """Predict one chunk of Arrow feature arrays; returns a struct array of the outputs."""
-    import numpy as np
     import pyarrow as pa
 
     features = spec["feature_cols"]
     cols = {c: tensors.arrow_to_numpy(a) for c, a in zip(features, arrays, strict=True)}
-    n = len(arrays[0])
-    outs: list[list[np.ndarray]] = [[] for _ in spec["output_cols"]]
-    step = spec["batch_size"]
-    for start in range(0, n, step):
-        part = {c: a[start : start + step] for c, a in cols.items()}
-        inputs = tensors.model_inputs(part, spec["feature_cols"], spec["input_shapes"])
-        for i, out in enumerate(predictor.predict(model, inputs)):
-            outs[i].append(out)
-    fields = []
-    for i, _name in enumerate(spec["output_cols"]):
-        shape = spec["output_shapes"][i]
-        values = np.concatenate(outs[i]).reshape((n, *shape)) if n else np.zeros((0, *shape))
-        fields.append(tensors.numpy_to_arrow(values))
+    fields = _predict_columns(spec, cols, len(arrays[0]), predictor, model)
     return pa.StructArray.from_arrays(fields, names=list(spec["output_cols"]))
 
 
