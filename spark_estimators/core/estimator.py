@@ -64,6 +64,12 @@ def _bad(param: str, value: object, expected: str, fix: str = "") -> Configurati
     return ConfigurationError(msg + (f". {fix}" if fix else ""))
 
 
+def _check_kind(param: str, value: object, kind: type, expected: str, fix: str) -> None:
+    """Refuse ``value`` (a Param's) unless it is None or a ``kind``."""
+    if value is not None and not isinstance(value, kind):
+        raise _bad(param, value, expected, fix)
+
+
 class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams, EstimatorParams):
     """Base of every spark_estimators estimator (see the framework subclasses).
 
@@ -128,13 +134,13 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
                 "collective_backend", self.getCollectiveBackend(), f"one of {COLLECTIVE_BACKENDS}"
             )
         backend = self.getBackend()
-        if backend is not None and not isinstance(backend, Backend):
-            raise _bad(
-                "backend",
-                backend,
-                "a spark_estimators Backend (e.g. SparkBackend)",
-                "Use collective_backend='gloo'|'nccl'|'mpi' to choose the collective.",
-            )
+        _check_kind(
+            "backend",
+            backend,
+            Backend,
+            "a spark_estimators Backend (e.g. SparkBackend)",
+            "Use collective_backend='gloo'|'nccl'|'mpi' to choose the collective.",
+        )
         if backend is not None and num_proc is not None and backend.num_processes() != num_proc:
             raise ConfigurationError(
                 f"num_proc={num_proc} conflicts with backend.num_processes()="
@@ -144,14 +150,13 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
         check_data_mode(self)
         check_unsupported(self)  # horovod params without an effect here: refused, not ignored
         check_available(self.getOrDefault("logToMlflow"))
-        store = self.getStore()
-        if store is not None and not isinstance(store, Store):
-            raise _bad(
-                "store",
-                store,
-                "a spark_estimators Store",
-                "Build one with Store.create('file:///path') or LocalStore(path).",
-            )
+        _check_kind(
+            "store",
+            self.getStore(),
+            Store,
+            "a spark_estimators Store",
+            "Build one with Store.create('file:///path') or LocalStore(path).",
+        )
         validation = self.getValidation()
         if validation is not None and not isinstance(validation, str):
             if isinstance(validation, bool) or not isinstance(validation, int | float):
@@ -171,19 +176,22 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
                 f"columns {features!r}: give one shape per feature column"
             )
         if columns is not None:
-            wanted = list(features) + list(labels)
-            weight_col = self.getSampleWeightCol()
-            if weight_col:
-                wanted.append(weight_col)
-            if isinstance(validation, str):
-                wanted.append(validation)
-            missing = [c for c in wanted if c not in columns]
+            missing = [c for c in self._input_columns() if c not in columns]
             if missing:
                 raise ConfigurationError(
                     f"column(s) {missing!r} not found in the DataFrame; available columns: "
                     f"{columns!r}. Check feature_cols, label_cols, sample_weight_col, validation."
                 )
         self._validate_framework()
+
+    def _input_columns(self) -> list[str]:
+        """The columns a fit reads: features, labels, the sample weights, a validation flag."""
+        weight_col = self.getSampleWeightCol()
+        validation = self.getValidation()
+        optional = [weight_col] if weight_col else []
+        if isinstance(validation, str):
+            optional.append(validation)
+        return [*self.getFeatureCols(), *self.getLabelCols(), *optional]
 
     def _validate_elastic(self, num_proc: int | None) -> None:
         elastic = self.getElastic()
