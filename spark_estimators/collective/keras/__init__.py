@@ -36,14 +36,11 @@ from __future__ import annotations
 
 from typing import TypeAlias
 
-try:
+from spark_estimators.collective.requires import requires_extra
+
+with requires_extra("spark_estimators.collective.keras", "TensorFlow and Keras 3", "keras"):
     import keras
     import tensorflow as tf
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "spark_estimators.collective.keras needs TensorFlow and Keras 3: "
-        "pip install 'spark-estimators[keras]'"
-    ) from exc
 
 import numpy as np
 

@@ -30,13 +30,10 @@ How the ops reach the collective core (numpy buffers, ``tf.py_function`` inside
 
 from __future__ import annotations
 
-try:
+from spark_estimators.collective.requires import requires_extra
+
+with requires_extra("spark_estimators.collective.tensorflow", "TensorFlow", "keras"):
     import tensorflow as _tf  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError(
-        "spark_estimators.collective.tensorflow needs TensorFlow: "
-        "pip install 'spark-estimators[keras]'"
-    ) from exc
 
 from spark_estimators.collective import api as _api
 from spark_estimators.collective.api import *  # noqa: F403
