@@ -9,19 +9,11 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from spark_estimators.collective import compression_base
 
-class Compressor:
+
+class Compressor(compression_base.Compressor[tf.Tensor, tf.DType]):
     """Interface for compressing and decompressing a given tensor (the base sends it as it is)."""
-
-    @staticmethod
-    def compress(tensor: tf.Tensor) -> tuple[tf.Tensor, tf.DType | None]:
-        """Return the compressed tensor and the context :meth:`decompress` needs."""
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: tf.Tensor, ctx: tf.DType | None) -> tf.Tensor:
-        """Return the tensor restored with ``ctx``."""
-        return tensor
 
 
 class NoneCompressor(Compressor):

@@ -6,19 +6,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from spark_estimators.collective import compression_base
 
-class Compressor:
+
+class Compressor(compression_base.Compressor[torch.Tensor, torch.dtype]):
     """Turns a tensor into what is sent (``compress``) and back (``decompress``)."""
-
-    @staticmethod
-    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
-        """Return ``tensor`` unchanged (no context)."""
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor: torch.Tensor, ctx: torch.dtype | None) -> torch.Tensor:
-        """Return ``tensor`` unchanged."""
-        return tensor
 
 
 class NoneCompressor(Compressor):
