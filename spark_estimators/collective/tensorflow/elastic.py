@@ -17,13 +17,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spark_estimators.collective.api.elastic import (
-    HostsUpdatedInterrupt,
-    ObjectState,
-    State,
-    reset,
-    run,
-)
+from spark_estimators.collective import common_elastic as _common
+from spark_estimators.collective.common_elastic import *  # noqa: F403
+from spark_estimators.collective.common_elastic import FrameworkState
 
 if TYPE_CHECKING:
     import keras
@@ -32,7 +28,7 @@ if TYPE_CHECKING:
     from spark_estimators.collective.api.elastic import BroadcastObject
 
 
-class TensorFlowState(ObjectState):
+class TensorFlowState(FrameworkState):
     """Elastic state of a list of TensorFlow (or Keras) variables plus picklable attributes.
 
     Parameters
@@ -58,38 +54,28 @@ class TensorFlowState(ObjectState):
         self.variables = list(variables)
         self._saved_values: list[np.ndarray] = []
         super().__init__(bcast_object, get_rank, **kwargs)
-        self._save_variables()
 
     def _all_variables(self) -> list[tf.Variable]:
         return self.variables
 
-    def _save_variables(self) -> None:
+    def _save_objects(self) -> None:
+        """Copy the variables' values (numpy)."""
         self._saved_values = [np.array(v.numpy(), copy=True) for v in self._all_variables()]
 
-    def save(self) -> None:
-        """Copy the variables' values, then the attributes."""
-        self._save_variables()
-        super().save()
-
-    def restore(self) -> None:
-        """Assign the saved values back, then the attributes."""
+    def _restore_objects(self) -> None:
+        """Assign the saved values back."""
         variables = self._all_variables()
         if len(variables) == len(self._saved_values):
             for v, value in zip(variables, self._saved_values, strict=True):
                 v.assign(value)
-        super().restore()
 
-    def sync(self) -> None:
-        """Broadcast rank 0's variables and attributes; every rank then commits that point."""
+    def _broadcast_objects(self) -> None:
+        """Broadcast rank 0's variables (one broadcast per dtype)."""
         from spark_estimators.collective.tensorflow.tape import broadcast_variables
 
         variables = self._all_variables()
         if variables:
             broadcast_variables(variables, root_rank=0)
-        if self._saved_state:
-            self._saved_state = self._bcast_object(self._saved_state, 0)
-            ObjectState.restore(self)
-        self._save_variables()
 
 
 class TensorFlowKerasState(TensorFlowState):
@@ -128,12 +114,4 @@ class TensorFlowKerasState(TensorFlowState):
         return variables
 
 
-__all__ = [
-    "HostsUpdatedInterrupt",
-    "ObjectState",
-    "State",
-    "TensorFlowKerasState",
-    "TensorFlowState",
-    "reset",
-    "run",
-]
+__all__ = ["TensorFlowKerasState", "TensorFlowState", *_common.__all__]

@@ -22,13 +22,9 @@ import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from spark_estimators.collective.api.elastic import (
-    HostsUpdatedInterrupt,
-    ObjectState,
-    State,
-    reset,
-    run,
-)
+from spark_estimators.collective import common_elastic as _common
+from spark_estimators.collective.common_elastic import *  # noqa: F403
+from spark_estimators.collective.common_elastic import FrameworkState
 
 if TYPE_CHECKING:
     import torch
@@ -36,7 +32,7 @@ if TYPE_CHECKING:
     from spark_estimators.collective.api.elastic import BroadcastObject
 
 
-class TorchState(ObjectState):
+class TorchState(FrameworkState):
     """Elastic state of a torch model and optimizer, plus any picklable attributes.
 
     Parameters
@@ -64,29 +60,23 @@ class TorchState(ObjectState):
         self._saved_model: dict[str, torch.Tensor] | None = None
         self._saved_optimizer: dict[str, object] | None = None
         super().__init__(bcast_object, get_rank, **kwargs)
-        self._save_torch()
 
-    def _save_torch(self) -> None:
+    def _save_objects(self) -> None:
+        """Copy the model's and optimizer's state dicts."""
         if self.model is not None:
             self._saved_model = copy.deepcopy(self.model.state_dict())
         if self.optimizer is not None:
             self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
 
-    def save(self) -> None:
-        """Copy the model's and optimizer's state dicts, then the attributes."""
-        self._save_torch()
-        super().save()
-
-    def restore(self) -> None:
-        """Load the saved model and optimizer state, then the attributes."""
+    def _restore_objects(self) -> None:
+        """Load the saved model and optimizer state."""
         if self.model is not None and self._saved_model is not None:
             self.model.load_state_dict(self._saved_model)
         if self.optimizer is not None and self._saved_optimizer is not None:
             self.optimizer.load_state_dict(self._saved_optimizer)
-        super().restore()
 
-    def sync(self) -> None:
-        """Broadcast rank 0's model, optimizer state and attributes to every rank."""
+    def _broadcast_objects(self) -> None:
+        """Broadcast rank 0's model and optimizer state (new workers may have none yet)."""
         from spark_estimators.collective.torch.exchange import broadcast_parameters
 
         if self.model is not None:
@@ -96,12 +86,6 @@ class TorchState(ObjectState):
             opt_state = self._bcast_object(opt_state, 0)
             assert opt_state is not None  # rank 0's, on every rank
             self.optimizer.load_state_dict(opt_state)
-        if self._saved_state:
-            # ObjectState.sync would call self.restore(), which reloads this rank's own saved
-            # model over the one just broadcast: sync only the attributes here.
-            self._saved_state = self._bcast_object(self._saved_state, 0)
-            ObjectState.restore(self)
-        self._save_torch()  # every rank now goes back to the same point on the next failure
 
 
-__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "reset", "run"]
+__all__ = ["TorchState", *_common.__all__]
