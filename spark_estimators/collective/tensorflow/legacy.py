@@ -14,11 +14,8 @@ from collections.abc import Hashable, Sequence
 
 import tensorflow as tf
 
-from spark_estimators.collective.backends.base import ReduceOp, resolve_op
-from spark_estimators.collective.runtime.process_sets import global_process_set
-from spark_estimators.collective.tensorflow import util
-from spark_estimators.collective.tensorflow._types import Gradient, Groups, ProcessSetArg, Variable
-from spark_estimators.collective.tensorflow.compression import Compression, Compressor
+from spark_estimators.collective.backends.base import ReduceOp
+from spark_estimators.collective.tensorflow._types import Gradient, Variable
 from spark_estimators.collective.tensorflow.tape import _Reducer, _ref
 from spark_estimators.errors import ConfigurationError
 
@@ -50,15 +47,9 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
         """The wrapped optimizer's gradients, averaged across ranks."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = [list(t) for t in zip(*pairs, strict=True)] if pairs else ([], [])
-        shared = [i for i, v in enumerate(variables) if _ref(v) not in self._local_vars]
-        reduced = self._reducer([grads[i] for i in shared], [variables[i] for i in shared])
-        for i, g in zip(shared, reduced, strict=True):
-            grads[i] = g
-        if self.scale_local_gradients and self._local_vars:
-            n = float(util.process_set_size(self.process_set))
-            for i, v in enumerate(variables):
-                if _ref(v) in self._local_vars and grads[i] is not None:
-                    grads[i] = grads[i] / n
+        grads = self._reducer.reduce_shared(
+            grads, variables, self._local_vars, self.scale_local_gradients
+        )
         return list(zip(grads, variables, strict=True))
 
     def apply_gradients(
@@ -85,25 +76,21 @@ class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
 
 def legacy_distributed_optimizer(
     optimizer: tf.compat.v1.train.Optimizer,
-    name: str | None = None,
-    use_locking: bool = False,
-    compression: type[Compressor] = Compression.none,
-    sparse_as_dense: bool = False,
-    op: ReduceOp | int | None = ReduceOp.AVERAGE,
-    gradient_predivide_factor: float = 1.0,
+    name: str | None,
+    use_locking: bool,
+    reducer: _Reducer,
     backward_passes_per_step: int = 1,
-    groups: Groups = None,
-    process_set: ProcessSetArg = global_process_set,
     scale_local_gradients: bool = True,
 ) -> _DistributedOptimizer:
-    """Wrap a ``tf.compat.v1.train.Optimizer`` (see the module docstring)."""
-    resolved = resolve_op(op, None, adasum=True)
-    if resolved is ReduceOp.ADASUM or backward_passes_per_step != 1:
+    """Wrap a ``tf.compat.v1.train.Optimizer`` whose gradients ``reducer`` averages.
+
+    ``reducer`` holds the options of horovod's ``DistributedOptimizer`` that say how gradients
+    are reduced (compression, op, groups, process set, ...), as for ``DistributedGradientTape``.
+    """
+    if reducer.op is ReduceOp.ADASUM or backward_passes_per_step != 1:
         raise ConfigurationError(
             "the TF1 DistributedOptimizer supports neither op=Adasum nor "
             f"backward_passes_per_step={backward_passes_per_step!r} > 1 here; use "
             "hvd.DistributedGradientTape in a TF2 loop (accumulate gradients yourself)"
         )
-    reducer = _Reducer(compression, sparse_as_dense, resolved, gradient_predivide_factor,
-                       groups, process_set)  # fmt: skip
     return _DistributedOptimizer(optimizer, name, use_locking, reducer, scale_local_gradients)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import tensorflow as tf
 
-from spark_estimators.collective.backends.base import ReduceOp
+from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime.process_sets import global_process_set
 from spark_estimators.collective.tensorflow import util
 from spark_estimators.collective.tensorflow._types import Groups, ProcessSetArg
@@ -21,6 +21,7 @@ from spark_estimators.collective.tensorflow.compression import (
     FP16Compressor,
 )
 from spark_estimators.collective.tensorflow.legacy import legacy_distributed_optimizer
+from spark_estimators.collective.tensorflow.tape import _Reducer
 from spark_estimators.errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -56,11 +57,13 @@ def DistributedOptimizer(  # noqa: N802 - horovod's name
     import keras
 
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        return legacy_distributed_optimizer(
-            optimizer, name, use_locking, compression, sparse_as_dense, op,
-            gradient_predivide_factor, backward_passes_per_step, groups or num_groups or None,
-            process_set, scale_local_gradients,
+        reducer = _Reducer(
+            compression, sparse_as_dense, resolve_op(op, None, adasum=True),
+            gradient_predivide_factor, groups or num_groups or None, process_set,
         )  # fmt: skip
+        return legacy_distributed_optimizer(
+            optimizer, name, use_locking, reducer, backward_passes_per_step, scale_local_gradients
+        )
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ConfigurationError(
             f"DistributedOptimizer takes a Keras 3 or a tf.compat.v1.train optimizer, got "

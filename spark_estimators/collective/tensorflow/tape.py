@@ -186,6 +186,35 @@ class _Reducer:
                 out[i] = r
         return out
 
+    def reduce_shared(
+        self,
+        grads: Sequence[Gradient],
+        sources: Sequence[Variable],
+        local: set[Hashable],
+        scale_local: bool,
+    ) -> list[Gradient]:
+        """Reduce the gradients of ``sources`` except those whose ``_ref`` is in ``local``.
+
+        The local ones stay on this rank, divided by the process set's size when
+        ``scale_local`` (horovod's ``scale_local_gradients``). The tape's ``gradient()`` and
+        the TF1 optimizer's ``compute_gradients`` both reduce this way.
+        """
+        shared = [i for i, s in enumerate(sources) if _ref(s) not in local]
+        reduced = self([grads[i] for i in shared], [sources[i] for i in shared])
+        out = list(grads)
+        for i, g in zip(shared, reduced, strict=True):
+            out[i] = g
+        if scale_local and local:
+            n = float(util.process_set_size(self.process_set))
+            for i, s in enumerate(sources):
+                g = out[i]
+                if _ref(s) in local and g is not None:
+                    if isinstance(g, tf.IndexedSlices):
+                        out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
+                    else:
+                        out[i] = g / n
+        return out
+
     def _split(self, present: list[int], sources: Sequence[Variable]) -> list[list[int]]:
         groups = self.groups
         if not present:
@@ -234,24 +263,12 @@ class _DistributedGradientTape:
         grads = super().gradient(  # type: ignore[misc]
             target, sources, output_gradients, unconnected_gradients=unconnected_gradients
         )
-        flat_sources = tf.nest.flatten(sources)
-        flat_grads = tf.nest.flatten(grads, expand_composites=False)
-        shared = [i for i, s in enumerate(flat_sources) if _ref(s) not in self._se_local]
-        reduced = self._se_reducer(
-            [flat_grads[i] for i in shared], [flat_sources[i] for i in shared]
+        out = self._se_reducer.reduce_shared(
+            tf.nest.flatten(grads, expand_composites=False),
+            tf.nest.flatten(sources),
+            self._se_local,
+            self._se_scale_local,
         )
-        out = list(flat_grads)
-        for i, g in zip(shared, reduced, strict=True):
-            out[i] = g
-        if self._se_scale_local and self._se_local:
-            n = float(util.process_set_size(self._se_reducer.process_set))
-            for i, s in enumerate(flat_sources):
-                g = out[i]
-                if _ref(s) in self._se_local and g is not None:
-                    if isinstance(g, tf.IndexedSlices):
-                        out[i] = tf.IndexedSlices(g.values / n, g.indices, g.dense_shape)
-                    else:
-                        out[i] = g / n
         return tf.nest.pack_sequence_as(sources, out)
 
     def get_local_and_global_gradients(
