@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from spark_estimators.data._epochs import EpochReader
 from spark_estimators.data._pipeline import Batch, concat, rows_of, take
 from spark_estimators.data.metadata import DatasetMetadata
 from spark_estimators.data.options import TransformFn
@@ -46,7 +47,7 @@ def _import_petastorm() -> Any:
 POOL_TYPES = ("thread", "process", "dummy")
 
 
-class PetastormBatchReader:
+class PetastormBatchReader(EpochReader):
     """petastorm's ``make_batch_reader`` rebatched to full batches and equal steps per rank.
 
     The horovod settings that belong to petastorm mean what horovod documents:
@@ -92,13 +93,9 @@ class PetastormBatchReader:
     ) -> None:
         _import_petastorm()
         self.rank, self.size = rank_and_size(rank, size)
+        self._init_epochs(split, batch_size, shuffle, seed, epoch)
         self.store = store
         self.metadata = metadata
-        self.split = split
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = 0 if seed is None else int(seed)
-        self.epoch = epoch
         self.num_workers = num_workers
         self.transformation_fn = transformation_fn
         self.edit_fields = list(transform_edit_fields or [])
@@ -147,10 +144,6 @@ class PetastormBatchReader:
     def __len__(self) -> int:
         return self.steps_per_epoch
 
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch (it seeds the shuffle order of the next pass)."""
-        self.epoch = epoch
-
     def peek(self) -> Batch:
         """The first ``batch_size`` rows of this rank's shard (no shuffle; fewer if it is short).
 
@@ -166,8 +159,7 @@ class PetastormBatchReader:
         return take(_joined(parts), 0, self.batch_size)
 
     def __iter__(self) -> Iterator[Batch]:
-        epoch = self.epoch
-        self.epoch += 1
+        epoch = self._next_epoch()
         if self.inmemory_cache:
             yield from self._cached_epoch(epoch)
         else:
@@ -235,7 +227,7 @@ class PetastormBatchReader:
         next batch.
         """
         bs = self.batch_size
-        rng = np.random.default_rng([self.seed, epoch, self.rank])
+        rng = self._rng(epoch)
         shuffle = self.shuffle and self.buffer_rows > 1
         target = max(self.buffer_rows, bs) if shuffle else bs
         carry: Batch | None = None
@@ -271,7 +263,7 @@ class PetastormBatchReader:
             with self._open(epoch, num_epochs=1, pool_type="dummy") as reader:
                 self._cache = _joined(list(self._blocks(reader)))
         rows = rows_of(self._cache)
-        rng = np.random.default_rng([self.seed, epoch, self.rank])
+        rng = self._rng(epoch)
         need = self.steps_per_epoch * self.batch_size
         # Every cached row once per pass; short shards wrap around to fill the last steps.
         passes = -(-need // rows)

@@ -41,23 +41,21 @@ Batches are writable and never shared with the cache, so in-place changes to a b
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any, Unpack
 
 import numpy as np
 
 from spark_estimators import envvars
 from spark_estimators.data._arrow import table_to_numpy
+from spark_estimators.data._epochs import PipelineReader
 from spark_estimators.data._pipeline import (
     NUMPY_BLOCKS,
     Batch,
     BlockFormat,
     HeldRows,
-    Prefetcher,
-    ShuffleBuffer,
     concat,
     rows_of,
-    split_batches,
     take,
 )
 from spark_estimators.data._scan import OrderedScan, ScanPiece
@@ -89,7 +87,7 @@ __all__ = [
 ]
 
 
-class BatchReader:
+class BatchReader(PipelineReader):
     """Iterates one epoch of equal-sized batches per ``iter()``; see the module docstring.
 
     Attributes
@@ -127,13 +125,9 @@ class BatchReader:
             raise ConfigurationError(
                 f"num_workers={num_workers!r} must be >= 1 and prefetch={prefetch!r} >= 0"
             )
+        self._init_epochs(split, batch_size, shuffle, seed, epoch)
         self.store = store
         self.metadata = metadata
-        self.split = split
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = 0 if seed is None else int(seed)
-        self.epoch = epoch
         self.inmemory_cache = inmemory_cache
         self.transformation_fn = transformation_fn
         self.prefetch = prefetch
@@ -162,8 +156,7 @@ class BatchReader:
         )
         self._cache: dict[int, list[Batch]] = {}
         self._cached: set[int] = set()  # slices whose every block is in the cache
-        self._held = HeldRows()
-        self._spare_buffer: Batch | None = None  # the shuffle buffer's arrays between passes
+        self._init_pipeline()
         self.block_rows = _block_rows(self.columns, batch_size)
         self._file_metadata: dict[str, Any] = {}  # Parquet footers, read once per file
         self._group_rows = {f.path: f.row_groups for f in files}
@@ -171,119 +164,30 @@ class BatchReader:
     def __len__(self) -> int:
         return self.steps_per_epoch
 
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch (and so the shuffle order) of the next ``iter()``."""
-        self.epoch = epoch
+    # ------------------------------------------------------------------ PipelineReader's hooks
+    def _steps_now(self) -> int:
+        return self.steps_per_epoch
 
-    def __iter__(self) -> Iterator[Batch]:
-        return self.iter_epoch()
+    def _rows_needed(self, pass_over: bool) -> int:
+        return self.steps_per_epoch * self.batch_size
 
-    def iter_epoch(self, block_format: BlockFormat | None = None) -> Iterator[dict[str, Any]]:
-        """Run the next epoch; ``block_format`` converts whole blocks (e.g. to torch) first.
+    def _pass_chunks(self, rng: np.random.Generator) -> Generator[Batch, None, None]:
+        order = np.arange(len(self.slices))
+        if self.shuffle:
+            rng.shuffle(order)
+        return self._chunks(order)
 
-        Converting once per decoded block in the background thread, rather than once per batch in
-        the training thread, leaves the training thread only the slicing.
-        """
-        epoch = self.epoch
-        self.epoch += 1
-        return self._batches(epoch, block_format or NUMPY_BLOCKS)
-
-    # ----------------------------------------------------------------------- consumer side
-    def _batches(self, epoch: int, fmt: BlockFormat) -> Iterator[dict[str, Any]]:
-        """The batches of one epoch: the background thread cuts them, this thread hands them out."""
-        held = self._held = HeldRows()
-        with Prefetcher(self._batch_groups(epoch, fmt, held), self.prefetch) as groups:
-            for group in groups:
-                yield from group
-                held.consumed += len(group) * self.batch_size
-
-    @property
-    def held_rows_peak(self) -> int:
-        """Most decoded rows held at once by the last epoch (shuffle buffer + queued batches).
-
-        At most ``shuffle_buffer_size + (prefetch + 2) * (block_rows + batch_size)`` whatever the
-        data size (a testing hook for that bound; ``inmemory_cache`` holds the shard on top).
-        """
-        return self._held.peak
-
-    # ----------------------------------------------------------------------- producer side
     def _batch_groups(
         self, epoch: int, fmt: BlockFormat, held: HeldRows
-    ) -> Generator[list[dict[str, Any]], None, None]:
+    ) -> Generator[list[dict[str, Any]], None, int]:
         """Lists of full batches, ``steps_per_epoch`` batches in all, one list per block."""
-        bs, steps = self.batch_size, self.steps_per_epoch
-        emitted = 0
-        rest: dict[str, Any] | None = None
-        blocks = self._blocks(epoch, held)
-        try:
-            for decoded in blocks:
-                block = fmt.convert(decoded)
-                n, start, group = rows_of(block), 0, []
-                if rest is not None:
-                    need = bs - rows_of(rest)
-                    if n < need:
-                        rest = concat([rest, block], fmt.concat)
-                        continue
-                    group.append(concat([rest, take(block, 0, need)], fmt.concat))
-                    start, rest = need, None
-                count = min((n - start) // bs, steps - emitted - len(group))
-                group += split_batches(block, start, count, bs)
-                start += count * bs
-                emitted += len(group)
-                if emitted < steps and start < n:
-                    rest = take(block, start, n)
-                if group:
-                    held.produced += len(group) * bs
-                    held.note()
-                    yield group
-                if emitted == steps:
-                    return
-        finally:
-            blocks.close()
-        raise StoreError(  # unreachable unless transformation_fn drops every row
-            f"rank {self.rank}: the {self.split} data ran out after {emitted} of {steps} batches"
-        )
-
-    def _blocks(self, epoch: int, held: HeldRows) -> Generator[Batch, None, None]:
-        """Decoded (and shuffled) blocks, passing over the shard until an epoch's rows are out."""
-        needed = self.steps_per_epoch * self.batch_size
-        produced = 0
-        pass_no = 0
-        while produced < needed:
-            rng = np.random.default_rng([self.seed, epoch, self.rank, pass_no])
-            order = np.arange(len(self.slices))
-            if self.shuffle:
-                rng.shuffle(order)
-            pass_rows = 0
-            chunks = self._chunks(order)
-            blocks: Generator[Batch, None, None] = chunks
-            buffer = None
-            if self.shuffle:
-                # The buffer's arrays go from pass to pass (a concurrent iterator makes its own).
-                spare, self._spare_buffer = self._spare_buffer, None
-                buffer = ShuffleBuffer(
-                    self.shuffle_buffer_size, self.block_rows, rng, held, arrays=spare
-                )
-                blocks = buffer.shuffle(chunks)
-            try:
-                for block in blocks:
-                    n = rows_of(block)
-                    pass_rows += n
-                    produced += n
-                    yield block
-                    if produced >= needed:
-                        return
-            finally:
-                blocks.close()
-                chunks.close()
-                if buffer is not None:
-                    self._spare_buffer = buffer.arrays
-            if pass_rows == 0:
-                raise StoreError(
-                    f"rank {self.rank}: a pass over its {self.split} shard gave no rows "
-                    "(did transformation_fn drop them all?)"
-                )
-            pass_no += 1
+        emitted = yield from super()._batch_groups(epoch, fmt, held)
+        if emitted < self.steps_per_epoch:  # unreachable unless transformation_fn drops every row
+            raise StoreError(
+                f"rank {self.rank}: the {self.split} data ran out after {emitted} of "
+                f"{self.steps_per_epoch} batches"
+            )
+        return emitted
 
     def _chunks(self, order: np.ndarray) -> Generator[Batch, None, None]:
         """Decoded blocks of the slices, in ``order``: from the cache, or one dataset scan."""

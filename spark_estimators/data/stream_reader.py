@@ -48,23 +48,13 @@ import json
 import os
 import threading
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from spark_estimators.data._arrow import invalid_rows, table_to_numpy
-from spark_estimators.data._pipeline import (
-    NUMPY_BLOCKS,
-    Batch,
-    BlockFormat,
-    HeldRows,
-    Prefetcher,
-    ShuffleBuffer,
-    concat,
-    rows_of,
-    split_batches,
-    take,
-)
+from spark_estimators.data._epochs import PipelineReader
+from spark_estimators.data._pipeline import Batch, concat, rows_of, take
 from spark_estimators.data.metadata import ColumnInfo
 from spark_estimators.data.options import TransformFn
 from spark_estimators.data.reader import (
@@ -216,7 +206,7 @@ def _steps_rule(steps: int, limit: int | None, multiple: int) -> int:
     return steps
 
 
-class StreamBatchReader:
+class StreamBatchReader(PipelineReader):
     """One split of this rank's streamed partition, in equal-sized batches (module docstring)."""
 
     def __init__(
@@ -236,23 +226,19 @@ class StreamBatchReader:
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigurationError(f"batch_size={batch_size!r} must be a positive integer")
+        self._init_epochs(split, batch_size, shuffle, seed, epoch)
         self.source = source
         self.columns = dict(columns)
-        self.split = split
         self.rank = rank
-        self.batch_size = batch_size
-        self.shuffle = shuffle
-        self.seed = 0 if seed is None else int(seed)
-        self.epoch = epoch
         self.shuffle_buffer_size = shuffle_buffer_size or max(
             DEFAULT_SHUFFLE_BUFFER_ROWS, 4 * batch_size
         )
+        self.block_rows = _block_rows(self.columns, batch_size)
         self.transformation_fn = transformation_fn
         self.prefetch = prefetch
         self._limit: int | None = None
         self._multiple = 1
-        self._held = HeldRows()
-        self._spare_buffer: Batch | None = None
+        self._init_pipeline()
         self._checked: set[str] = set()  # segments whose rows passed check_rows
 
     # ------------------------------------------------------------------------ steps
@@ -305,115 +291,21 @@ class StreamBatchReader:
             "on while reading (agreed_steps)"
         )
 
-    def set_epoch(self, epoch: int) -> None:
-        """Choose the epoch (and so the shuffle order) of the next ``iter()``."""
-        self.epoch = epoch
+    # ------------------------------------------------------------------ PipelineReader's hooks
+    def _steps_now(self) -> int | None:
+        """The agreed count once known, else ``plan``'s limit (if any) as a cap meanwhile."""
+        target = self._target(wait=False)
+        if target is not None or self._limit is None:
+            return target
+        return _steps_rule(int(self._limit), None, self._multiple)
 
-    def __iter__(self) -> Iterator[Batch]:
-        return self.iter_epoch()
+    def _rows_needed(self, pass_over: bool) -> int | None:
+        """Not known mid-pass; once this rank's rows are out, the agreed count's rows."""
+        if not pass_over:
+            return None
+        return (self._target(wait=True) or 0) * self.batch_size
 
-    def iter_epoch(self, block_format: BlockFormat | None = None) -> Iterator[dict[str, Any]]:
-        """Run the next epoch; ``block_format`` converts whole blocks in the prefetch thread."""
-        epoch = self.epoch
-        self.epoch += 1
-        return self._batches(epoch, block_format or NUMPY_BLOCKS)
-
-    @property
-    def held_rows_peak(self) -> int:
-        """Most decoded rows held at once by the last epoch (shuffle buffer + queued batches)."""
-        return self._held.peak
-
-    # ------------------------------------------------------------------------ consumer
-    def _batches(self, epoch: int, fmt: BlockFormat) -> Iterator[dict[str, Any]]:
-        held = self._held = HeldRows()
-        with Prefetcher(self._batch_groups(epoch, fmt, held), self.prefetch) as groups:
-            for group in groups:
-                yield from group
-                held.consumed += len(group) * self.batch_size
-
-    # ------------------------------------------------------------------------ producer
-    def _batch_groups(
-        self, epoch: int, fmt: BlockFormat, held: HeldRows
-    ) -> Generator[list[dict[str, Any]], None, None]:
-        """Lists of full batches until the epoch's agreed count (known by the end of the rows)."""
-        bs = self.batch_size
-        cap = None if self._limit is None else _steps_rule(int(self._limit), None, self._multiple)
-        emitted = 0
-        rest: dict[str, Any] | None = None
-        blocks = self._blocks(epoch, held)
-        try:
-            for decoded in blocks:
-                target = self._target(wait=False)
-                steps = target if target is not None else cap
-                if steps is not None and emitted >= steps:
-                    return
-                block = fmt.convert(decoded)
-                n, start, group = rows_of(block), 0, []
-                if rest is not None:
-                    need = bs - rows_of(rest)
-                    if n < need:
-                        rest = concat([rest, block], fmt.concat)
-                        continue
-                    group.append(concat([rest, take(block, 0, need)], fmt.concat))
-                    start, rest = need, None
-                count = (n - start) // bs
-                if steps is not None:
-                    count = min(count, steps - emitted - len(group))
-                group += split_batches(block, start, count, bs)
-                start += count * bs
-                emitted += len(group)
-                if start < n and (steps is None or emitted < steps):
-                    rest = take(block, start, n)
-                if group:
-                    held.produced += len(group) * bs
-                    held.note()
-                    yield group
-                if steps is not None and emitted >= steps:
-                    return
-        finally:
-            blocks.close()
-
-    def _blocks(self, epoch: int, held: HeldRows) -> Generator[Batch, None, None]:
-        """Decoded (shuffled) blocks: this rank's rows, then wrap-around passes up to the target."""
-        produced = 0
-        pass_no = 0
-        while True:
-            rng = np.random.default_rng([self.seed, epoch, self.rank, pass_no])
-            chunks = self._chunks(rng)
-            blocks: Generator[Batch, None, None] = chunks
-            buffer = None
-            if self.shuffle:
-                spare, self._spare_buffer = self._spare_buffer, None
-                buffer = ShuffleBuffer(
-                    self.shuffle_buffer_size,
-                    _block_rows(self.columns, self.batch_size),
-                    rng,
-                    held,
-                    arrays=spare,
-                )
-                blocks = buffer.shuffle(chunks)
-            pass_rows = 0
-            try:
-                for block in blocks:
-                    pass_rows += rows_of(block)
-                    produced += rows_of(block)
-                    yield block
-            finally:
-                blocks.close()
-                chunks.close()
-                if buffer is not None:
-                    self._spare_buffer = buffer.arrays
-            target = self._target(wait=True)  # this rank's rows are out: the agreed count
-            if produced >= (target or 0) * self.batch_size:
-                return
-            if pass_rows == 0:
-                raise StoreError(
-                    f"rank {self.rank}: its {self.split} rows gave no rows in a pass "
-                    "(did transformation_fn drop them all?)"
-                )
-            pass_no += 1
-
-    def _chunks(self, rng: np.random.Generator) -> Generator[Batch, None, None]:
+    def _pass_chunks(self, rng: np.random.Generator) -> Generator[Batch, None, None]:
         """Decoded record batches of the segments, in arrival order or permuted.
 
         Arrival order while the partition is still being read; once it is, a permutation of the
