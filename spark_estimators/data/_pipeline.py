@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-Batch = dict[str, np.ndarray]
+from spark_estimators.data._scan import put_unless_stopped, reader_pool
 
-_POLL_SECONDS = 0.1
+Batch = dict[str, np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,6 @@ def pool_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
     """
     import pyarrow as pa
 
-    from spark_estimators.data._scan import reader_pool
-
     dtype = np.dtype(dtype)
     count = int(np.prod(shape, dtype=np.int64))
     if count == 0:
@@ -224,13 +222,7 @@ class Prefetcher:
                 close()
 
     def _put(self, item: Any) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=_POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless_stopped(self._queue, item, self._stop)
 
     def _drain(self) -> Iterator[Any]:
         while True:

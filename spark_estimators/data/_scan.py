@@ -31,6 +31,21 @@ READ_BUFFER_BYTES = 1 << 20
 _DONE = object()
 
 
+def put_unless_stopped(into: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """Put ``item`` into the bounded queue ``into``; False if ``stop`` is set while it is full.
+
+    What a producer thread does with each item: waiting for room in short polls, so that it gives
+    up (and can be joined) once the consumer has stopped taking items out.
+    """
+    while not stop.is_set():
+        try:
+            into.put(item, timeout=_POLL_SECONDS)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 @dataclass(frozen=True)
 class ScanPiece:
     """Rows ``[start, stop)`` of row group ``row_group`` (``group_rows`` rows) of ``path``."""
@@ -70,13 +85,7 @@ class _Worker:
             self._put(exc)
 
     def _put(self, item: Any) -> bool:
-        while not self._scan.stopped.is_set():
-            try:
-                self.queue.put(item, timeout=_POLL_SECONDS)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return put_unless_stopped(self.queue, item, self._scan.stopped)
 
 
 class OrderedScan:
