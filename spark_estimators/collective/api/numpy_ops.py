@@ -7,7 +7,7 @@ negotiates them with the other ranks and runs them on the active backend.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -15,7 +15,9 @@ import numpy as np
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import allreduce as _allreduce
 from spark_estimators.collective.runtime import ops as _ops
+from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.arrays import NumpyOps
+from spark_estimators.collective.runtime.forms import named, out_of_place, synchronized
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.errors import CollectiveError
@@ -52,72 +54,17 @@ def poll(handle: Handle) -> bool:
     return handle.done()
 
 
-def allreduce_async_(
-    array: np.ndarray,
-    op: ReduceOp | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    average: bool | None = None,
-    process_set: ProcessSet | None = None,
-) -> Handle:
-    """Start an in-place allreduce of a writable C-contiguous array; see :func:`allreduce`."""
-    return _allreduce_handle(
-        array, op, name, prescale_factor, postscale_factor, average, False, process_set
-    )
+def _copy(array: np.ndarray, op: str) -> np.ndarray:
+    """A writable C-contiguous copy of ``array`` (an error naming ``op`` for a non-array)."""
+    return np.array(_array(array, op), copy=True, order="C")
 
 
-def _allreduce_handle(
-    array: np.ndarray,
-    op: ReduceOp | None,
-    name: str | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    average: bool | None,
-    blocking: bool,
-    process_set: ProcessSet | None = None,
-) -> Handle:
-    arr = _writable(array, "allreduce_")
-    resolved = _ops_resolve(op, average)
-    future = _allreduce.allreduce(
-        _NUMPY, [arr], [arr], resolved, name, prescale_factor, postscale_factor, blocking,
-        process_set,
-    )  # fmt: skip
-    return Handle([future], name or "allreduce", lambda results: results[0][0])
+def _copies(arrays: Sequence[np.ndarray], op: str) -> list[np.ndarray]:
+    return [_copy(a, op) for a in arrays]
 
 
-def allreduce_(
-    array: np.ndarray,
-    op: ReduceOp | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    average: bool | None = None,
-    process_set: ProcessSet | None = None,
-) -> np.ndarray:
-    """Allreduce a writable C-contiguous array in place and return it.
-
-    This is the entry point for framework buffers (e.g. the Keras adapter's fused gradient
-    buffer): no copy is made.
-    """
-    handle = _allreduce_handle(
-        array, op, name, prescale_factor, postscale_factor, average, True, process_set
-    )
-    return handle.wait()  # type: ignore[no-any-return]
-
-
-def allreduce(
-    array: np.ndarray,
-    op: ReduceOp | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    average: bool | None = None,
-    process_set: ProcessSet | None = None,
-) -> np.ndarray:
-    """Reduce ``array`` across ranks and return the result (the input is not modified).
-
-    Parameters
+#: The parameters of the three allreduce forms, for their docstrings.
+_ALLREDUCE_PARAMETERS = """Parameters
     ----------
     array
         Same dtype and shape on every rank.
@@ -133,28 +80,70 @@ def allreduce(
         Deprecated Horovod flag: ``False`` means ``Sum``.
     process_set
         Reduce among this :class:`ProcessSet`'s members only (default: every rank).
+"""
 
+
+def _allreduce_start(blocking: bool, what: str, doc: str) -> Callable[..., Handle]:
+    """The in-place allreduce of one array, run at once (``blocking``) or queued."""
+
+    def start(
+        array: np.ndarray,
+        op: ReduceOp | None = None,
+        name: str | None = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        average: bool | None = None,
+        process_set: ProcessSet | None = None,
+    ) -> Handle:
+        arr = _writable(array, what)
+        reduction = Reduction(_ops_resolve(op, average), prescale_factor, postscale_factor)
+        future = _allreduce.allreduce(_NUMPY, [arr], [arr], reduction, name, blocking, process_set)
+        return Handle([future], name or "allreduce", lambda results: results[0][0])
+
+    return named(start, what, doc)
+
+
+allreduce_async_ = _allreduce_start(
+    False,
+    "allreduce_async_",
+    f"""Start an in-place allreduce of a writable C-contiguous array; see :func:`allreduce`.
+
+    {_ALLREDUCE_PARAMETERS}
+    Returns
+    -------
+    Handle
+        For :func:`synchronize`, which returns ``array`` once it holds the result.
+    """,
+)
+allreduce_ = synchronized(
+    _allreduce_start(True, "allreduce_", ""),
+    np.ndarray,
+    "allreduce_",
+    f"""Allreduce a writable C-contiguous array in place and return it.
+
+    This is the entry point for framework buffers (e.g. the Keras adapter's fused gradient
+    buffer): no copy is made.
+
+    {_ALLREDUCE_PARAMETERS}
+    Returns
+    -------
+    numpy.ndarray
+        ``array``, holding ``postscale * reduce(prescale * array)``.
+    """,
+)
+allreduce = out_of_place(
+    allreduce_,
+    _copy,
+    "allreduce",
+    f"""Reduce ``array`` across ranks and return the result (the input is not modified).
+
+    {_ALLREDUCE_PARAMETERS}
     Returns
     -------
     numpy.ndarray
         ``postscale * reduce(prescale * array)`` (Average divides by ``size()``).
-    """
-    arr = _array(array, "allreduce")
-    out = np.array(arr, copy=True, order="C")
-    return allreduce_(out, op, name, prescale_factor, postscale_factor, average, process_set)
-
-
-def grouped_allreduce(
-    arrays: Sequence[np.ndarray],
-    op: ReduceOp | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet | None = None,
-) -> list[np.ndarray]:
-    """Reduce several arrays in one fused operation per dtype; returns new arrays."""
-    outs = [np.array(_array(a, "grouped_allreduce"), copy=True, order="C") for a in arrays]
-    return grouped_allreduce_(outs, op, name, prescale_factor, postscale_factor, process_set)
+    """,
+)
 
 
 def grouped_allreduce_(
@@ -167,7 +156,7 @@ def grouped_allreduce_(
 ) -> list[np.ndarray]:
     """In-place :func:`grouped_allreduce`."""
     arrs = [_writable(a, "grouped_allreduce_") for a in arrays]
-    resolved = _ops_resolve(op, None)
+    reduction = Reduction(_ops_resolve(op, None), prescale_factor, postscale_factor)
     futures = []
     groups = _by_dtype(arrs)
     for i, group in enumerate(groups):
@@ -176,10 +165,8 @@ def grouped_allreduce_(
             _NUMPY,
             group,
             group,
-            resolved,
+            reduction,
             label,
-            prescale_factor,
-            postscale_factor,
             blocking=len(groups) == 1,
             process_set=process_set,
         )
@@ -187,6 +174,14 @@ def grouped_allreduce_(
     for future in futures:
         future.result()
     return arrs
+
+
+grouped_allreduce = out_of_place(
+    grouped_allreduce_,
+    _copies,
+    "grouped_allreduce",
+    "Reduce several arrays in one fused operation per dtype; returns new arrays.",
+)
 
 
 def _by_dtype(arrays: Sequence[np.ndarray]) -> list[list[np.ndarray]]:
@@ -204,21 +199,6 @@ def allgather(
     return _ops.allgather(_NUMPY, arr, name, True, process_set).result()
 
 
-def broadcast(
-    array: np.ndarray,
-    root_rank: int,
-    name: str | None = None,
-    process_set: ProcessSet | None = None,
-) -> np.ndarray:
-    """Return ``root_rank``'s array on every rank (the input is not modified).
-
-    ``root_rank`` is a global rank, also with a ``process_set`` (it must be a member).
-    """
-    arr = _array(array, "broadcast")
-    out = np.array(arr, copy=True, order="C")
-    return _ops.broadcast(_NUMPY, out, out, root_rank, name, True, process_set).result()
-
-
 def broadcast_(
     array: np.ndarray,
     root_rank: int,
@@ -228,6 +208,17 @@ def broadcast_(
     """Overwrite a writable array with ``root_rank``'s, in place, and return it."""
     arr = _writable(array, "broadcast_")
     return _ops.broadcast(_NUMPY, arr, arr, root_rank, name, True, process_set).result()
+
+
+broadcast = out_of_place(
+    broadcast_,
+    _copy,
+    "broadcast",
+    """Return ``root_rank``'s array on every rank (the input is not modified).
+
+    ``root_rank`` is a global rank, also with a ``process_set`` (it must be a member).
+    """,
+)
 
 
 def alltoall(
@@ -255,11 +246,9 @@ def reducescatter(
     process_set: ProcessSet | None = None,
 ) -> np.ndarray:
     """Reduce across ranks; rank r gets block r of the first dimension (first ranks get more)."""
-    resolved = _ops_resolve(op, None, adasum=False)
+    reduction = Reduction(_ops_resolve(op, None, adasum=False), prescale_factor, postscale_factor)
     arr = _array(array, "reducescatter")
-    future = _ops.reducescatter(
-        _NUMPY, arr, resolved, name, prescale_factor, postscale_factor, True, process_set
-    )
+    future = _ops.reducescatter(_NUMPY, arr, reduction, name, True, process_set)
     return np.asarray(future.result())
 
 

@@ -34,6 +34,35 @@ from spark_estimators.collective.runtime.requests import Agreement, Fusion, Kind
 from spark_estimators.errors import ConfigurationError
 
 
+@dataclass(slots=True)
+class Reduction:
+    """A reduce op with Horovod's scale factors: ``postscale * op(prescale * x)`` across ranks.
+
+    What allreduce and reducescatter share: the ranks must agree on all three, and both refuse a
+    dtype that cannot take them (:meth:`check`) and run ``Average`` as a sum (:meth:`on_wire`).
+    """
+
+    op: ReduceOp
+    prescale: float = 1.0
+    postscale: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.prescale, self.postscale = float(self.prescale), float(self.postscale)
+
+    def check(self, dtype: str, name: str) -> None:
+        """Refuse, before anything is sent, a reduction or scaling that ``dtype`` cannot take."""
+        check_scaling(self.op, dtype, self.prescale, self.postscale, name)
+
+    def on_wire(self, size: int, native_average: bool = False) -> tuple[ReduceOp, float]:
+        """The op the backend runs and the factor applied after it, among ``size`` ranks.
+
+        ``Average`` is a sum scaled by ``1 / size`` unless the backend averages natively.
+        """
+        if self.op is ReduceOp.AVERAGE and not native_average:
+            return ReduceOp.SUM, self.postscale / size
+        return self.op, self.postscale
+
+
 def check_scaling(op: ReduceOp, dtype: str, prescale: float, postscale: float, name: str) -> None:
     """Refuse, before anything is sent, a reduction or scaling that ``dtype`` cannot take."""
     if dtype.startswith("complex") and op in (ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
@@ -60,10 +89,8 @@ def allreduce(
     ops: ArrayOps,
     inputs: Sequence[Buffer],
     outputs: Sequence[Buffer],
-    op: ReduceOp,
+    reduction: Reduction,
     name: str | None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
     blocking: bool = False,
     process_set: ProcessSet | None = None,
 ) -> Future[Sequence[Buffer]]:
@@ -82,8 +109,8 @@ def allreduce(
                 f"grouped allreduce {display!r} mixes dtypes/devices ({dtype} on {device} and "
                 f"{ops.dtype(x)} on {ops.device(x)}); group tensors by dtype and device"
             )
-    prescale, postscale = float(prescale_factor), float(postscale_factor)
-    check_scaling(op, dtype, prescale, postscale, display)
+    reduction.check(dtype, display)
+    op, prescale, postscale = reduction.op, reduction.prescale, reduction.postscale
     if len(inputs) == 1:
         shapes: tuple[tuple[int, ...], ...] = (ops.shape(inputs[0]),)
         numel = numel_of(shapes[0])
@@ -100,8 +127,7 @@ def allreduce(
         and prescale == postscale == 1.0
         and dtype in FLOATING_DTYPES  # integers: sum, then scale and truncate as Horovod does
     )
-    wire_op = ReduceOp.SUM if op is ReduceOp.AVERAGE and not native else op
-    post = postscale / backend.size if op is ReduceOp.AVERAGE and not native else postscale
+    wire_op, post = reduction.on_wire(backend.size, native)
     op_name = op.name  # an enum's .name is a property: read it once (a hot path)
     signature = (_ALLREDUCE, name, dtype, device, shapes, op_name, prescale, postscale)
     described = shapes[0] if len(shapes) == 1 else f"{len(shapes)} tensors {list(shapes)}"

@@ -14,9 +14,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 logger = logging.getLogger("spark_estimators.collective.runtime.engine")
+
+#: The result an op's handle resolves to.
+_T = TypeVar("_T")
 
 _PENDING, _RUNNING, _FINISHED = "PENDING", "RUNNING", "FINISHED"  # as Future names them
 
@@ -184,7 +187,13 @@ class Handle:
 
     def wait(self) -> Any:
         """Block until the op finished and return its result (raises the op's error)."""
-        results = [f.result() for f in self._futures]
+        return self._result([f.result() for f in self._futures])
+
+    def then(self, fn: Callable[[_T], object]) -> Handle:
+        """A handle of the same op whose :meth:`wait` returns ``fn`` of this one's result."""
+        return Handle(self._futures, self.name, lambda results: fn(self._result(results)))
+
+    def _result(self, results: list[object]) -> Any:
         if self._finish is not None:
             return self._finish(results)
         return results[0] if len(results) == 1 else results

@@ -18,9 +18,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from spark_estimators.collective.backends.base import Backend, Buffer, ReduceOp
+from spark_estimators.collective.backends.base import Backend, Buffer
 from spark_estimators.collective.runtime import engine as eng
-from spark_estimators.collective.runtime.allreduce import check_scaling
+from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.arrays import ArrayOps, numel_of
 from spark_estimators.collective.runtime.engine import Engine
 from spark_estimators.collective.runtime.process_sets import ProcessSet, global_root
@@ -35,12 +35,19 @@ R = TypeVar("R")
 
 @dataclass(slots=True)
 class _Op:
-    """What every array op starts from: its engine, its name, and the input's dtype and device."""
+    """What every array op starts from: its engine, its names, the input's dtype and device.
+
+    ``name`` is the caller's (``None`` when not given: it is then left out of the signature the
+    ranks agree on), ``display`` the one errors and the timeline show; ``blocking``: run the op
+    in the caller's thread.
+    """
 
     engine: Engine
+    name: str | None
     display: str
     dtype: str
     device: str
+    blocking: bool
 
     @property
     def backend(self) -> Backend:
@@ -50,26 +57,32 @@ class _Op:
     def submit(
         self,
         kind: Kind,
-        signature: tuple[object, ...],
+        key: tuple[object, ...],
         execute: Callable[[Agreement], R],
-        description: str,
-        blocking: bool,
+        detail: str,
         dim0: int = 0,
     ) -> Future[R]:
-        """Queue the op on the engine (or run it now when ``blocking``)."""
+        """Queue the op on the engine (or run it now when ``blocking``).
+
+        ``key`` is what else the ranks must agree on besides the kind, name, dtype and device;
+        ``detail`` what the description adds to the name, dtype and device.
+        """
+        signature = (kind.name, self.name, self.dtype, self.device, *key)
+        description = f"{self.display!r} {self.dtype} on {self.device}, {detail}"
         request = Request(kind, self.display, signature, execute, description,
                           dtype=self.dtype, device=self.device, dim0=dim0)  # fmt: skip
-        return self.engine.submit(request, blocking=blocking)
+        return self.engine.submit(request, blocking=self.blocking)
 
 
 def _start(
-    ops: ArrayOps, x: Buffer, what: str, name: str | None, process_set: ProcessSet | None,
-    auto: str | None = None,
+    ops: ArrayOps, x: Buffer, what: str, name: str | None, blocking: bool,
+    process_set: ProcessSet | None, auto: str | None = None,
 ) -> tuple[_Op, tuple[int, ...]]:  # fmt: skip
     """The op ``what`` on ``x``, and ``x``'s shape (``auto``: prefix of a generated name)."""
     engine = eng.require(what, process_set)
     display = name or engine.auto_name(auto or what)
-    return _Op(engine, display, ops.dtype(x), ops.device(x)), ops.shape(x)
+    op = _Op(engine, name, display, ops.dtype(x), ops.device(x), blocking)
+    return op, ops.shape(x)
 
 
 def allgather(
@@ -80,7 +93,7 @@ def allgather(
     process_set: ProcessSet | None = None,
 ) -> Future[Buffer]:
     """Concatenate ``x`` from every rank on dim 0 (which may differ across ranks)."""
-    op, shape = _start(ops, x, "allgather", name, process_set)
+    op, shape = _start(ops, x, "allgather", name, blocking, process_set)
     if not shape:
         raise ConfigurationError(
             f"allgather {op.display!r} needs at least one dimension; reshape the scalar to (1,)"
@@ -91,9 +104,7 @@ def allgather(
         src = x if ops.is_contiguous(x) else ops.clone(x)
         return ops.adopt(backend.allgather(src, agreement.dim0s), x)
 
-    signature = (Kind.ALLGATHER.name, name, op.dtype, op.device, shape[1:])
-    description = f"{op.display!r} {op.dtype} on {op.device}, shape {shape}"
-    return op.submit(Kind.ALLGATHER, signature, execute, description, blocking, dim0=shape[0])
+    return op.submit(Kind.ALLGATHER, (shape[1:],), execute, f"shape {shape}", dim0=shape[0])
 
 
 def broadcast(
@@ -106,7 +117,7 @@ def broadcast(
     process_set: ProcessSet | None = None,
 ) -> Future[Buffer]:
     """Copy ``root_rank``'s ``x`` into ``output`` on every rank (``output is x``: in place)."""
-    op, shape = _start(ops, x, "broadcast", name, process_set)
+    op, shape = _start(ops, x, "broadcast", name, blocking, process_set)
     backend = op.backend
     root = _check_root(root_rank, backend.size, op.display, process_set)
 
@@ -123,9 +134,7 @@ def broadcast(
             ops.copy_(output, work)
         return output
 
-    signature = (Kind.BROADCAST.name, name, op.dtype, op.device, shape, root)
-    description = f"{op.display!r} {op.dtype} on {op.device}, shape {shape}, root_rank={root}"
-    return op.submit(Kind.BROADCAST, signature, execute, description, blocking)
+    return op.submit(Kind.BROADCAST, (shape, root), execute, f"shape {shape}, root_rank={root}")
 
 
 def grouped_broadcast(
@@ -137,7 +146,7 @@ def grouped_broadcast(
     process_set: ProcessSet | None = None,
 ) -> Future[Sequence[Buffer]]:
     """Broadcast several tensors of one dtype and device in place, as one fused buffer."""
-    op, _ = _start(ops, xs[0], "broadcast", name, process_set, auto="grouped_broadcast")
+    op, _ = _start(ops, xs[0], "broadcast", name, blocking, process_set, "grouped_broadcast")
     backend = op.backend
     root = _check_root(root_rank, backend.size, op.display, process_set)
     shapes = tuple(ops.shape(x) for x in xs)
@@ -150,9 +159,8 @@ def grouped_broadcast(
         ops.unpack(flat, xs)
         return xs
 
-    signature = (Kind.BROADCAST.name, name, op.dtype, op.device, shapes, root)
-    description = f"{op.display!r} {op.dtype} on {op.device}, {len(shapes)} tensors {list(shapes)}"
-    return op.submit(Kind.BROADCAST, signature, execute, description, blocking)
+    detail = f"{len(shapes)} tensors {list(shapes)}"
+    return op.submit(Kind.BROADCAST, (shapes, root), execute, detail)
 
 
 def alltoall(
@@ -168,7 +176,7 @@ def alltoall(
     The future resolves to ``(received, received_splits)``, ``received_splits`` a numpy array.
     With a process set, ``splits`` has one entry per member, in the set's rank order.
     """
-    op, shape = _start(ops, x, "alltoall", name, process_set)
+    op, shape = _start(ops, x, "alltoall", name, blocking, process_set)
     display, backend = op.display, op.backend
     size = backend.size
     if not shape:
@@ -194,9 +202,8 @@ def alltoall(
         src = x if ops.is_contiguous(x) else ops.clone(x)
         return ops.adopt(backend.alltoall(src, send, [int(n) for n in recv]), x), recv
 
-    signature = (Kind.ALLTOALL.name, name, op.dtype, op.device, shape[1:])
-    description = f"{display!r} {op.dtype} on {op.device}, shape {shape}, splits {send}"
-    return op.submit(Kind.ALLTOALL, signature, execute, description, blocking, dim0=shape[0])
+    detail = f"shape {shape}, splits {send}"
+    return op.submit(Kind.ALLTOALL, (shape[1:],), execute, detail, dim0=shape[0])
 
 
 def reducescatter_rows(dim0: int, size: int) -> list[int]:
@@ -207,23 +214,19 @@ def reducescatter_rows(dim0: int, size: int) -> list[int]:
 def reducescatter(
     ops: ArrayOps,
     x: Buffer,
-    reduce_op: ReduceOp,
+    reduction: Reduction,
     name: str | None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
     blocking: bool = False,
     process_set: ProcessSet | None = None,
 ) -> Future[Buffer]:
     """Reduce ``x`` across ranks and give each rank its block of rows."""
-    op, shape = _start(ops, x, "reducescatter", name, process_set)
+    op, shape = _start(ops, x, "reducescatter", name, blocking, process_set)
     backend = op.backend
     if not shape:
         raise ConfigurationError(f"reducescatter {op.display!r} needs at least one dimension")
-    prescale, postscale = float(prescale_factor), float(postscale_factor)
-    check_scaling(reduce_op, op.dtype, prescale, postscale, op.display)
-    average = reduce_op is ReduceOp.AVERAGE
-    wire_op = ReduceOp.SUM if average else reduce_op
-    post = postscale / backend.size if average else postscale
+    reduction.check(op.dtype, op.display)
+    prescale = reduction.prescale
+    wire_op, post = reduction.on_wire(backend.size)
     rows = reducescatter_rows(shape[0], backend.size)
 
     def execute(agreement: Agreement) -> Buffer:
@@ -237,10 +240,9 @@ def reducescatter(
             ops.scale_(out, post)
         return out
 
-    signature = (Kind.REDUCESCATTER.name, name, op.dtype, op.device, shape, reduce_op.name,
-                 prescale, postscale)  # fmt: skip
-    description = f"{op.display!r} {op.dtype} on {op.device}, shape {shape}, op={reduce_op.name}"
-    return op.submit(Kind.REDUCESCATTER, signature, execute, description, blocking)
+    op_name = reduction.op.name
+    key = (shape, op_name, prescale, reduction.postscale)
+    return op.submit(Kind.REDUCESCATTER, key, execute, f"shape {shape}, op={op_name}")
 
 
 def barrier(blocking: bool = False, process_set: ProcessSet | None = None) -> Future[None]:

@@ -17,7 +17,8 @@ functions; the tests in horovod's test/parallel/test_torch.py define them):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import inspect
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -27,6 +28,8 @@ from spark_estimators.collective.api.numpy_ops import broadcast_object
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
+from spark_estimators.collective.runtime.allreduce import Reduction
+from spark_estimators.collective.runtime.forms import named, synchronized
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
@@ -48,6 +51,34 @@ from spark_estimators.errors import CollectiveError
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import StateDict
+
+#: What the blocking ops that move data return: a tensor (alltoall with splits: and the splits).
+_Received = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _differentiable(
+    start: Callable[..., Handle],
+    function: type[torch.autograd.Function],
+    returns: object,
+    what: str,
+    doc: str,
+) -> Callable[..., _Received]:
+    """The blocking form of ``start``, through the autograd ``function`` when grad is needed.
+
+    ``function.apply`` takes ``start``'s arguments, in its order, ``tensor`` first.
+    """
+    signature = inspect.signature(start)
+
+    @waited
+    def blocking(*args: object, **kwargs: object) -> _Received:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        tensor = bound.arguments["tensor"]
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled():
+            return cast("_Received", function.apply(*bound.args))
+        return cast("_Received", start(*bound.args).wait())
+
+    return named(blocking, what, doc, signature.replace(return_annotation=returns))
 
 
 def allgather_async(
@@ -78,56 +109,51 @@ class _AllgatherFunction(torch.autograd.Function):
         return reduced.narrow(0, offset, ctx.dim0), None, None
 
 
-@waited
-def allgather(
-    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet | None = None
-) -> torch.Tensor:
+allgather = _differentiable(
+    allgather_async,
+    _AllgatherFunction,
+    torch.Tensor,
+    "allgather",
     """Concatenate ``tensor`` from every rank on dim 0; the first dimension may differ.
 
     Returns
     -------
     torch.Tensor
         Shape ``(sum of every rank's dim 0, *tensor.shape[1:])``, in rank order.
-    """
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _AllgatherFunction.apply(tensor, name, process_set)  # type: ignore[no-any-return]
-    return allgather_async(tensor, name, process_set).wait()  # type: ignore[no-any-return]
+    """,
+)
 
 
-def broadcast_async_(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: ProcessSet | None = None,
-) -> Handle:
-    """Start an in-place broadcast from ``root_rank``."""
-    t = as_tensor(tensor, "broadcast_async_")
-    future = _ops.broadcast(_TORCH, t, t, root_rank, name, in_waited_ops(), process_set)
-    return Handle([future], name or "broadcast", lambda results: tensor)
+def _broadcast_start(in_place: bool, what: str, doc: str) -> Callable[..., Handle]:
+    """``broadcast_async_`` (``in_place``: returns ``tensor``) or its out-of-place form."""
+
+    def start(
+        tensor: torch.Tensor,
+        root_rank: int,
+        name: str | None = None,
+        process_set: ProcessSet | None = None,
+    ) -> Handle:
+        t = as_tensor(tensor, what)
+        out = t if in_place else torch.empty_like(t, memory_format=torch.contiguous_format)
+        result = tensor if in_place else out
+        future = _ops.broadcast(_TORCH, t, out, root_rank, name, in_waited_ops(), process_set)
+        return Handle([future], name or "broadcast", lambda results: result)
+
+    return named(start, what, doc)
 
 
-@waited
-def broadcast_(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: ProcessSet | None = None,
-) -> torch.Tensor:
-    """Overwrite ``tensor`` with ``root_rank``'s, in place, and return it."""
-    return broadcast_async_(tensor, root_rank, name, process_set).wait()
-
-
-def broadcast_async(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: ProcessSet | None = None,
-) -> Handle:
-    """Start a broadcast into a new tensor."""
-    t = as_tensor(tensor, "broadcast_async")
-    out = torch.empty_like(t, memory_format=torch.contiguous_format)
-    future = _ops.broadcast(_TORCH, t, out, root_rank, name, in_waited_ops(), process_set)
-    return Handle([future], name or "broadcast", lambda results: out)
+broadcast_async_ = _broadcast_start(
+    True, "broadcast_async_", "Start an in-place broadcast from ``root_rank``."
+)
+broadcast_async = _broadcast_start(False, "broadcast_async", "Start a broadcast into a new tensor.")
+broadcast_ = waited(
+    synchronized(
+        broadcast_async_,
+        torch.Tensor,
+        "broadcast_",
+        "Overwrite ``tensor`` with ``root_rank``'s, in place, and return it.",
+    )
+)
 
 
 class _BroadcastFunction(torch.autograd.Function):
@@ -153,19 +179,13 @@ class _BroadcastFunction(torch.autograd.Function):
         return reduced, None, None, None
 
 
-@waited
-def broadcast(
-    tensor: torch.Tensor,
-    root_rank: int,
-    name: str | None = None,
-    process_set: ProcessSet | None = None,
-) -> torch.Tensor:
-    """Return ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere)."""
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _BroadcastFunction.apply(  # type: ignore[no-any-return]
-            tensor, root_rank, name, process_set
-        )
-    return broadcast_async(tensor, root_rank, name, process_set).wait()  # type: ignore[no-any-return]
+broadcast = _differentiable(
+    broadcast_async,
+    _BroadcastFunction,
+    torch.Tensor,
+    "broadcast",
+    "Return ``root_rank``'s ``tensor`` on every rank (same shape and dtype everywhere).",
+)
 
 
 def _split_list(splits: Sequence[int] | torch.Tensor | None) -> list[int] | None:
@@ -233,13 +253,11 @@ class _AlltoallFunction(torch.autograd.Function):
         return back, None, None, None
 
 
-@waited
-def alltoall(
-    tensor: torch.Tensor,
-    splits: Sequence[int] | torch.Tensor | None = None,
-    name: str | None = None,
-    process_set: ProcessSet | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+alltoall = _differentiable(
+    alltoall_async,
+    _AlltoallFunction,
+    torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    "alltoall",
     """Send ``splits[r]`` rows of ``tensor`` to rank r; receive every rank's rows for this one.
 
     Without ``splits`` the first dimension is split evenly (it must divide by ``size()``).
@@ -249,10 +267,8 @@ def alltoall(
     torch.Tensor or tuple
         The received rows in rank order; with ``splits`` also a tensor of the row counts
         received from each rank (Horovod's second return value). Differentiable.
-    """
-    if tensor.requires_grad and torch.is_grad_enabled():
-        return _AlltoallFunction.apply(tensor, splits, name, process_set)
-    return alltoall_async(tensor, splits, name, process_set).wait()
+    """,
+)
 
 
 def reducescatter_async(
@@ -265,12 +281,9 @@ def reducescatter_async(
     postscale_factor: float = 1.0,
 ) -> Handle:
     """Start a reducescatter; see :func:`reducescatter`."""
-    resolved = reducescatter_op(op)
+    reduction = Reduction(reducescatter_op(op), prescale_factor, postscale_factor)
     compressed, ctx = compression.compress(as_tensor(tensor, "reducescatter_async"))
-    future = _ops.reducescatter(
-        _TORCH, compressed, resolved, name, prescale_factor, postscale_factor,
-        in_waited_ops(), process_set,
-    )  # fmt: skip
+    future = _ops.reducescatter(_TORCH, compressed, reduction, name, in_waited_ops(), process_set)
     return Handle(
         [future], name or "reducescatter", lambda results: compression.decompress(results[0], ctx)
     )

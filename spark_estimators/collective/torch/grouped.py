@@ -16,6 +16,7 @@ import torch
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
+from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
@@ -115,18 +116,10 @@ def grouped_reducescatter_async(
 ) -> Handle:
     """Start a reducescatter of every tensor of ``tensors``; see :func:`grouped_reducescatter`."""
     ts = _tensors(tensors, "grouped_reducescatter_async")
-    resolved, blocking = reducescatter_op(op), in_waited_ops()
+    reduction = Reduction(reducescatter_op(op), prescale_factor, postscale_factor)
+    blocking = in_waited_ops()
     futures = [
-        _ops.reducescatter(
-            _TORCH,
-            t,
-            resolved,
-            _part(name, i),
-            prescale_factor,
-            postscale_factor,
-            blocking,
-            process_set,
-        )  # fmt: skip
+        _ops.reducescatter(_TORCH, t, reduction, _part(name, i), blocking, process_set)
         for i, t in enumerate(ts)
     ]
     return Handle(futures, name or "grouped_reducescatter", lambda results: list(results))

@@ -6,17 +6,26 @@ is the async form followed by :func:`synchronize`. Out-of-place ``allreduce`` an
 ``grouped_allreduce`` are differentiable, as in Horovod: the gradient is the same reduction
 (op and scale factors) of the incoming gradients. The ops that move data are in
 :mod:`.exchange`.
+
+Each reduction is written once: the two grouped async starters (in place or into new tensors);
+the one-tensor forms are the grouped ones on ``[tensor]`` (:func:`_per_tensor`) and the blocking
+in-place forms wait for the async ones (:func:`~spark_estimators.collective.runtime.forms.
+synchronized`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import TypeVar
 
 import torch
 
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import allreduce as _allreduce
+from spark_estimators.collective.runtime.allreduce import Reduction
+from spark_estimators.collective.runtime.forms import named, synchronized
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
@@ -35,6 +44,9 @@ from spark_estimators.collective.torch.compression import (
 )
 from spark_estimators.errors import CollectiveError
 
+_R = TypeVar("_R")
+_S = TypeVar("_S")
+
 
 def synchronize(handle: Handle) -> object:
     """Wait for an async op and return its output (raises the op's error)."""
@@ -50,10 +62,8 @@ def poll(handle: Handle) -> bool:
 def _grouped_allreduce_async(
     inputs: Sequence[torch.Tensor],
     outputs: Sequence[torch.Tensor],
-    op: ReduceOp,
+    reduction: Reduction,
     name: str | None,
-    prescale_factor: float,
-    postscale_factor: float,
     finish: Callable[[list[object]], object],
     process_set: ProcessSet | None = None,
 ) -> Handle:
@@ -64,9 +74,8 @@ def _grouped_allreduce_async(
             "or call grouped_allreduce once per device"
         )
     if len(inputs) == 1:  # allreduce_async_ per tensor (a hot path): nothing to group
-        one = _allreduce.allreduce(_TORCH, inputs, outputs, op, name, prescale_factor,
-                                   postscale_factor, blocking=in_waited_ops(),
-                                   process_set=process_set)  # fmt: skip
+        one = _allreduce.allreduce(_TORCH, inputs, outputs, reduction, name,
+                                   blocking=in_waited_ops(), process_set=process_set)  # fmt: skip
         return Handle([one], name or "grouped_allreduce", finish)
     futures: list[Future[Sequence[torch.Tensor]]] = []
     groups = dtype_device_groups(inputs)
@@ -77,10 +86,8 @@ def _grouped_allreduce_async(
                 _TORCH,
                 [inputs[i] for i in idx],
                 [outputs[i] for i in idx],
-                op,
+                reduction,
                 label,
-                prescale_factor,
-                postscale_factor,
                 blocking=in_waited_ops() and len(groups) == 1,
                 process_set=process_set,
             )
@@ -88,162 +95,96 @@ def _grouped_allreduce_async(
     return Handle(futures, name or "grouped_allreduce", finish)
 
 
-def _start(
-    tensors: Sequence[torch.Tensor],
-    in_place: bool,
-    what: str,
-    average: bool | None,
-    name: str | None,
-    op: ReduceOp | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet | None,
-) -> Handle:
-    """The four async allreduces: in place (returns ``tensors``) or into new tensors."""
-    ts = [as_tensor(t, what) for t in tensors]
-    outs = (
-        ts if in_place else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
+def _grouped_allreduce_start(in_place: bool, what: str, doc: str) -> Callable[..., Handle]:
+    """``grouped_allreduce_async_`` (``in_place``: returns ``tensors``) or its out-of-place form."""
+
+    def start(
+        tensors: Sequence[torch.Tensor],
+        average: bool | None = None,
+        name: str | None = None,
+        op: ReduceOp | None = None,
+        prescale_factor: float = 1.0,
+        postscale_factor: float = 1.0,
+        process_set: ProcessSet | None = None,
+    ) -> Handle:
+        ts = [as_tensor(t, what) for t in tensors]
+        outs = (
+            ts
+            if in_place
+            else [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
+        )
+        result = list(tensors) if in_place else outs
+        return _grouped_allreduce_async(
+            ts, outs, Reduction(resolve_op(op, average, adasum=True), prescale_factor,
+                                postscale_factor),
+            name, lambda results: result, process_set,
+        )  # fmt: skip
+
+    return named(start, what, doc)
+
+
+def _first(results: Sequence[torch.Tensor]) -> torch.Tensor:
+    return results[0]
+
+
+def _first_when_done(handle: Handle) -> Handle:
+    return handle.then(_first)
+
+
+def _per_tensor(
+    grouped: Callable[..., _R], first: Callable[[_R], _S], what: str, doc: str
+) -> Callable[..., _S]:
+    """The one-tensor form of the op ``grouped``: ``first`` of ``grouped([tensor], ...)``."""
+
+    def one(tensor: torch.Tensor, *args: object, **kwargs: object) -> _S:
+        as_tensor(tensor, what)  # a wrong argument's error names the op called
+        return first(grouped([tensor], *args, **kwargs))
+
+    signature = inspect.signature(grouped)
+    tensors, *rest = signature.parameters.values()
+    signature = signature.replace(
+        parameters=[tensors.replace(name="tensor", annotation="torch.Tensor"), *rest],
+        return_annotation=inspect.signature(first).return_annotation,
     )
-    result = list(tensors) if in_place else outs
-    return _grouped_allreduce_async(
-        ts, outs, resolve_op(op, average, adasum=True), name, prescale_factor, postscale_factor,
-        (lambda results: result) if what.startswith("grouped") else (lambda results: result[0]),
-        process_set,
-    )  # fmt: skip
+    return named(one, what, doc, signature)
 
 
-def allreduce_async_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet | None = None,
-) -> Handle:
-    """Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`."""
-    return _start([tensor], True, "allreduce_async_", average, name, op, prescale_factor,
-                  postscale_factor, process_set)  # fmt: skip
-
-
-@waited
-def allreduce_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet | None = None,
-) -> torch.Tensor:
-    """Allreduce ``tensor`` in place across ranks and return it; see :func:`allreduce`."""
-    return _start([tensor], True, "allreduce_", average, name, op, prescale_factor,
-                  postscale_factor, process_set).wait()  # fmt: skip
-
-
-def allreduce_async(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet | None = None,
-) -> Handle:
-    """Start an allreduce into a new tensor; the input is not modified."""
-    return _start([tensor], False, "allreduce_async", average, name, op, prescale_factor,
-                  postscale_factor, process_set)  # fmt: skip
-
-
-@waited
-def allreduce(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: type[Compressor] = Compression.none,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet | None = None,
-) -> torch.Tensor:
-    """Reduce ``tensor`` across all ranks and return the result in a new tensor.
-
-    Parameters
-    ----------
-    tensor
-        Same dtype and shape on every rank.
-    average
-        Deprecated Horovod flag (``False`` = Sum); use ``op``.
-    name
-        Name used in error messages; the same on every rank when given.
-    compression
-        ``Compression.none`` (default) or ``Compression.fp16``.
-    op
-        ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum`` (a
-        power-of-two number of ranks, floating dtypes).
-    prescale_factor, postscale_factor
-        Multiply the input before / the result after the reduction.
-    process_set
-        Reduce among this ``ProcessSet``'s members only (default: every rank).
-
-    Returns
-    -------
-    torch.Tensor
-        ``postscale * reduce(prescale * tensor)``; differentiable when ``tensor`` requires grad.
-
-    Examples
-    --------
-    >>> import spark_estimators.collective.torch as hvd
-    >>> hvd.allreduce(torch.ones(2) * (hvd.rank() + 1), op=hvd.Sum)  # doctest: +SKIP
-    tensor([3., 3.])
-    """
-    (out,) = grouped_allreduce(
-        [tensor], average, name, compression, op, prescale_factor, postscale_factor, process_set
+grouped_allreduce_async_ = _grouped_allreduce_start(
+    True,
+    "grouped_allreduce_async_",
+    "Start an in-place fused allreduce of ``tensors`` (one op per dtype and device).",
+)
+grouped_allreduce_async = _grouped_allreduce_start(
+    False, "grouped_allreduce_async", "Start a fused allreduce of ``tensors`` into new tensors."
+)
+grouped_allreduce_ = waited(
+    synchronized(
+        grouped_allreduce_async_,
+        list[torch.Tensor],
+        "grouped_allreduce_",
+        "In-place :func:`grouped_allreduce`; returns the same tensors.",
     )
-    return out
-
-
-def grouped_allreduce_async_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet | None = None,
-) -> Handle:
-    """Start an in-place fused allreduce of ``tensors`` (one op per dtype and device)."""
-    return _start(tensors, True, "grouped_allreduce_async_", average, name, op, prescale_factor,
-                  postscale_factor, process_set)  # fmt: skip
-
-
-@waited
-def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet | None = None,
-) -> list[torch.Tensor]:
-    """In-place :func:`grouped_allreduce`; returns the same tensors."""
-    return _start(tensors, True, "grouped_allreduce_", average, name, op, prescale_factor,
-                  postscale_factor, process_set).wait()  # fmt: skip
-
-
-def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet | None = None,
-) -> Handle:
-    """Start a fused allreduce of ``tensors`` into new tensors."""
-    return _start(tensors, False, "grouped_allreduce_async", average, name, op, prescale_factor,
-                  postscale_factor, process_set)  # fmt: skip
+)
+allreduce_async_ = _per_tensor(
+    grouped_allreduce_async_,
+    _first_when_done,
+    "allreduce_async_",
+    "Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`.",
+)
+allreduce_async = _per_tensor(
+    grouped_allreduce_async,
+    _first_when_done,
+    "allreduce_async",
+    "Start an allreduce into a new tensor; the input is not modified.",
+)
+allreduce_ = waited(
+    synchronized(
+        allreduce_async_,
+        torch.Tensor,
+        "allreduce_",
+        "Allreduce ``tensor`` in place across ranks and return it; see :func:`allreduce`.",
+    )
+)
 
 
 class _GroupedAllreduceFunction(torch.autograd.Function):
@@ -300,3 +241,41 @@ def grouped_allreduce(
             sent, None, name, resolved, prescale_factor, postscale_factor, process_set
         ).wait(),
     )
+
+
+allreduce = _per_tensor(
+    grouped_allreduce,
+    _first,
+    "allreduce",
+    """Reduce ``tensor`` across all ranks and return the result in a new tensor.
+
+    Parameters
+    ----------
+    tensor
+        Same dtype and shape on every rank.
+    average
+        Deprecated Horovod flag (``False`` = Sum); use ``op``.
+    name
+        Name used in error messages; the same on every rank when given.
+    compression
+        ``Compression.none`` (default) or ``Compression.fp16``.
+    op
+        ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product`` or ``Adasum`` (a
+        power-of-two number of ranks, floating dtypes).
+    prescale_factor, postscale_factor
+        Multiply the input before / the result after the reduction.
+    process_set
+        Reduce among this ``ProcessSet``'s members only (default: every rank).
+
+    Returns
+    -------
+    torch.Tensor
+        ``postscale * reduce(prescale * tensor)``; differentiable when ``tensor`` requires grad.
+
+    Examples
+    --------
+    >>> import spark_estimators.collective.torch as hvd
+    >>> hvd.allreduce(torch.ones(2) * (hvd.rank() + 1), op=hvd.Sum)  # doctest: +SKIP
+    tensor([3., 3.])
+    """,
+)
