@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from spark_estimators.collective.api import timeline as _timeline
@@ -18,6 +18,7 @@ from spark_estimators.collective.backends.base import Topology, backend_class
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import process_sets as _process_sets
 from spark_estimators.collective.runtime import settings as _settings
+from spark_estimators.collective.runtime.forms import named
 from spark_estimators.collective.runtime.process_sets import ProcessSet, add_process_set
 from spark_estimators.errors import ConfigurationError
 
@@ -153,34 +154,26 @@ def _topology(op: str) -> Topology:
     return _engine.require(op).backend.topology
 
 
-def rank() -> int:
-    """Rank of this process, ``0 .. size() - 1``."""
-    return _topology("rank").rank
+def _topology_number(field: str, doc: str) -> Callable[[], int]:
+    """The query ``field()``: the topology's number of that name (``rank()``, ``size()`` ...)."""
+
+    def query() -> int:
+        return int(getattr(_topology(field), field))
+
+    return named(query, field, doc)
 
 
-def size() -> int:
-    """Number of ranks in the job."""
-    return _topology("size").size
-
-
-def local_rank() -> int:
-    """Rank among the processes on this host."""
-    return _topology("local_rank").local_rank
-
-
-def local_size() -> int:
-    """Number of ranks on this host."""
-    return _topology("local_size").local_size
-
-
-def cross_rank() -> int:
-    """Rank among the processes with this ``local_rank`` across hosts (the host index)."""
-    return _topology("cross_rank").cross_rank
-
-
-def cross_size() -> int:
-    """Number of processes with this ``local_rank`` across hosts (the number of hosts)."""
-    return _topology("cross_size").cross_size
+rank = _topology_number("rank", "Rank of this process, ``0 .. size() - 1``.")
+size = _topology_number("size", "Number of ranks in the job.")
+local_rank = _topology_number("local_rank", "Rank among the processes on this host.")
+local_size = _topology_number("local_size", "Number of ranks on this host.")
+cross_rank = _topology_number(
+    "cross_rank", "Rank among the processes with this ``local_rank`` across hosts (the host index)."
+)
+cross_size = _topology_number(
+    "cross_size",
+    "Number of processes with this ``local_rank`` across hosts (the number of hosts).",
+)
 
 
 def is_homogeneous() -> bool:
