@@ -27,7 +27,7 @@ A framework object is made for one fit, so it may keep what one step learned for
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from spark_estimators.data.stream import StreamMetadata
     from spark_estimators.store.base import Store
 
-__all__ = ["Fit", "FitData", "Framework", "RankResult", "extend_spec"]
+__all__ = ["Fit", "FitData", "Framework", "FrameworkBase", "RankResult", "extend_spec"]
 
 #: What one rank's ``train(spec)`` returns (see :func:`spark_estimators.core.rank.rank_result`).
 RankResult: TypeAlias = dict[str, Any]
@@ -47,6 +47,7 @@ RankResult: TypeAlias = dict[str, Any]
 FitData: TypeAlias = "DatasetMetadata | StreamMetadata"
 
 SpecT = TypeVar("SpecT", bound="TrainSpec")
+EstT = TypeVar("EstT")
 
 
 class Framework(Protocol):
@@ -82,6 +83,20 @@ class Framework(Protocol):
     def build_model(self, results: list[RankResult], run_id: str) -> SparkModel:
         """The fitted Model from the ranks' results (rank 0's first)."""
         ...
+
+
+class FrameworkBase(Generic[EstT]):
+    """What every :class:`Framework` starts from: the estimator it serves, ``est``.
+
+    Its :meth:`rank_env` adds nothing to the backend's environment (keras overrides it).
+    """
+
+    def __init__(self, est: EstT) -> None:
+        self.est = est
+
+    def rank_env(self) -> dict[str, str]:
+        """No extra environment: the ranks take the backend's."""
+        return {}
 
 
 class Fit(Protocol):

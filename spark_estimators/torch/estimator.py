@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeAlias, cast
 
 from spark_estimators.core import checks
 from spark_estimators.core.estimator import SparkEstimator, listify
-from spark_estimators.core.framework import FitData, RankResult, extend_spec
+from spark_estimators.core.framework import FitData, FrameworkBase, RankResult, extend_spec
 from spark_estimators.core.params import (
     HOROVOD_DATA_MODULE_KEYWORDS,
     HasLossConstructors,
@@ -153,13 +153,13 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
         return TrainingRun(self, TorchFramework(self))
 
 
-class TorchFramework:
+class TorchFramework(FrameworkBase["TorchEstimator"]):
     """What a torch fit adds to its TrainingRun (see :mod:`spark_estimators.core.framework`)."""
 
     name = FRAMEWORK
 
     def __init__(self, est: TorchEstimator) -> None:
-        self.est = est
+        super().__init__(est)
         self.losses: list[LossFn] = []  # one per label column, from shipped()
         # Floating columns fed as int64 class indices (build_spec; the model's indexCols).
         self.index_cols: list[indices.IndexColumn] = []
@@ -167,10 +167,6 @@ class TorchFramework:
     def trainer(self) -> Callable[[TorchTrainSpec], RankResult]:
         """The rank entry point: :func:`spark_estimators.torch.remote.train`."""
         return train
-
-    def rank_env(self) -> dict[str, str]:
-        """No extra environment: torch ranks take the backend's."""
-        return {}
 
     def shipped(self) -> tuple[UserObjects, list[object]]:
         """The model, optimizer (TorchScript as bytes), losses, metrics, callbacks and functions."""
