@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from spark_estimators.core import checks
 from spark_estimators.core.estimator import SparkEstimator, listify
-from spark_estimators.core.framework import FitData, RankResult, extend_spec
+from spark_estimators.core.framework import FitData, FrameworkBase, RankResult, extend_spec
 from spark_estimators.core.params import (
     HOROVOD_DATA_MODULE_KEYWORDS,
     SupervisedParams,
@@ -164,13 +164,13 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         ``feature_cols[i]`` (horovod's rule); see the module docstring for unknown dimensions.
         None when neither is known.
         """
-        shapes = self.getOrDefault(self.inputShapes)
+        shapes = self.getOrDefault("inputShapes")
         if shapes is not None:
             return list(shapes)
         return model_input_shapes(self.getModel(), len(self.getFeatureCols()))
 
     def _check_data_shapes(self, columns: dict[str, ColumnInfo]) -> None:
-        if self.getOrDefault(self.inputShapes) is not None:
+        if self.getOrDefault("inputShapes") is not None:
             super()._check_data_shapes(columns)
             return
         sizes = {name: int(math.prod(info.shape)) for name, info in columns.items()}
@@ -279,13 +279,10 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
         return TrainingRun(self, KerasFramework(self))
 
 
-class KerasFramework:
+class KerasFramework(FrameworkBase["KerasEstimator"]):
     """What a Keras fit adds to its TrainingRun (see :mod:`spark_estimators.core.framework`)."""
 
     name = "keras"
-
-    def __init__(self, est: KerasEstimator) -> None:
-        self.est = est
 
     def trainer(self) -> Callable[[KerasTrainSpec], RankResult]:
         """The rank entry point: :func:`spark_estimators.keras.remote.train` (imports keras)."""

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pyspark.ml.param import TypeConverters
 
 from spark_estimators.core.estimator import SparkEstimator, listify
-from spark_estimators.core.framework import FitData, RankResult, extend_spec
+from spark_estimators.core.framework import FitData, FrameworkBase, RankResult, extend_spec
 from spark_estimators.core.params import document_constructor, make_param
-from spark_estimators.core.params.base import keyword_only, to_int_or_none
+from spark_estimators.core.params.base import ParamGetter, keyword_only, to_int_or_none
 from spark_estimators.core.training_run import TrainingRun, wrap_model
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.lightning.callbacks import FRAMEWORK
@@ -109,18 +109,20 @@ class LightningEstimator(SparkEstimator):
     did); otherwise it holds the final weights.
     """
 
-    numGpus = make_param("numGpus", "GPUs per rank: None (auto), 0 or 1", to_int_or_none)
-    logger = make_param("logger", "Lightning logger (default TensorBoard into the store)")
-    logEveryNSteps = make_param(
-        "logEveryNSteps", "Trainer(log_every_n_steps=...)", TypeConverters.toInt
+    getNumGpus = ParamGetter("GPUs per rank: None (auto), 0 or 1", to_int_or_none)
+    getLogger: ParamGetter[pl.loggers.Logger | list[pl.loggers.Logger] | bool | None] = ParamGetter(
+        "Lightning logger (default TensorBoard into the store)"
     )
+    getLogEveryNSteps = ParamGetter("Trainer(log_every_n_steps=...)", TypeConverters.toInt)
     trainerArgs = make_param("trainerArgs", "dict of extra Trainer(...) arguments")
-    profiler = make_param("profiler", "'simple', 'advanced', 'pytorch' or a Lightning Profiler")
-    terminateOnNan = make_param(
-        "terminateOnNan", "stop with an error on a NaN/inf loss or weight", TypeConverters.toBoolean
+    getProfiler: ParamGetter[pl.profilers.Profiler | str | None] = ParamGetter(
+        "'simple', 'advanced', 'pytorch' or a Lightning Profiler"
     )
-    loaderNumEpochs = make_param(
-        "loaderNumEpochs", "horovod compatibility: only None (one pass per epoch)", to_int_or_none
+    getTerminateOnNan = ParamGetter(
+        "stop with an error on a NaN/inf loss or weight", TypeConverters.toBoolean
+    )
+    getLoaderNumEpochs = ParamGetter(
+        "horovod compatibility: only None (one pass per epoch)", to_int_or_none
     )
     dataModule = make_param(
         "dataModule", "horovod compatibility: only None (the reader is built in)"
@@ -187,33 +189,9 @@ class LightningEstimator(SparkEstimator):
     def __init__(self, *, model: pl.LightningModule | None = None, **params: object) -> None:
         super().__init__(**self._input_kwargs)
 
-    def getNumGpus(self) -> int | None:
-        """Gets the value of ``numGpus`` or its default value."""
-        return self.getOrDefault(self.numGpus)
-
-    def getLogger(self) -> pl.loggers.Logger | list[pl.loggers.Logger] | bool | None:
-        """Gets the value of ``logger`` or its default value."""
-        return self.getOrDefault(self.logger)
-
-    def getLogEveryNSteps(self) -> int:
-        """Gets the value of ``logEveryNSteps`` or its default value."""
-        return self.getOrDefault(self.logEveryNSteps)
-
     def getTrainerArgs(self) -> dict[str, object]:
         """Gets the value of ``trainerArgs`` or its default value."""
         return dict(self.getOrDefault(self.trainerArgs) or {})
-
-    def getProfiler(self) -> pl.profilers.Profiler | str | None:
-        """Gets the value of ``profiler`` or its default value."""
-        return self.getOrDefault(self.profiler)
-
-    def getTerminateOnNan(self) -> bool:
-        """Gets the value of ``terminateOnNan`` or its default value."""
-        return self.getOrDefault(self.terminateOnNan)
-
-    def getLoaderNumEpochs(self) -> int | None:
-        """Gets the value of ``loaderNumEpochs`` or its default value."""
-        return self.getOrDefault(self.loaderNumEpochs)
 
     # -- validation ------------------------------------------------------------------------------
     def _validate_framework(self) -> None:
@@ -323,21 +301,14 @@ class LightningEstimator(SparkEstimator):
         return TrainingRun(self, LightningFramework(self))
 
 
-class LightningFramework:
+class LightningFramework(FrameworkBase["LightningEstimator"]):
     """What a Lightning fit adds to its TrainingRun (see :mod:`spark_estimators.core.framework`)."""
 
     name = FRAMEWORK
 
-    def __init__(self, est: LightningEstimator) -> None:
-        self.est = est
-
     def trainer(self) -> Callable[[LightningTrainSpec], RankResult]:
         """The rank entry point: :func:`spark_estimators.lightning.remote.train`."""
         return train
-
-    def rank_env(self) -> dict[str, str]:
-        """No extra environment: Lightning ranks take the backend's."""
-        return {}
 
     def shipped(self) -> tuple[LightningUserObjects, list[object]]:
         """The LightningModule, callbacks, logger, profiler and ``transformation_fn``."""

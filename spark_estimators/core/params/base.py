@@ -6,6 +6,7 @@
   estimators' ``Parameters`` docs and keyword-only signatures are built from them.
 - :func:`to_camel` / :func:`to_snake` map horovod's snake_case keywords to the camelCase Param
   names by rule (``num_proc`` <-> ``numProc``); :data:`ALIASES` lists exceptions (none).
+- :class:`ParamGetter` declares a Param and its typed ``getX()`` in one line.
 - :func:`add_accessors` gives every Param a ``getX()`` and a chainable ``setX(value)``.
 """
 
@@ -16,8 +17,9 @@ import functools
 import inspect
 import re
 import textwrap
+import typing
 from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar, overload
 
 import pyspark
 from pyspark.ml.param import Param, Params, TypeConverters
@@ -57,6 +59,65 @@ def make_param(
 ) -> Param:
     """A Spark ML ``Param`` named ``name`` with ``doc`` and a type converter."""
     return Param(Params._dummy(), name, doc, typeConverter=conv)
+
+
+T = TypeVar("T")
+
+
+class ParamGetter(Generic[T]):
+    """Declares a Param and becomes its typed getter: pyspark's pair in one statement.
+
+    In a class body, ``getNumProc = ParamGetter("number of ranks", to_int_or_none)`` stands for
+    pyspark's ``numProc = Param(...)`` plus ``def getNumProc(self) -> int | None`` documented
+    "Gets the value of ``numProc`` or its default value.": the Param's name is the attribute's
+    without ``get`` (written once), the class gets the ``Param`` (as :func:`make_param` makes
+    it) under that name and a plain getter function under the attribute. The getter returns the
+    converter's return type, or the type declared as
+    ``getStore: ParamGetter[Store | None] = ParamGetter(doc)`` (needed for a Param without a
+    converter); type checkers read it from :meth:`__get__`.
+
+    Parameters
+    ----------
+    doc
+        The Param's doc.
+    conv
+        Its type converter (default ``TypeConverters.identity``: then declare the type).
+    """
+
+    def __init__(self, doc: str, conv: Callable[[object], T] | None = None) -> None:
+        self.doc = doc
+        self.conv: Callable[[object], object] = TypeConverters.identity if conv is None else conv
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        name = attr[3:4].lower() + attr[4:]
+        if not name or attr != _accessor("get", name):
+            raise TypeError(f"a ParamGetter's attribute is get<ParamName>, not {attr!r}")
+        getter = _getter(name, self._returns(owner, attr))
+        getter.__module__ = owner.__module__
+        getter.__qualname__ = f"{owner.__qualname__}.{attr}"
+        setattr(owner, name, make_param(name, self.doc, self.conv))
+        setattr(owner, attr, getter)
+
+    def _returns(self, owner: type, attr: str) -> str:
+        """The getter's return annotation: the declared type, else the converter's return type."""
+        declared = vars(owner).get("__annotations__", {}).get(attr)
+        if isinstance(declared, str):  # "ParamGetter[Store | None]", a postponed annotation
+            return declared[declared.index("[") + 1 : declared.rindex("]")]
+        if declared is not None:
+            returns = typing.get_args(declared)[0]
+        else:
+            returns = inspect.get_annotations(self.conv).get("return", "object")
+        return returns if isinstance(returns, str) else inspect.formatannotation(returns)
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> Callable[[Params], T]: ...
+
+    @overload
+    def __get__(self, obj: Params, owner: type) -> Callable[[], T]: ...
+
+    def __get__(self, obj: Params | None, owner: type) -> Callable[..., T]:
+        """For type checkers only: ``__set_name__`` put the getter function in its place."""
+        raise AttributeError(f"a ParamGetter ({self.doc!r}) outside a class body has no getter")
 
 
 def to_int_or_none(value: object) -> int | None:
@@ -161,29 +222,34 @@ def add_accessors(cls: type) -> type:
         param = getattr(cls, name, None)
         if not isinstance(param, Param) or name != param.name:
             continue
-        suffix = name[0].upper() + name[1:]
-        if not hasattr(cls, "set" + suffix):
-            setattr(cls, "set" + suffix, _setter(name))
-        if not hasattr(cls, "get" + suffix):
-            setattr(cls, "get" + suffix, _getter(name))
+        if not hasattr(cls, _accessor("set", name)):
+            setattr(cls, _accessor("set", name), _setter(name))
+        if not hasattr(cls, _accessor("get", name)):
+            setattr(cls, _accessor("get", name), _getter(name))
     return cls
+
+
+def _accessor(prefix: str, name: str) -> str:
+    """``getNumProc`` / ``setNumProc`` for the Param ``numProc``."""
+    return prefix + name[0].upper() + name[1:]
 
 
 def _setter(name: str) -> Callable[[Params, object], Params]:
     def setter(self: Params, value: object) -> Params:
         return self._set(**{name: value})
 
-    setter.__name__ = "set" + name[0].upper() + name[1:]
+    setter.__name__ = _accessor("set", name)
     setter.__doc__ = f"Set the ``{name}`` param; returns self."
     return setter
 
 
-def _getter(name: str) -> Callable[[Params], object]:
+def _getter(name: str, returns: str = "object") -> Callable[[Params], object]:
     def getter(self: Params) -> object:
         return self.getOrDefault(name)
 
-    getter.__name__ = "get" + name[0].upper() + name[1:]
-    getter.__doc__ = f"The ``{name}`` param's value (or its default)."
+    getter.__name__ = _accessor("get", name)
+    getter.__doc__ = f"Gets the value of ``{name}`` or its default value."
+    getter.__annotations__ = {"return": returns}
     return getter
 
 

@@ -14,6 +14,7 @@ from pyspark.ml.param import TypeConverters
 
 from spark_estimators.core.params.base import (
     DeclaredParams,
+    ParamGetter,
     make_param,
     to_list_or_none,
     to_str_list,
@@ -25,49 +26,33 @@ from spark_estimators.core.params.base import (
 class HasFeatureCols(DeclaredParams):
     """Mixin for ``featureCols``: the feature columns, one model input each."""
 
-    featureCols = make_param("featureCols", "feature column names", to_str_list)
+    getFeatureCols = ParamGetter("feature column names", to_str_list)
     _defaults: ClassVar[dict[str, object]] = {"featureCols": []}
-
-    def getFeatureCols(self) -> list[str]:
-        """Gets the value of ``featureCols`` or its default value."""
-        return self.getOrDefault(self.featureCols)
 
 
 class HasLabelCols(DeclaredParams):
     """Mixin for ``labelCols``: the label columns, one model output each."""
 
-    labelCols = make_param("labelCols", "label column names", to_str_list)
+    getLabelCols = ParamGetter("label column names", to_str_list)
     _defaults: ClassVar[dict[str, object]] = {"labelCols": []}
-
-    def getLabelCols(self) -> list[str]:
-        """Gets the value of ``labelCols`` or its default value."""
-        return self.getOrDefault(self.labelCols)
 
 
 class HasInputShapes(DeclaredParams):
     """Mixin for ``inputShapes``: the shape of each feature input."""
 
-    inputShapes = make_param(
-        "inputShapes", "shape of each feature input, with -1 for the batch (horovod's rule)"
+    getInputShapes: ParamGetter[list[list[int] | None] | None] = ParamGetter(
+        "shape of each feature input, with -1 for the batch (horovod's rule)"
     )
     _defaults: ClassVar[dict[str, object]] = {"inputShapes": None}
-
-    def getInputShapes(self) -> list[list[int] | None] | None:
-        """Gets the value of ``inputShapes`` or its default value."""
-        return self.getOrDefault(self.inputShapes)
 
 
 class HasTransformBatchSize(DeclaredParams):
     """Mixin for ``transformBatchSize``: rows per inference batch in ``transform``."""
 
-    transformBatchSize = make_param(
-        "transformBatchSize", "rows per inference batch in transform()", TypeConverters.toInt
+    getTransformBatchSize = ParamGetter(
+        "rows per inference batch in transform()", TypeConverters.toInt
     )
     _defaults: ClassVar[dict[str, object]] = {"transformBatchSize": 1024}
-
-    def getTransformBatchSize(self) -> int:
-        """Gets the value of ``transformBatchSize`` or its default value."""
-        return self.getOrDefault(self.transformBatchSize)
 
 
 # -- supervised training: what the user hands in besides the model -----------------------------
@@ -76,36 +61,26 @@ class HasTransformBatchSize(DeclaredParams):
 class HasOptimizer(DeclaredParams):
     """Mixin for ``optimizer``: the framework optimizer the estimator drives."""
 
-    optimizer = make_param("optimizer", "optimizer (bound to the model's parameters)")
+    getOptimizer: ParamGetter[object] = ParamGetter("optimizer (bound to the model's parameters)")
     _defaults: ClassVar[dict[str, object]] = {"optimizer": None}
-
-    def getOptimizer(self) -> object:
-        """Gets the value of ``optimizer`` or its default value."""
-        return self.getOrDefault(self.optimizer)
 
 
 class HasLoss(DeclaredParams):
     """Mixin for ``loss``: one loss, or one per label column."""
 
-    loss = make_param("loss", "loss function, or a list of them, one per label column")
+    getLoss: ParamGetter[object] = ParamGetter(
+        "loss function, or a list of them, one per label column"
+    )
     _defaults: ClassVar[dict[str, object]] = {"loss": None}
-
-    def getLoss(self) -> object:
-        """Gets the value of ``loss`` or its default value."""
-        return self.getOrDefault(self.loss)
 
 
 class HasLossConstructors(DeclaredParams):
     """Mixin for ``lossConstructors``: callables that build the losses (instead of ``loss``)."""
 
-    lossConstructors = make_param(
-        "lossConstructors", "callables that build the loss functions (instead of loss)"
+    getLossConstructors: ParamGetter[object] = ParamGetter(
+        "callables that build the loss functions (instead of loss)"
     )
     _defaults: ClassVar[dict[str, object]] = {"lossConstructors": None}
-
-    def getLossConstructors(self) -> object:
-        """Gets the value of ``lossConstructors`` or its default value."""
-        return self.getOrDefault(self.lossConstructors)
 
 
 class HasLossWeights(DeclaredParams):
@@ -122,25 +97,17 @@ class HasLossWeights(DeclaredParams):
 class HasMetrics(DeclaredParams):
     """Mixin for ``metrics``: metric functions averaged over the ranks every epoch."""
 
-    metrics = make_param("metrics", "metric functions metric(output, label) -> value")
+    getMetrics: ParamGetter[object] = ParamGetter("metric functions metric(output, label) -> value")
     _defaults: ClassVar[dict[str, object]] = {"metrics": None}
-
-    def getMetrics(self) -> object:
-        """Gets the value of ``metrics`` or its default value."""
-        return self.getOrDefault(self.metrics)
 
 
 class HasGradientCompression(DeclaredParams):
     """Mixin for ``gradientCompression``: compression of the gradients' allreduce."""
 
-    gradientCompression = make_param(
-        "gradientCompression", "Compression.none or Compression.fp16 for the gradients' allreduce"
+    getGradientCompression: ParamGetter[object] = ParamGetter(
+        "Compression.none or Compression.fp16 for the gradients' allreduce"
     )
     _defaults: ClassVar[dict[str, object]] = {"gradientCompression": None}
-
-    def getGradientCompression(self) -> object:
-        """Gets the value of ``gradientCompression`` or its default value."""
-        return self.getOrDefault(self.gradientCompression)
 
     def _compression_name(self) -> str:
         """``"none"``, ``"fp16"`` or (invalid) another name, from the compression given."""
@@ -156,16 +123,11 @@ class HasGradientCompression(DeclaredParams):
 class HasTrainMinibatchFn(DeclaredParams):
     """Mixin for ``trainMinibatchFn``: horovod's custom training step."""
 
-    trainMinibatchFn = make_param(
-        "trainMinibatchFn",
+    getTrainMinibatchFn: ParamGetter[Any] = ParamGetter(
         "custom fn(model, optimizer, transform_outputs, "
         "loss_fn, inputs, labels, sample_weights) -> (outputs, loss)",
     )
     _defaults: ClassVar[dict[str, object]] = {"trainMinibatchFn": None}
-
-    def getTrainMinibatchFn(self) -> Any:
-        """Gets the value of ``trainMinibatchFn`` or its default value."""
-        return self.getOrDefault(self.trainMinibatchFn)
 
 
 class SupervisedParams(HasOptimizer, HasLoss, HasLossWeights, HasMetrics, HasGradientCompression):
