@@ -43,6 +43,7 @@ from fit import PRESETS, build_data, build_mlp  # noqa: E402
 from spark_estimators.core.backend import SparkBackend  # noqa: E402
 from spark_estimators.task import spare  # noqa: E402
 
+TRACE = False
 PHASES = ("prep", "pre-launch", "job->task", "task->fn", "fn->step", "tail", "job->step", "fit")
 
 
@@ -53,7 +54,10 @@ def timed(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     from spark_estimators.task import context, send_event
 
     send_event("startup", {"task_started": context.task_started(), "fn_started": time.time()})
-    return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        send_event("marks", context.marks())
 
 
 class TimedBackend(SparkBackend):
@@ -67,7 +71,7 @@ class TimedBackend(SparkBackend):
         self.marks["run"] = time.time()
 
         def record(rank: int, kind: str, data: Any) -> None:
-            if rank == 0 and kind in ("startup", "first_batch"):
+            if rank == 0 and kind in ("startup", "first_batch", "marks"):
                 self.marks[kind] = data
             if event_callback is not None:
                 event_callback(rank, kind, data)
@@ -121,6 +125,13 @@ def fit_once(vdf: Any, store_dir: str, marks: dict[str, Any]) -> dict[str, float
     end = time.time()
     task, fn = marks["startup"]["task_started"], marks["startup"]["fn_started"]
     step = float(marks["first_batch"])
+    if TRACE:
+        steps = sorted([*marks.get("marks", ()), ("task_started", task), ("fn_started", fn)])
+        steps = [(t, n) for n, t in steps] + [(step, "first_step")]
+        print(
+            "  rank 0, s after run():",
+            ", ".join(f"{n} {t - marks['run']:+.2f}" for t, n in sorted(steps)),
+        )
     prep_end = marks.get("prep_end", t0)
     return {
         "prep": prep_end - marks.get("prep_start", t0),
@@ -141,7 +152,20 @@ def show(label: str, r: dict[str, float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument(
+        "--trace", action="store_true", help="print rank 0's start-up steps (task/context.marks)"
+    )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=None,
+        help="SPARK_ESTIMATORS_SPARE_RANKS for the session (spares per PySpark worker; 0: off)",
+    )
     args = parser.parse_args()
+    if args.spares is not None:
+        os.environ[spare.SPARE_ENV] = str(args.spares)  # local[2]: the workers inherit it
+    global TRACE
+    TRACE = args.trace
 
     from pyspark.sql import functions as F
 
@@ -154,7 +178,7 @@ def main() -> None:
     marks: dict[str, Any] = {}
     install_prepare_timer(marks)
     root = tempfile.mkdtemp(prefix="bench-startup-")
-    print("load average at start:", os.getloadavg())
+    print("load average at start:", os.getloadavg(), "spares per worker:", spare.stock())
     print(f"{'fit':22s} " + " ".join(f"{p:>10s}" for p in PHASES))
     show("first of the session", fit_once(vdf, os.path.join(root, "s0"), marks))
     written, reused = [], []

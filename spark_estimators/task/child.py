@@ -44,6 +44,9 @@ def main(config: dict[str, Any] | None = None) -> None:
     start_lifeline()
     lazy_dynamo.install()  # eager training never pays for importing torch._dynamo
     context.set_task_started(config.get("task_started"))
+    for name, when in config.get("task_marks", ()):
+        context.mark(name, when)
+    context.mark("config_read")
 
     import cloudpickle
 
@@ -54,7 +57,10 @@ def main(config: dict[str, Any] | None = None) -> None:
     context.set_driver_client(client, rank)
     code = 0
     try:
-        fn, args, kwargs = cloudpickle.loads(client.call("fetch_fn", rank))
+        blob = client.call("fetch_fn", rank)
+        context.mark("fn_fetched")
+        fn, args, kwargs = cloudpickle.loads(blob)
+        context.mark("fn_loaded")
         value = fn(*args, **(kwargs or {}))
         flush_streams()
         client.call("result", {"rank": rank, "value": cloudpickle.dumps(value)})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from spark_estimators import envvars as ev
@@ -15,6 +16,7 @@ _client: RpcClient | None = None
 _rank: int = -1
 _lock = threading.Lock()
 _task_started: float | None = None
+_marks: list[tuple[str, float]] = []
 
 
 def set_driver_client(client: RpcClient, rank: int) -> None:
@@ -46,6 +48,20 @@ def task_started() -> float | None:
     Start-up benchmarks measure from it (``bench/startup.py``).
     """
     return _task_started
+
+
+def mark(name: str, when: float | None = None) -> None:
+    """Note that the rank's start-up reached ``name`` now (or at ``when``): see :func:`marks`."""
+    _marks.append((name, time.time() if when is None else float(when)))
+
+
+def marks() -> list[tuple[str, float]]:
+    """The start-up steps this rank process noted, ``(name, time.time())`` in order.
+
+    The task, the spare and the rank's framework code mark where the start-up goes (registered,
+    spare imported, function fetched, process group joined, ...): ``bench/startup.py`` shows it.
+    """
+    return list(_marks)
 
 
 def has_driver() -> bool:

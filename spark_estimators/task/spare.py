@@ -7,11 +7,18 @@ needed by the training stage (barrier mode runs only when all ``num_proc`` tasks
 the write job needs slots too), so the import is moved off the critical path instead:
 
 - each ``prepare_data`` write task starts a **spare** in its PySpark worker (its imports then
-  overlap the write; the training stage's tasks mostly run in the same workers next), the
+  overlap the write; the training stage's tasks mostly run in the same workers next), and the
   Spark task of an estimator's training stage starts one as its first act if its worker has
-  none (the imports then overlap the registration of all ranks), and starts one again when its
-  rank has ended, for the next fit that this PySpark worker runs (a CrossValidator's next fold,
-  a notebook's re-run);
+  none (the imports then overlap the registration of all ranks);
+- as soon as a rank has adopted a spare, its task fills the worker's **stock** up again
+  (``SPARK_ESTIMATORS_SPARE_RANKS`` spares, default 2) for the next fits this worker runs (a
+  CrossValidator's next fit, a notebook's re-run): those import at ``SCHED_IDLE`` priority, on
+  the cycles the running fit leaves unused, and get the normal priority back when adopted. Two,
+  because a later fit often starts ~1.5 s after the previous one began (same data, no write),
+  less than one import on a busy machine: the older spare is ready while the newer imports;
+- the rank imports more than its framework before its first step (the collective layer,
+  ``pyarrow.dataset`` and pandas, TensorBoard and boto3: ~0.5-1 s): a spare imports these too
+  (:data:`PREIMPORTS`);
 - the next rank of that worker **adopts** the spare instead of starting a process: the spare
   receives the rank's whole environment and settings on stdin and becomes an ordinary rank
   process (:mod:`spark_estimators.task.child`).
@@ -28,8 +35,9 @@ Only the estimators ask for spares (their training function carries
 ``__spark_estimators_preimport__``, e.g. ``("torch",)``); ``run(fn)`` starts plain processes.
 A spare waits at most ``SPARK_ESTIMATORS_SPARE_RANK_IDLE_S`` seconds (default 600) and exits
 with its PySpark worker (stdin EOF); ``SPARK_ESTIMATORS_SPARE_RANKS=0`` (executor environment,
-e.g. ``spark.executorEnv.SPARK_ESTIMATORS_SPARE_RANKS``) turns spares off. Cost: one idle
-process per PySpark worker that ran a training task, ~200-300 MB RSS with torch imported.
+e.g. ``spark.executorEnv.SPARK_ESTIMATORS_SPARE_RANKS``) turns spares off, ``=1`` keeps one.
+Cost: up to the stock of idle processes per PySpark worker that ran a training task, ~350 MB
+RSS each with torch, pyarrow and pandas imported.
 ``data="stream"`` ranks inherit a pipe from their task and always start as plain processes.
 """
 
@@ -40,6 +48,7 @@ import select
 import subprocess
 import sys
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -50,6 +59,7 @@ from spark_estimators._base.processes import kill_group
 SPARE_ENV = "SPARK_ESTIMATORS_SPARE_RANKS"
 IDLE_ENV = "SPARK_ESTIMATORS_SPARE_RANK_IDLE_S"
 DEFAULT_IDLE_S = 600.0
+DEFAULT_STOCK = 2
 #: The attribute of a rank function naming the modules a spare imports ahead (a tuple of names).
 PREIMPORT_ATTR = "__spark_estimators_preimport__"
 #: Environment variables read when a module is imported: a spare started without the rank's
@@ -73,6 +83,11 @@ IMPORT_TIME_PREFIXES = (
     "KERAS",
     "XLA_",
     "SPARK_ESTIMATORS_LAZY_DYNAMO",
+    "ARROW_",
+    "PANDAS_",
+    "NUMEXPR_",
+    "AWS_",
+    "BOTO",
 )
 
 
@@ -86,11 +101,34 @@ class Spare:
 
 
 _lock = threading.Lock()
-_spare: Spare | None = None
+_spares: list[Spare] = []  # this worker's stock, oldest first
 
 
-#: Modules the estimators' spare rank processes import, by framework.
-PREIMPORTS = {"torch": ("torch",), "lightning": ("torch",)}
+#: What every estimator rank imports before its first step besides its framework: the rank's
+#: entry, the collective layer, the reader (``pyarrow.dataset`` brings pandas) and rank 0's
+#: TensorBoard writer (which brings boto3): ~0.5-1 s of imports that a spare does ahead.
+_RANK_MODULES = (
+    "cloudpickle",
+    "spark_estimators.driver.rpc",
+    "spark_estimators.driver.store_client",
+    "spark_estimators.core.rank",
+    "spark_estimators.data.reader",
+    "pyarrow.dataset",
+    "pyarrow.parquet",
+)
+#: Modules the estimators' spare rank processes import, by framework (in this order).
+PREIMPORTS = {
+    "torch": (
+        "torch",
+        *_RANK_MODULES,
+        "spark_estimators.collective.torch",
+        "spark_estimators.torch.remote",
+        "torch.utils.tensorboard",
+    ),
+    "lightning": ("torch", *_RANK_MODULES, "spark_estimators.lightning.remote"),
+}
+#: Imported only after :func:`~spark_estimators.core.rank.light_tensorboard`, as a rank does.
+_TENSORBOARD = ("tensorboard", "torch.utils.tensorboard")
 
 
 def with_preimports(trainer: Callable[..., Any], framework: str) -> Callable[..., Any]:
@@ -100,9 +138,24 @@ def with_preimports(trainer: Callable[..., Any], framework: str) -> Callable[...
     return marked
 
 
+def stock() -> int:
+    """Spares kept per PySpark worker: ``SPARK_ESTIMATORS_SPARE_RANKS`` (default 2; 0: none).
+
+    ``0``/``false``/``no``/``off`` turn spares off; an integer keeps that many (one is adopted by
+    the worker's next rank, the others are already importing for the fits after it).
+    """
+    raw = os.environ.get(SPARE_ENV, "").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        return 0
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        return DEFAULT_STOCK
+
+
 def enabled() -> bool:
     """False when ``SPARK_ESTIMATORS_SPARE_RANKS=0`` in this (executor) process."""
-    return os.environ.get(SPARE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return stock() > 0
 
 
 def preimports(fn: object) -> tuple[str, ...]:
@@ -129,72 +182,122 @@ def _discard(spare: Spare | None) -> None:
         spare.proc.wait()
 
 
-def ensure(preimport: tuple[str, ...]) -> None:
-    """Have one live spare with ``preimport`` imported in this worker (start it if needed)."""
-    global _spare
+def ensure(preimport: tuple[str, ...], background: bool = False) -> None:
+    """Keep this worker's stock of live spares with ``preimport`` imported (start what is missing).
+
+    Without ``background`` (a task or a write starting) a worker with no spare starts one at the
+    normal CPU priority: a rank adopts it in a moment. Spares started to fill the stock up to
+    ``SPARK_ESTIMATORS_SPARE_RANKS`` (``background``: while this worker's rank trains) import at
+    the lowest priority (``SCHED_IDLE``: only cycles the running fit leaves unused); a rank that
+    adopts one gives it the normal priority back (:func:`take`).
+    """
     if not preimport or not enabled():
         return
     with _lock:
-        old = _spare
-        if old is not None and old.proc.poll() is None and old.preimport == preimport:
-            return
-        _spare = None
-        _discard(old)
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"  # as every rank process (see rank_environment)
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "spark_estimators.task.spare_process",
-                str(_idle_s()),
-                *preimport,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-        _spare = Spare(proc, preimport, env)
+        live = [sp for sp in _spares if sp.proc.poll() is None and sp.preimport == preimport]
+        for sp in _spares:
+            if sp not in live:
+                _discard(sp)
+        _spares[:] = live
+        if not live and not background:
+            _spares.append(_start(preimport, idle=False))
+        while len(_spares) < stock():
+            _spares.append(_start(preimport, idle=True))
+
+
+def _start(preimport: tuple[str, ...], idle: bool) -> Spare:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"  # as every rank process (see rank_environment)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spark_estimators.task.spare_process",
+            str(_idle_s()),
+            "idle" if idle else "normal",
+            *preimport,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    if idle:  # at once, not only when the spare gets to it (it does too: its threads)
+        idle_priority(proc.pid)
+    return Spare(proc, preimport, env)
 
 
 def take(preimport: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
-    """The spare of this worker for a rank with environment ``env``; None: start a plain one.
+    """The oldest usable spare of this worker for a rank with environment ``env``; None: none.
 
-    A spare that exited, imported other modules, or was started with other import-time variables
-    (see :data:`IMPORT_TIME_PREFIXES`) is killed and None is returned.
+    Usable: alive, with ``preimport`` imported, started with the same import-time variables as
+    ``env`` (see :data:`IMPORT_TIME_PREFIXES`). Dead ones are discarded; live ones that another
+    environment cannot use stay for later ranks.
     """
-    global _spare
+    if not preimport:
+        return None
     with _lock:
-        spare, _spare = _spare, None
-    if spare is None:
-        return None
-    usable = (
-        preimport
-        and spare.preimport == preimport
-        and spare.proc.poll() is None
-        and import_time_env(spare.env) == import_time_env(env)
-    )
-    if not usable:
-        _discard(spare)
-        return None
-    return spare.proc
+        for sp in list(_spares):
+            if sp.proc.poll() is not None:
+                _spares.remove(sp)
+                _discard(sp)
+            elif sp.preimport == preimport and import_time_env(sp.env) == import_time_env(env):
+                _spares.remove(sp)
+                break
+        else:
+            return None
+    normal_priority(sp.proc.pid)  # its remaining imports are now on the rank's critical path
+    return sp.proc
+
+
+def idle_priority(pid: int) -> None:
+    """Run process ``pid``'s threads at ``SCHED_IDLE`` (nothing happens where that is refused)."""
+    _set_policy(pid, getattr(os, "SCHED_IDLE", None))
+
+
+def normal_priority(pid: int) -> None:
+    """Give every thread of process ``pid`` the normal policy back (``SCHED_OTHER``, nice kept).
+
+    Linux lets an unprivileged process leave ``SCHED_IDLE`` for ``SCHED_OTHER`` (since 2.6.39).
+    """
+    _set_policy(pid, getattr(os, "SCHED_OTHER", None))
+
+
+def _set_policy(pid: int, policy: int | None) -> None:
+    if policy is None:
+        return
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except (OSError, AttributeError):
+            pass
 
 
 def main() -> None:
     """The spare process: import, wait for a rank's config, then run as that rank."""
-    idle_s, names = float(sys.argv[1]), sys.argv[2:]
+    idle_s, priority, names = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    if priority == "idle":
+        idle_priority(os.getpid())
     import importlib
 
-    from spark_estimators.task import lazy_dynamo
+    from spark_estimators.task import context, lazy_dynamo
 
+    context.mark("spare_started")
     lazy_dynamo.install()  # as a plain rank: before torch, so eager training never loads dynamo
     for name in names:
         try:
+            if name in _TENSORBOARD and "tensorflow" not in sys.modules:
+                # core.rank.light_tensorboard (not imported: core -> data -> task would circle)
+                sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the rank's own import will report it
             pass
+    context.mark("spare_imported")
     stdin = sys.stdin.buffer
     ready, _, _ = select.select([stdin], [], [], idle_s)
     if not ready or not getattr(stdin, "peek", lambda _n: b"x")(1):  # idle, or worker gone
@@ -202,6 +305,7 @@ def main() -> None:
     from spark_estimators._base.child import read_config
 
     config = read_config()
+    normal_priority(os.getpid())  # the adopting task did too; threads started since included
     env = config.pop("env")
     os.environ.clear()
     os.environ.update(env)  # exactly the environment a plain rank process would have

@@ -275,6 +275,7 @@ def run_rank(
             "attempt": attempt,
         }
         reply = client.call("register", reg)
+        task_marks = [("registered", time.time())]
         settings = reply["settings"]
         if settings.rank != 0:
             reservation.close()  # rank 0's task holds the rendezvous port
@@ -293,6 +294,7 @@ def run_rank(
             "secret": config.secret,
             "rank": settings.rank,
             "task_started": task_started,
+            "task_marks": task_marks,
         }
         adopted = None if stream_fd is not None else spare.take(config.preimport, env)
         if adopted is not None:  # a fresh process with the framework imported (task/spare.py)
@@ -307,6 +309,9 @@ def run_rank(
                 start_new_session=True,
                 pass_fds=() if stream_fd is None else (stream_fd,),
             )
+        task_marks.append(("spare_adopted" if adopted else "process_started", time.time()))
+        if stream_fd is None:  # the next fit's spare imports while this rank trains
+            spare.ensure(config.preimport, background=True)
         code, aborted, tail_lines = supervise_child(
             config, client, proc, settings.rank, child_config
         )

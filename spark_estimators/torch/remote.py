@@ -208,11 +208,13 @@ def train(spec: TorchTrainSpec) -> dict[str, object]:
 
     import spark_estimators.collective.torch as hvd
     from spark_estimators.collective.torch import Compression
-    from spark_estimators.task import get_device
+    from spark_estimators.task import context, get_device
     from spark_estimators.torch.logs import TensorBoardScalars
 
+    context.mark("train_imports")
     protocol.preload_in_background(("pyarrow.dataset", "torch._dynamo"))
     hvd.init()
+    context.mark("group_joined")
     rank, size = hvd.rank(), hvd.size()
     device_name = get_device()
     use_cuda = spec.use_gpu is not False and device_name.startswith("cuda")
@@ -230,6 +232,7 @@ def train(spec: TorchTrainSpec) -> dict[str, object]:
                 " and a plain torch.nn.Module model"
             )
     model = model.to(device)
+    context.mark("user_loaded")
     loss_fn = losses.LossFn(user.losses, spec.loss_weights, weighted=bool(spec.sample_weight_col))
     if spec.scale_lr:
         scale_learning_rates(optimizer, user.callbacks, float(size))
@@ -246,8 +249,10 @@ def train(spec: TorchTrainSpec) -> dict[str, object]:
         compression=Compression.fp16 if spec.compression == "fp16" else Compression.none,
         backward_passes_per_step=spec.backward_passes_per_step,
     )
+    context.mark("broadcast")
     convert = converter(spec)
     train_reader, val_reader = protocol.open_readers(spec, rank, size, user.transformation_fn)
+    context.mark("readers_open")
     passes = _Epoch(
         spec, user, model, dist_opt, loss_fn, device, convert, protocol.FirstBatchEvent(rank == 0)
     )

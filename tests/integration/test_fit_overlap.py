@@ -84,6 +84,41 @@ def test_a_spare_rank_process_is_adopted_and_carries_nothing_of_the_previous_ran
             assert now["tmp"] == now["tmpdir_env"]
 
 
+def scheduling() -> dict:
+    """A rank's scheduling policy, and the spares that its PySpark worker (its parent) keeps."""
+    import os
+    import sys
+
+    import psutil
+
+    worker = psutil.Process().parent()
+    stock = [
+        p.pid
+        for p in worker.children()
+        if "spark_estimators.task.spare_process" in p.cmdline()
+        and p.status() != "zombie"
+        and p.pid != os.getpid()  # this rank: an adopted spare
+    ]
+    return {
+        "spare": sys.argv[0].endswith("spare_process.py"),
+        "policies": sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}),
+        "stock": [os.sched_getscheduler(pid) for pid in stock],
+    }
+
+
+def test_the_next_fits_spares_import_at_idle_priority_while_a_rank_trains(spark):
+    """Issue 26: the next fit's spare starts when a rank starts, not when it ends."""
+    import os
+
+    run(spare.with_preimports(scheduling, "torch"), num_proc=2, spark=spark, verbose=0)
+    results = run(spare.with_preimports(scheduling, "torch"), num_proc=2, spark=spark, verbose=0)
+    for r in results:
+        assert r["spare"] is True
+        assert r["policies"] == [os.SCHED_OTHER]  # an adopted spare runs at the normal priority
+        assert len(r["stock"]) == spare.DEFAULT_STOCK  # refilled while this rank runs
+        assert r["stock"].count(os.SCHED_IDLE) >= 1  # the new one: on cycles the fit leaves
+
+
 def test_an_import_time_variable_gets_a_process_started_with_it(spark):
     results = run(
         spare.with_preimports(probe, "torch"),
