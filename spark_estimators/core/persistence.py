@@ -40,7 +40,7 @@ import json
 import os
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar, cast
 
 import cloudpickle
 from pyspark.ml.util import (
@@ -257,13 +257,24 @@ def remove_for_overwrite(path: str) -> None:
         fs.rm(target, recursive=True)
 
 
-class StageWriter(MLWriter):
-    """Writes a stage; the stage may define ``_extra_state() -> dict`` for non-param state."""
+S = TypeVar("S")
 
-    def __init__(self, instance: Params, key: str | bytes | None = None):
+
+class _StageIO(Generic[S]):
+    """What a :class:`StageWriter` / :class:`StageReader` is made with.
+
+    ``stage``: the stage to write, or the class to read a stage into; ``key``: the HMAC key the
+    writer signs with and the reader checks (None: ``$SPARK_ESTIMATORS_MODEL_KEY`` if set).
+    """
+
+    def __init__(self, stage: S, key: str | bytes | None = None) -> None:
         super().__init__()
-        self.instance = instance
+        self.stage = stage
         self._key = key
+
+
+class StageWriter(_StageIO["Params"], MLWriter):
+    """Writes a stage; the stage may define ``_extra_state() -> dict`` for non-param state."""
 
     def _handleOverwrite(self, path: str) -> None:
         """``overwrite()``: remove ``path`` through fsspec (pyspark's way needs a JVM session)."""
@@ -271,7 +282,7 @@ class StageWriter(MLWriter):
 
     def saveImpl(self, path: str) -> None:
         """Write the JSON metadata and ``stage.pkl`` (other params, the model) with its digest."""
-        inst = self.instance
+        inst = self.stage
         json_params: dict[str, object] = {}
         blob_params: dict[str, object] = {}
         for param, value in inst._paramMap.items():
@@ -299,13 +310,8 @@ class StageWriter(MLWriter):
             f.write(blob)
 
 
-class StageReader(MLReader):
-    """Reads a stage written by :class:`StageWriter` back into ``cls``, verified first."""
-
-    def __init__(self, cls: type, key: str | bytes | None = None):
-        super().__init__()
-        self.cls = cls
-        self._key = key
+class StageReader(_StageIO[type], MLReader):
+    """Reads a stage written by :class:`StageWriter` back into a ``stage`` class, verified first."""
 
     def load(self, path: str) -> Params:
         """Verify ``stage.pkl`` against its digest (and HMAC with a key), then rebuild the stage."""
@@ -316,7 +322,7 @@ class StageReader(MLReader):
         key = model_key(self._key)
         verify_blob(blob_path, data, metadata.get(DIGEST_KEY), key)
         verify_metadata(path, metadata, key)
-        instance = self.cls()
+        instance = self.stage()
         instance._resetUid(metadata["uid"])
         blob = cloudpickle.loads(data)
         _drop_params_gone(instance, metadata, blob["params"])
