@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from spark_estimators.collective.api.numpy_ops import broadcast_object
-from spark_estimators.collective.backends.base import ReduceOp, resolve_op
+from spark_estimators.collective.backends.base import ReduceOp
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.allreduce import Reduction
@@ -44,10 +44,9 @@ from spark_estimators.collective.torch.arrays import (
 from spark_estimators.collective.torch.compression import (
     Compression,
     Compressor,
-    compressed_apply,
 )
-from spark_estimators.collective.torch.ops import allreduce_async
-from spark_estimators.errors import CollectiveError
+from spark_estimators.collective.torch.grouped import grouped_reducescatter, reducescatter_op
+from spark_estimators.collective.torch.ops import _first, _per_tensor, allreduce_async
 
 if TYPE_CHECKING:
     from torch.optim.optimizer import StateDict
@@ -289,90 +288,16 @@ def reducescatter_async(
     )
 
 
-def reducescatter_op(op: ReduceOp | int | None) -> ReduceOp:
-    """``op`` resolved for a reducescatter; Adasum raises Horovod's error class.
-
-    Horovod raises ``HorovodInternalError`` (a ``RuntimeError``) for ``op=Adasum`` here; its
-    test_torch.py expects that class, which is our :class:`CollectiveError`. Nothing is sent.
-    """
-    if op is not None and int(op) == ReduceOp.ADASUM:
-        raise CollectiveError(
-            "op=Adasum is not supported by reducescatter (nor by Horovod's); use op=Average or "
-            "op=Sum"
-        )
-    return resolve_op(op)
-
-
-def reducescatter_backward(
-    grads: Sequence[torch.Tensor],
-    op: ReduceOp,
-    pre: float,
-    post: float,
-    process_set: ProcessSet | None,
-) -> list[torch.Tensor]:
-    """Horovod's reducescatter gradient: scale, then allgather every gradient (in order)."""
-    factor = pre * post
-    if op is ReduceOp.SUM:
-        factor *= _engine.require("reducescatter", process_set).backend.size
-    scaled = [(g * factor if factor != 1.0 else g).contiguous() for g in grads]
-    handles = [allgather_async(g, None, process_set) for g in scaled]
-    return [h.wait() for h in handles]
-
-
-class ReducescatterFunction(torch.autograd.Function):
-    """Differentiable reducescatter of each tensor (``names[i]`` names tensor i's op)."""
-
-    @staticmethod
-    @waited
-    def forward(
-        ctx: OpContext,
-        names: Sequence[str | None],
-        op: ReduceOp,
-        process_set: ProcessSet | None,
-        pre: float,
-        post: float,
-        *tensors: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        """Each tensor's block of its reduction across ranks."""
-        ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
-        handles = [
-            reducescatter_async(t, n, Compression.none, op, process_set, pre, post)
-            for t, n in zip(tensors, names, strict=True)
-        ]
-        return tuple(h.wait() for h in handles)
-
-    @staticmethod
-    @waited
-    def backward(ctx: OpContext, *grads: torch.Tensor) -> Grads:
-        """Horovod's gradient (see :func:`reducescatter_backward`)."""
-        back = reducescatter_backward(grads, ctx.op, ctx.pre, ctx.post, ctx.process_set)
-        return (None, None, None, None, None, *back)
-
-
-@waited
-def reducescatter(
-    tensor: torch.Tensor,
-    name: str | None = None,
-    compression: type[Compressor] = Compression.none,
-    op: ReduceOp | None = ReduceOp.AVERAGE,
-    process_set: ProcessSet | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-) -> torch.Tensor:
+reducescatter = _per_tensor(
+    grouped_reducescatter,
+    _first,
+    "reducescatter",
     """Reduce ``tensor`` across ranks; rank r receives block r of the first dimension.
 
     Blocks are as even as possible, the first ``dim0 % size()`` ranks get one extra row.
     Differentiable (Horovod's gradient: see the module docstring).
-    """
-    resolved = reducescatter_op(op)
-    args = (resolved, process_set, prescale_factor, postscale_factor)
-    (out,) = compressed_apply(
-        [tensor],
-        compression,
-        lambda sent: ReducescatterFunction.apply([name], *args, *sent),
-        lambda sent: [reducescatter_async(sent[0], name, Compression.none, *args).wait()],
-    )
-    return out
+    """,
+)
 
 
 def barrier(process_set: ProcessSet | None = None) -> None:

@@ -4,12 +4,16 @@ Part of :mod:`spark_estimators.collective.torch`. A grouped op submits one op pe
 list order, under one handle: every rank submits the same ops in the same order, and the engine
 may run them back to back. ``grouped_allgather`` and ``grouped_reducescatter`` are
 differentiable with Horovod's gradients (those of :func:`.exchange.allgather` and
-:func:`.exchange.reducescatter`, tensor by tensor).
+:func:`.exchange.reducescatter`, tensor by tensor). The reducescatter of one tensor is
+``grouped_reducescatter`` of ``[tensor]`` (:func:`.exchange.reducescatter`), so its autograd
+function, :class:`ReducescatterFunction`, is here. A group of one tensor keeps the op's name;
+larger groups name part i ``{name}.{i}``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -32,13 +36,15 @@ from spark_estimators.collective.torch.compression import (
     Compressor,
     compressed_apply,
 )
-from spark_estimators.collective.torch.exchange import ReducescatterFunction, reducescatter_op
 from spark_estimators.collective.torch.ops import grouped_allreduce_async
-from spark_estimators.errors import ConfigurationError
+from spark_estimators.errors import CollectiveError, ConfigurationError
 
 
-def _part(name: str | None, i: int) -> str | None:
-    return None if name is None else f"{name}.{i}"
+def _names(name: str | None, n: int) -> list[str | None]:
+    """The names of a grouped op's ``n`` parts: ``name`` itself for one (as grouped_allreduce)."""
+    if name is None or n == 1:
+        return [name] * n
+    return [f"{name}.{i}" for i in range(n)]
 
 
 def _tensors(tensors: Sequence[torch.Tensor], op: str) -> list[torch.Tensor]:
@@ -55,7 +61,8 @@ def grouped_allgather_async(
     ts = _tensors(tensors, "grouped_allgather_async")
     blocking = in_waited_ops()
     futures = [
-        _ops.allgather(_TORCH, t, _part(name, i), blocking, process_set) for i, t in enumerate(ts)
+        _ops.allgather(_TORCH, t, n, blocking, process_set)
+        for t, n in zip(ts, _names(name, len(ts)), strict=True)
     ]
     return Handle(futures, name or "grouped_allgather", lambda results: list(results))
 
@@ -106,6 +113,77 @@ def grouped_allgather(
 
 
 # -- grouped reducescatter -------------------------------------------------------------------
+def _reducescatter_each(
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str | None],
+    reduction: Reduction,
+    process_set: ProcessSet | None,
+) -> list[Future[torch.Tensor]]:
+    """Submit one reducescatter per tensor, in order (``names[i]`` names tensor i's op)."""
+    blocking = in_waited_ops()
+    return [
+        _ops.reducescatter(_TORCH, t.detach(), reduction, n, blocking, process_set)
+        for t, n in zip(tensors, names, strict=True)
+    ]
+
+
+def reducescatter_op(op: ReduceOp | int | None) -> ReduceOp:
+    """``op`` resolved for a reducescatter; Adasum raises Horovod's error class.
+
+    Horovod raises ``HorovodInternalError`` (a ``RuntimeError``) for ``op=Adasum`` here; its
+    test_torch.py expects that class, which is our :class:`CollectiveError`. Nothing is sent.
+    """
+    if op is not None and int(op) == ReduceOp.ADASUM:
+        raise CollectiveError(
+            "op=Adasum is not supported by reducescatter (nor by Horovod's); use op=Average or "
+            "op=Sum"
+        )
+    return resolve_op(op)
+
+
+def reducescatter_backward(
+    grads: Sequence[torch.Tensor],
+    op: ReduceOp,
+    pre: float,
+    post: float,
+    process_set: ProcessSet | None,
+) -> list[torch.Tensor]:
+    """Horovod's reducescatter gradient: scale, then allgather every gradient (in order)."""
+    factor = pre * post
+    if op is ReduceOp.SUM:
+        factor *= _engine.require("reducescatter", process_set).backend.size
+    scaled = [(g * factor if factor != 1.0 else g).contiguous() for g in grads]
+    return grouped_allgather_async(scaled, None, process_set).wait()  # type: ignore[no-any-return]
+
+
+class ReducescatterFunction(torch.autograd.Function):
+    """Differentiable reducescatter of each tensor (``names[i]`` names tensor i's op)."""
+
+    @staticmethod
+    @waited
+    def forward(
+        ctx: OpContext,
+        names: Sequence[str | None],
+        op: ReduceOp,
+        process_set: ProcessSet | None,
+        pre: float,
+        post: float,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Each tensor's block of its reduction across ranks."""
+        ctx.op, ctx.process_set, ctx.pre, ctx.post = op, process_set, pre, post
+        reduction = Reduction(op, pre, post)
+        futures = _reducescatter_each(list(tensors), names, reduction, process_set)
+        return tuple(f.result() for f in futures)
+
+    @staticmethod
+    @waited
+    def backward(ctx: OpContext, *grads: torch.Tensor) -> Grads:
+        """Horovod's gradient (see :func:`reducescatter_backward`)."""
+        back = reducescatter_backward(grads, ctx.op, ctx.pre, ctx.post, ctx.process_set)
+        return (None, None, None, None, None, *back)
+
+
 def grouped_reducescatter_async(
     tensors: Sequence[torch.Tensor],
     name: str | None = None,
@@ -117,11 +195,7 @@ def grouped_reducescatter_async(
     """Start a reducescatter of every tensor of ``tensors``; see :func:`grouped_reducescatter`."""
     ts = _tensors(tensors, "grouped_reducescatter_async")
     reduction = Reduction(reducescatter_op(op), prescale_factor, postscale_factor)
-    blocking = in_waited_ops()
-    futures = [
-        _ops.reducescatter(_TORCH, t, reduction, _part(name, i), blocking, process_set)
-        for i, t in enumerate(ts)
-    ]
+    futures = _reducescatter_each(ts, _names(name, len(ts)), reduction, process_set)
     return Handle(futures, name or "grouped_reducescatter", lambda results: list(results))
 
 
@@ -148,7 +222,7 @@ def grouped_reducescatter(
         tensors,
         compression,
         lambda sent: ReducescatterFunction.apply(
-            [_part(name, i) for i in range(len(sent))],
+            _names(name, len(sent)),
             resolved,
             process_set,
             prescale_factor,
