@@ -8,6 +8,7 @@ that cannot travel to the ranks), or translate a Spark failure into the error a 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING
 from spark_estimators.errors import ConfigurationError, TrainingFailedError
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from pyspark.sql import DataFrame
 
     from spark_estimators.core.framework import RankResult
@@ -27,11 +30,23 @@ __all__ = [
     "check_model_object",
     "cap_batch_size",
     "explain_null_vectors",
+    "import_framework",
     "null_vector_error",
     "unpicklable_error",
 ]
 
 _MAX_DEPTH = 8
+
+
+def import_framework(module: str, needs: str, extra: str) -> ModuleType:
+    """Import the framework ``module``; without it, fail with ``"<needs>: pip install '<extra>'"``.
+
+    E.g. ``import_framework("torch", "TorchEstimator needs PyTorch", "spark-estimators[torch]")``.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{needs}: pip install '{extra}'") from exc
 
 
 def check_dataframe(df: object, estimator: str) -> None:

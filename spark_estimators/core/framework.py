@@ -64,7 +64,11 @@ class Framework(Protocol):
         ...
 
     def shipped(self) -> tuple[object, list[object]]:
-        """``(user objects, roots)``: pickled by value together with the roots' modules."""
+        """``(user objects, roots)``: pickled by value together with the roots' modules.
+
+        The TrainingRun adds the roots of the Params every estimator has (``callbacks``,
+        ``transformation_fn``); a framework names those of its own objects.
+        """
         ...
 
     def build_spec(

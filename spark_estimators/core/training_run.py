@@ -32,6 +32,7 @@ from spark_estimators._base.pickling import dumps_by_value
 from spark_estimators.core import checks
 from spark_estimators.core.backend import Backend, SparkBackend
 from spark_estimators.core.checkpoint import read_info, start_fields
+from spark_estimators.core.estimator import listify
 from spark_estimators.core.progress import EpochProgress
 from spark_estimators.core.spec import TrainSpec
 from spark_estimators.core.tracking import MlflowTracker
@@ -251,6 +252,8 @@ class TrainingRun:
         est, framework = self.est, self.framework
         info = read_info(store, run_id, framework.name)
         user, roots = framework.shipped()
+        # Params every estimator has: the modules of their objects travel for every framework.
+        roots = [*roots, *listify(est.getCallbacks()), est.getTransformationFn()]
         try:
             blob = dumps_by_value(user, roots=[r for r in roots if r not in (None, False)])
         except Exception as exc:

@@ -184,12 +184,9 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
 
     # -- validation ------------------------------------------------------------------------------
     def _validate_framework(self) -> None:
-        try:
-            import keras
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ImportError(
-                "KerasEstimator needs TensorFlow and Keras 3: pip install 'spark-estimators[keras]'"
-            ) from exc
+        keras = checks.import_framework(
+            "keras", "KerasEstimator needs TensorFlow and Keras 3", "spark-estimators[keras]"
+        )
         if keras.backend.backend() != "tensorflow":
             raise ConfigurationError(
                 f"KerasEstimator needs the TensorFlow Keras backend, got "
@@ -311,8 +308,6 @@ class KerasFramework(FrameworkBase["KerasEstimator"]):
             user.optimizer_recipe[0],
             *_pickling_roots(user.loss),
             *_pickling_roots(user.metrics),
-            *user.callbacks,
-            user.transformation_fn,
         ]
         return user, roots
 

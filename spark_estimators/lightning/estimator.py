@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pyspark.ml.param import TypeConverters
 
+from spark_estimators.core import checks
 from spark_estimators.core.estimator import SparkEstimator, listify
 from spark_estimators.core.framework import FitData, FrameworkBase, RankResult, extend_spec
 from spark_estimators.core.params import document_constructor, make_param
@@ -195,13 +196,11 @@ class LightningEstimator(SparkEstimator):
 
     # -- validation ------------------------------------------------------------------------------
     def _validate_framework(self) -> None:
-        try:
-            import pytorch_lightning as pl
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ImportError(
-                "LightningEstimator needs PyTorch Lightning: pip install "
-                "'spark-estimators[lightning]'"
-            ) from exc
+        pl = checks.import_framework(
+            "pytorch_lightning",
+            "LightningEstimator needs PyTorch Lightning",
+            "spark-estimators[lightning]",
+        )
         model = self.getModel()
         if not isinstance(model, pl.LightningModule):
             hint = (
@@ -320,7 +319,7 @@ class LightningFramework(FrameworkBase["LightningEstimator"]):
             profiler=est.getProfiler(),
             transformation_fn=est.getTransformationFn(),
         )
-        return user, [user.model, *user.callbacks, *listify(user.logger), user.transformation_fn]
+        return user, [user.model, *listify(user.logger)]
 
     def build_spec(
         self, shared: TrainSpec, data: FitData, store: Store, info: CheckpointInfo | None

@@ -78,12 +78,9 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
 
     # -- validation ------------------------------------------------------------------------------
     def _validate_framework(self) -> None:
-        try:
-            import torch
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ImportError(
-                "TorchEstimator needs PyTorch: pip install 'spark-estimators[torch]'"
-            ) from exc
+        torch = checks.import_framework(
+            "torch", "TorchEstimator needs PyTorch", "spark-estimators[torch]"
+        )
         model = self.getModel()
         if not isinstance(model, torch.nn.Module):
             raise ConfigurationError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -192,8 +189,6 @@ class TorchFramework(FrameworkBase["TorchEstimator"]):
             user.model,
             *user.losses,
             *[m for entry in user.metrics for m in listify(entry)],
-            *user.callbacks,
-            user.transformation_fn,
             user.train_minibatch_fn,
         ]
         return user, roots
