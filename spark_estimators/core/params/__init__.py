@@ -1,6 +1,7 @@
 """Spark ML Params of the estimators and models, declared the pyspark.ml / xgboost.spark way.
 
-- :mod:`.base`: ``make_param``, declared defaults, generated accessors, the horovod alias table
+- :mod:`.base`: ``make_param`` / ``ParamGetter`` (a Param and its typed getter in one
+  statement), declared defaults, generated accessors, the horovod alias table
   (:data:`ALIASES`) and the generated ``Parameters`` docs / keyword-only signatures;
 - :mod:`.shared`: one-Param mixins (``HasFeatureCols``, ``HasOptimizer``, ``HasLoss``, ...) as
   ``pyspark.ml.param.shared``; the supervised ones only on estimators that take them;
@@ -16,6 +17,7 @@ them); passing one of those keywords raises a ``ConfigurationError`` naming the 
 from spark_estimators.core.params.base import (
     ALIASES,
     DeclaredParams,
+    ParamGetter,
     add_accessors,
     declared_defaults,
     document_constructor,
@@ -73,6 +75,7 @@ __all__ = [
     "HorovodCompatParams",
     "KeywordParams",
     "LaunchParams",
+    "ParamGetter",
     "SupervisedParams",
     "TrainingParams",
     "add_accessors",

@@ -1,9 +1,9 @@
 """The Params every estimator has, grouped by role, and :class:`EstimatorParams` composing them.
 
-Each group declares its Params (pyspark style: ``make_param`` at class level, a typed getter)
-and their defaults in ``_defaults``; ``setX`` and the missing getters are generated. The
-supervised Params (optimizer, loss, metrics, ...) are not here: see
-:mod:`spark_estimators.core.params.shared`.
+Each group declares its Params with their typed getters (``getX = ParamGetter(doc, converter)``;
+``make_param`` where the getter is written out) and their defaults in ``_defaults``; ``setX``
+and the missing getters are generated. The supervised Params (optimizer, loss, metrics, ...)
+are not here: see :mod:`spark_estimators.core.params.shared`.
 """
 
 from __future__ import annotations
