@@ -35,7 +35,7 @@ import time
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, TypeAlias, TypeVar, cast
 
 import numpy as np
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from spark_estimators.data.stream_reader import StreamBatchReader
     from spark_estimators.store.base import StoreBase
 
-    RankReader = BatchReader | StreamBatchReader
+    RankReader: TypeAlias = BatchReader | StreamBatchReader
 
 logger = logging.getLogger(__name__)
 
