@@ -8,6 +8,7 @@ process group so nothing is left running. Imports stay light so the process star
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import traceback
@@ -42,6 +43,10 @@ def main(config: dict[str, Any] | None = None) -> None:
     """
     config = read_config() if config is None else config
     start_lifeline()
+    if os.environ.get("SPARK_ESTIMATORS_STREAM_FIFO"):  # data="stream": the task's events
+        from spark_estimators.task.stream_spill import open_stream_fifo
+
+        open_stream_fifo()
     lazy_dynamo.install()  # eager training never pays for importing torch._dynamo
     context.set_task_started(config.get("task_started"))
     for name, when in config.get("task_marks", ()):

@@ -38,7 +38,8 @@ with its PySpark worker (stdin EOF); ``SPARK_ESTIMATORS_SPARE_RANKS=0`` (executo
 e.g. ``spark.executorEnv.SPARK_ESTIMATORS_SPARE_RANKS``) turns spares off, ``=1`` keeps one.
 Cost: up to the stock of idle processes per PySpark worker that ran a training task, ~350 MB
 RSS each with torch, pyarrow and pandas imported.
-``data="stream"`` ranks inherit a pipe from their task and always start as plain processes.
+``data="stream"`` ranks take spares too: the task's spill events reach them through a FIFO
+that the rank process opens (:mod:`spark_estimators.task.stream_spill`).
 """
 
 from __future__ import annotations

@@ -247,13 +247,14 @@ def run_rank(
     config: TaskConfig,
     executor_address: str = "",
     task_started: float | None = None,
-    stream_fd: int | None = None,
+    stream_fifo: str | None = None,
     outcome: dict[str, Any] | None = None,
 ) -> int:
     """Register with the driver, run the rank process to completion, report; returns the rank.
 
-    ``stream_fd`` (``data="stream"``): the read end of the spill's notification pipe, inherited
-    by the rank process; ``outcome`` receives the rank process's exit ``code``.
+    ``stream_fifo`` (``data="stream"``): the path of the spill's notification FIFO, which the
+    rank process opens (a spare can take it); ``outcome`` receives the rank process's exit
+    ``code``.
 
     Every task offers a port it holds (:func:`~spark_estimators._base.ports.reserve_port`); the
     driver advertises rank 0's as ``MASTER_PORT``. Rank 0's task keeps holding it until its rank
@@ -285,10 +286,11 @@ def run_rank(
         for name in reply.get("unset", ()):  # e.g. another MPI launcher's PMI_FD
             env.pop(name, None)
         scratch = create_scratch(env)  # removed below even when the rank was killed
-        if stream_fd is not None:
-            from spark_estimators.task.stream_spill import STREAM_FD_ENV
+        if stream_fifo is not None:
+            from spark_estimators.task.stream_spill import STREAM_FD_ENV, STREAM_FIFO_ENV
 
-            env[STREAM_FD_ENV] = str(stream_fd)
+            env[STREAM_FIFO_ENV] = stream_fifo
+            env.pop(STREAM_FD_ENV, None)  # the rank names the fd it opens
         child_config = {
             "driver_address": config.driver_address,
             "secret": config.secret,
@@ -296,7 +298,7 @@ def run_rank(
             "task_started": task_started,
             "task_marks": task_marks,
         }
-        adopted = None if stream_fd is not None else spare.take(config.preimport, env)
+        adopted = spare.take(config.preimport, env)
         if adopted is not None:  # a fresh process with the framework imported (task/spare.py)
             proc, child_config["env"] = adopted, env
         else:
@@ -307,11 +309,9 @@ def run_rank(
                 stderr=subprocess.PIPE,
                 env=env,
                 start_new_session=True,
-                pass_fds=() if stream_fd is None else (stream_fd,),
             )
         task_marks.append(("spare_adopted" if adopted else "process_started", time.time()))
-        if stream_fd is None:  # the next fit's spare imports while this rank trains
-            spare.ensure(config.preimport, background=True)
+        spare.ensure(config.preimport, background=True)  # the next fits' spares, meanwhile
         code, aborted, tail_lines = supervise_child(
             config, client, proc, settings.rank, child_config
         )
@@ -388,22 +388,23 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
         executor_address = ctx.getTaskInfos()[index].address
     except Exception:
         executor_address = ""
-    if config.stream is not None:  # the partition is the rank's data: spilled while it trains
-        from spark_estimators.task.stream_spill import run_streaming_rank
+    spare.ensure(config.preimport)  # its imports overlap the registration of all ranks
+    try:
+        if config.stream is not None:  # the partition is the rank's data: spilled as it trains
+            from spark_estimators.task.stream_spill import run_streaming_rank
 
-        def start(fd: int, outcome: dict[str, Any]) -> int:
-            attempt = ctx.attemptNumber()
-            return run_rank(index, attempt, gpus, config, executor_address, started, fd, outcome)
+            def start(fifo: str, outcome: dict[str, Any]) -> int:
+                attempt = ctx.attemptNumber()
+                args = (executor_address, started, fifo, outcome)
+                return run_rank(index, attempt, gpus, config, *args)
 
-        rank = run_streaming_rank(config.stream, batches, ctx, start)
-    else:
-        spare.ensure(config.preimport)  # its imports overlap the registration of all ranks
-        for _ in batches:  # consume the (tiny) input partition
-            pass
-        try:
+            rank = run_streaming_rank(config.stream, batches, ctx, start)
+        else:
+            for _ in batches:  # consume the (tiny) input partition
+                pass
             rank = run_rank(index, ctx.attemptNumber(), gpus, config, executor_address, started)
-        finally:
-            spare.ensure(config.preimport)  # for the next fit this worker runs
+    finally:
+        spare.ensure(config.preimport)  # for the next fit this worker runs
     yield pa.RecordBatch.from_pydict(
         {"index": [index], "rank": [rank], "seconds": [time.time() - started]}
     )

@@ -6,7 +6,9 @@ its own thread, drains the partition's Arrow batches as fast as Spark delivers t
 directory on the executor's local disk (the first of ``SPARK_LOCAL_DIRS``, Spark's own scratch
 space, else the temp dir): Arrow IPC *segment* files of about ``SEGMENT_BYTES`` per split, each
 written under a temporary name and renamed when complete. The rank learns of each segment
-through a pipe (its fd is named in ``SPARK_ESTIMATORS_STREAM_FD``), one text line per event::
+through a FIFO in the spill directory (its path is ``SPARK_ESTIMATORS_STREAM_FIFO``; the rank
+process opens it and names its fd in ``SPARK_ESTIMATORS_STREAM_FD``, so a spare rank process
+started before the task can take the stream too), one text line per event::
 
     S <split> <rows> <path>       a complete segment of "train" or "val" rows
     E <train rows> <val rows>     this partition is fully read
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 
 #: Environment variable naming the notification pipe's fd in the rank process.
 STREAM_FD_ENV = "SPARK_ESTIMATORS_STREAM_FD"
+#: Environment variable of the rank process: the path of the notification FIFO.
+STREAM_FIFO_ENV = "SPARK_ESTIMATORS_STREAM_FIFO"
 #: Bytes of Arrow data per spill segment (the first segment is cut after one batch).
 SEGMENT_BYTES = 4 << 20
 
@@ -154,7 +158,18 @@ class SpillWriter:
             self._notify = None
 
 
-RankRunner = Callable[[int, dict[str, Any]], int]
+RankRunner = Callable[[str, dict[str, Any]], int]
+
+
+def open_stream_fifo() -> None:
+    """In a rank process: open the task's notification FIFO, name its fd in the environment.
+
+    The task holds the FIFO open for writing, so the open does not block; the reader
+    (:mod:`spark_estimators.data.stream_reader`) reads the fd named in ``STREAM_FD_ENV``.
+    """
+    path = os.environ.get(STREAM_FIFO_ENV)
+    if path and not os.environ.get(STREAM_FD_ENV):
+        os.environ[STREAM_FD_ENV] = str(os.open(path, os.O_RDONLY))
 
 
 def run_streaming_rank(
@@ -163,7 +178,7 @@ def run_streaming_rank(
     ctx: BarrierTaskContext,
     run_rank: RankRunner,
 ) -> int:
-    """Start the rank (``run_rank(stream_fd, outcome)`` on a thread) and spill ``batches`` for it.
+    """Start the rank (``run_rank(fifo_path, outcome)`` on a thread), spill ``batches`` for it.
 
     Returns the rank. The totals are exchanged with every task (``ctx.allGather``) once the
     partition is read, or as soon as the rank process has ended successfully (a step limit can
@@ -171,7 +186,13 @@ def run_streaming_rank(
     and Spark cancels the other tasks.
     """
     directory = tempfile.mkdtemp(prefix="se-stream-", dir=spill_parent())
-    read_fd, write_fd = os.pipe()
+    fifo = os.path.join(directory, "notify.fifo")
+    os.mkfifo(fifo, 0o600)
+    # A read end held until the rank process has exited (as a pipe's read end that the rank
+    # inherits): events wait in the FIFO until the rank opens it, and a write after the rank is
+    # gone fails (EPIPE) instead of blocking. It makes the write-only open return at once.
+    read_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    write_fd = os.open(fifo, os.O_WRONLY)
     writer = SpillWriter(directory, os.fdopen(write_fd, "w", encoding="utf-8"), settings)
     done = threading.Event()
     ranks: list[int] = []
@@ -180,11 +201,11 @@ def run_streaming_rank(
 
     def rank_main() -> None:
         try:
-            ranks.append(run_rank(read_fd, outcome))
+            ranks.append(run_rank(fifo, outcome))
         except BaseException as exc:  # raised again in the task's thread
             errors.append(exc)
         finally:
-            os.close(read_fd)  # the rank process has its own copy; it has exited now
+            os.close(read_fd)  # the rank process opened its own; it has exited now
             done.set()
 
     thread = threading.Thread(target=rank_main, name="se-stream-rank", daemon=True)

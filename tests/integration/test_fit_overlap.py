@@ -208,7 +208,9 @@ def test_the_write_tasks_start_the_spares_so_imports_overlap_the_write(spark, tm
     assert rank_processes() == []
 
 
-def _seeded_fit(spark, store, seed: int, env: dict | None, log_dir: str) -> dict:
+def _seeded_fit(
+    spark, store, seed: int, env: dict | None, log_dir: str, data: str = "parquet"
+) -> dict:
     """A seeded TorchEstimator fit (dropout: the ranks' RNG counts); its weights and its ranks.
 
     Each rank records at ``on_train_begin`` whether it started as a spare (``sys.argv[0]`` of a
@@ -262,6 +264,7 @@ def _seeded_fit(spark, store, seed: int, env: dict | None, log_dir: str) -> dict
         random_seed=seed,
         callbacks=[RankProbe()],
         verbose=0,
+        **({"data": data} if data != "parquet" else {}),
     )
     weights = est.fit(df).getModel().state_dict()
     ranks = []
@@ -298,3 +301,22 @@ def test_a_later_fit_served_by_spares_learns_what_plain_rank_processes_learn(spa
         assert torch.equal(value, plain["weights"][name]), name
     # The seed matters (the check could fail): the first fit learned other weights.
     assert not torch.equal(first["weights"]["0.weight"], served["weights"]["0.weight"])
+
+
+def test_a_stream_fit_takes_spares_and_learns_what_plain_rank_processes_learn(spark, tmp_path):
+    """data="stream": the spill's events reach an adopted spare through the FIFO (issue 26)."""
+    import torch
+
+    from spark_estimators.store import LocalStore
+
+    store = LocalStore(str(tmp_path / "store"))
+    log_dir = tmp_path / "ranks"
+    log_dir.mkdir()
+    _seeded_fit(spark, store, 3, None, str(log_dir), data="stream")  # spares for the next fit
+    served = _seeded_fit(spark, store, 5, None, str(log_dir), data="stream")
+    plain = _seeded_fit(spark, store, 5, {"TORCH_SE_PLAIN_RANKS": "1"}, str(log_dir), "stream")
+    assert [r["spare"] for r in served["ranks"]] == [True, True]
+    assert [r["spare"] for r in plain["ranks"]] == [False, False]
+    for name, value in served["weights"].items():
+        assert torch.equal(value, plain["weights"][name]), name
+    assert rank_processes() == []
