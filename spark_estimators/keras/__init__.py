@@ -16,15 +16,13 @@ from spark_estimators.core.backend import Backend, SparkBackend  # light: import
 _lazy.require("spark_estimators.keras", ("keras", "tensorflow"), "spark-estimators[keras]")
 
 if TYPE_CHECKING:
-    from spark_estimators.keras.estimator import KerasEstimator
-    from spark_estimators.keras.model import KerasModel
+    from spark_estimators.keras.estimator import KerasEstimator as KerasEstimator
+    from spark_estimators.keras.model import KerasModel as KerasModel
 
-__all__ = ["Backend", "KerasEstimator", "KerasModel", "SparkBackend"]
-
-__getattr__, __dir__ = _lazy.exports(
-    __name__,
-    {
-        "KerasEstimator": ("spark_estimators.keras.estimator", "KerasEstimator"),
-        "KerasModel": ("spark_estimators.keras.model", "KerasModel"),
-    },
-)
+#: The names that load on first use: name -> (module, attribute).
+_LAZY = {
+    "KerasEstimator": ("spark_estimators.keras.estimator", "KerasEstimator"),
+    "KerasModel": ("spark_estimators.keras.model", "KerasModel"),
+}
+__all__ = ["Backend", "SparkBackend", *_LAZY]
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY)

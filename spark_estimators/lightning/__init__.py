@@ -18,39 +18,30 @@ _lazy.require(
 )
 
 if TYPE_CHECKING:
-    from spark_estimators.lightning.callbacks import TerminateOnNaN
-    from spark_estimators.lightning.environment import SparkClusterEnvironment
-    from spark_estimators.lightning.estimator import MIN_PL_VERSION, LightningEstimator
-    from spark_estimators.lightning.model import LightningModel
+    from spark_estimators.lightning.callbacks import TerminateOnNaN as TerminateOnNaN
+    from spark_estimators.lightning.environment import (
+        SparkClusterEnvironment as SparkClusterEnvironment,
+    )
+    from spark_estimators.lightning.estimator import MIN_PL_VERSION as MIN_PL_VERSION
+    from spark_estimators.lightning.estimator import LightningEstimator as LightningEstimator
+    from spark_estimators.lightning.model import LightningModel as LightningModel
 
     TorchEstimator = LightningEstimator
     TorchModel = LightningModel
 
-__all__ = [
-    "MIN_PL_VERSION",
-    "Backend",
-    "LightningEstimator",
-    "LightningModel",
-    "SparkBackend",
-    "SparkClusterEnvironment",
-    "TerminateOnNaN",
-    "TorchEstimator",
-    "TorchModel",
-]
-
-__getattr__, __dir__ = _lazy.exports(
-    __name__,
-    {
-        "MIN_PL_VERSION": ("spark_estimators.lightning.estimator", "MIN_PL_VERSION"),
-        "LightningEstimator": ("spark_estimators.lightning.estimator", "LightningEstimator"),
-        "LightningModel": ("spark_estimators.lightning.model", "LightningModel"),
-        "SparkClusterEnvironment": (
-            "spark_estimators.lightning.environment",
-            "SparkClusterEnvironment",
-        ),
-        "TerminateOnNaN": ("spark_estimators.lightning.callbacks", "TerminateOnNaN"),
-        # horovod.spark.lightning's names
-        "TorchEstimator": ("spark_estimators.lightning.estimator", "LightningEstimator"),
-        "TorchModel": ("spark_estimators.lightning.model", "LightningModel"),
-    },
-)
+#: The names that load on first use: name -> (module, attribute).
+_LAZY = {
+    "MIN_PL_VERSION": ("spark_estimators.lightning.estimator", "MIN_PL_VERSION"),
+    "LightningEstimator": ("spark_estimators.lightning.estimator", "LightningEstimator"),
+    "LightningModel": ("spark_estimators.lightning.model", "LightningModel"),
+    "SparkClusterEnvironment": (
+        "spark_estimators.lightning.environment",
+        "SparkClusterEnvironment",
+    ),
+    "TerminateOnNaN": ("spark_estimators.lightning.callbacks", "TerminateOnNaN"),
+    # horovod.spark.lightning's names
+    "TorchEstimator": ("spark_estimators.lightning.estimator", "LightningEstimator"),
+    "TorchModel": ("spark_estimators.lightning.model", "LightningModel"),
+}
+__all__ = ["Backend", "SparkBackend", *_LAZY]
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY)

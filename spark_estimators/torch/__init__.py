@@ -14,25 +14,17 @@ from spark_estimators.core.backend import Backend, SparkBackend  # light: import
 _lazy.require("spark_estimators.torch", ("torch",), "spark-estimators[torch]")
 
 if TYPE_CHECKING:
-    from spark_estimators.torch.callbacks import EarlyStopping, LearningRateScheduler
-    from spark_estimators.torch.estimator import TorchEstimator
-    from spark_estimators.torch.model import TorchModel
+    from spark_estimators.torch.callbacks import EarlyStopping as EarlyStopping
+    from spark_estimators.torch.callbacks import LearningRateScheduler as LearningRateScheduler
+    from spark_estimators.torch.estimator import TorchEstimator as TorchEstimator
+    from spark_estimators.torch.model import TorchModel as TorchModel
 
-__all__ = [
-    "Backend",
-    "EarlyStopping",
-    "LearningRateScheduler",
-    "SparkBackend",
-    "TorchEstimator",
-    "TorchModel",
-]
-
-__getattr__, __dir__ = _lazy.exports(
-    __name__,
-    {
-        "EarlyStopping": ("spark_estimators.torch.callbacks", "EarlyStopping"),
-        "LearningRateScheduler": ("spark_estimators.torch.callbacks", "LearningRateScheduler"),
-        "TorchEstimator": ("spark_estimators.torch.estimator", "TorchEstimator"),
-        "TorchModel": ("spark_estimators.torch.model", "TorchModel"),
-    },
-)
+#: The names that load on first use: name -> (module, attribute).
+_LAZY = {
+    "EarlyStopping": ("spark_estimators.torch.callbacks", "EarlyStopping"),
+    "LearningRateScheduler": ("spark_estimators.torch.callbacks", "LearningRateScheduler"),
+    "TorchEstimator": ("spark_estimators.torch.estimator", "TorchEstimator"),
+    "TorchModel": ("spark_estimators.torch.model", "TorchModel"),
+}
+__all__ = ["Backend", "SparkBackend", *_LAZY]
+__getattr__, __dir__ = _lazy.exports(__name__, _LAZY)
