@@ -44,6 +44,7 @@ that the rank process opens (:mod:`spark_estimators.task.stream_spill`).
 
 from __future__ import annotations
 
+import importlib
 import os
 import select
 import subprocess
@@ -284,8 +285,6 @@ def main() -> None:
     idle_s, priority, names = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
     if priority == "idle":
         idle_priority(os.getpid())
-    import importlib
-
     from spark_estimators.task import context, lazy_dynamo
 
     context.mark("spare_started")
