@@ -22,6 +22,12 @@ Per fit, wall clock on this machine (driver and ranks share the clock), rank 0's
 - ``tail``: the first step -> ``fit`` returns (the epoch, results, the model);
 - ``job->step``: ``run`` called -> the first optimizer step (the issue's "first optimizer step
   after its Spark job starts").
+
+``--trace`` prints, per fit, rank 0's start-up steps in seconds after ``run`` (the marks of
+:func:`spark_estimators.task.context.mark`: the spare's start and end of imports, registration,
+adoption, config read, function fetched/unpickled, process group joined, user objects loaded,
+parameters broadcast, readers open, first step). ``--spares N`` sets
+``SPARK_ESTIMATORS_SPARE_RANKS`` for the session (0: plain rank processes).
 """
 
 from __future__ import annotations
