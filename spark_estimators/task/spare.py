@@ -100,6 +100,7 @@ class Spare:
     proc: subprocess.Popen[bytes]
     preimport: tuple[str, ...]
     env: dict[str, str]
+    idle: bool = False  # importing at SCHED_IDLE priority
 
 
 _lock = threading.Lock()
@@ -187,11 +188,12 @@ def _discard(spare: Spare | None) -> None:
 def ensure(preimport: tuple[str, ...], background: bool = False) -> None:
     """Keep this worker's stock of live spares with ``preimport`` imported (start what is missing).
 
-    Without ``background`` (a task or a write starting) a worker with no spare starts one at the
-    normal CPU priority: a rank adopts it in a moment. Spares started to fill the stock up to
-    ``SPARK_ESTIMATORS_SPARE_RANKS`` (``background``: while this worker's rank trains) import at
-    the lowest priority (``SCHED_IDLE``: only cycles the running fit leaves unused); a rank that
-    adopts one gives it the normal priority back (:func:`take`).
+    Without ``background`` (a task or a write starting, a rank ended) a worker with no spare
+    starts one at the normal CPU priority, and its oldest spare, the one the worker's next rank
+    takes, gets the normal priority back: that rank comes in a moment. Spares started to fill the
+    stock up to ``SPARK_ESTIMATORS_SPARE_RANKS`` (``background``: while this worker's rank
+    trains) import at the lowest priority (``SCHED_IDLE``: only cycles the running fit leaves
+    unused); a rank that adopts one gives it the normal priority too (:func:`take`).
     """
     if not preimport or not enabled():
         return
@@ -203,6 +205,9 @@ def ensure(preimport: tuple[str, ...], background: bool = False) -> None:
         _spares[:] = live
         if not live and not background:
             _spares.append(_start(preimport, idle=False))
+        elif live and live[0].idle and not background:
+            normal_priority(live[0].proc.pid)
+            live[0].idle = False
         while len(_spares) < stock():
             _spares.append(_start(preimport, idle=True))
 
@@ -227,7 +232,7 @@ def _start(preimport: tuple[str, ...], idle: bool) -> Spare:
     )
     if idle:  # at once, not only when the spare gets to it (it does too: its threads)
         idle_priority(proc.pid)
-    return Spare(proc, preimport, env)
+    return Spare(proc, preimport, env, idle)
 
 
 def take(preimport: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes] | None:

@@ -61,11 +61,17 @@ def test_the_stock_imports_at_idle_priority_and_an_adopted_spare_gets_the_normal
     spare.ensure(MODULES, background=True)  # the rank trains: the stock is filled up again
     assert len(worker) == 2 and worker[0].proc is second
     assert _policies(worker[1].proc.pid) == {os.SCHED_IDLE}
+    spare.ensure(MODULES)  # the rank ended: the next rank takes the oldest in a moment
+    assert _policies(second.pid) == {os.SCHED_OTHER}
+    assert _policies(worker[1].proc.pid) == {os.SCHED_IDLE}  # the one after it still waits
     assert spare.take(MODULES, env) is second
     assert _policies(second.pid) == {os.SCHED_OTHER}  # its rank runs at the normal priority
     # Another import-time environment cannot use a spare; the spare stays for later ranks.
     assert spare.take(MODULES, {**env, "OMP_NUM_THREADS": "7"}) is None
     assert len(worker) == 1
-    for proc in (first, second):
+    third = worker[0].proc
+    assert spare.take(MODULES, env) is third  # adopted while still idle: promoted by take
+    assert _policies(third.pid) == {os.SCHED_OTHER}
+    for proc in (first, second, third):
         proc.kill()
         proc.wait()
