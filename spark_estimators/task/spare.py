@@ -294,7 +294,10 @@ def main() -> None:
 
     context.mark("spare_started")
     lazy_dynamo.install()  # as a plain rank: before torch, so eager training never loads dynamo
-    for name in names:
+    stdin = sys.stdin.buffer
+    for i, name in enumerate(names):
+        if i and select.select([stdin], [], [], 0)[0]:
+            break  # a rank (or EOF) came: it imports what it still needs itself, as a plain rank
         try:
             if name in _TENSORBOARD and "tensorflow" not in sys.modules:
                 # core.rank.light_tensorboard (not imported: core -> data -> task would circle)
@@ -303,7 +306,6 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - the rank's own import will report it
             pass
     context.mark("spare_imported")
-    stdin = sys.stdin.buffer
     ready, _, _ = select.select([stdin], [], [], idle_s)
     if not ready or not getattr(stdin, "peek", lambda _n: b"x")(1):  # idle, or worker gone
         os._exit(0)
