@@ -17,6 +17,7 @@ from spark_estimators.collective.runtime import allreduce as _allreduce
 from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.arrays import NumpyOps
+from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.forms import named, out_of_place, synchronized
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
@@ -97,7 +98,8 @@ def _allreduce_start(blocking: bool, what: str, doc: str) -> Callable[..., Handl
     ) -> Handle:
         arr = _writable(array, what)
         reduction = Reduction(_ops_resolve(op, average), prescale_factor, postscale_factor)
-        future = _allreduce.allreduce(_NUMPY, [arr], [arr], reduction, name, blocking, process_set)
+        call = Call(name, blocking, process_set)
+        future = _allreduce.allreduce(_NUMPY, [arr], [arr], reduction, call)
         return Handle([future], name or "allreduce", lambda results: results[0][0])
 
     return named(start, what, doc)
@@ -166,9 +168,7 @@ def grouped_allreduce_(
             group,
             group,
             reduction,
-            label,
-            blocking=len(groups) == 1,
-            process_set=process_set,
+            Call(label, len(groups) == 1, process_set),
         )
         futures.append(future)
     for future in futures:
@@ -196,7 +196,7 @@ def allgather(
 ) -> np.ndarray:
     """Concatenate every rank's array on the first dimension (which may differ)."""
     arr = _array(array, "allgather")
-    return _ops.allgather(_NUMPY, arr, name, True, process_set).result()
+    return _ops.allgather(_NUMPY, arr, Call(name, True, process_set)).result()
 
 
 def broadcast_(
@@ -207,7 +207,7 @@ def broadcast_(
 ) -> np.ndarray:
     """Overwrite a writable array with ``root_rank``'s, in place, and return it."""
     arr = _writable(array, "broadcast_")
-    return _ops.broadcast(_NUMPY, arr, arr, root_rank, name, True, process_set).result()
+    return _ops.broadcast(_NUMPY, arr, arr, root_rank, Call(name, True, process_set)).result()
 
 
 broadcast = out_of_place(
@@ -232,7 +232,7 @@ def alltoall(
     Returns the received array, and with ``splits`` given also the received row counts.
     """
     arr = _array(array, "alltoall")
-    future = _ops.alltoall(_NUMPY, arr, splits, name, True, process_set)
+    future = _ops.alltoall(_NUMPY, arr, splits, Call(name, True, process_set))
     out, received = future.result()
     return out if splits is None else (out, received)
 
@@ -248,7 +248,7 @@ def reducescatter(
     """Reduce across ranks; rank r gets block r of the first dimension (first ranks get more)."""
     reduction = Reduction(_ops_resolve(op, None, adasum=False), prescale_factor, postscale_factor)
     arr = _array(array, "reducescatter")
-    future = _ops.reducescatter(_NUMPY, arr, reduction, name, True, process_set)
+    future = _ops.reducescatter(_NUMPY, arr, reduction, Call(name, True, process_set))
     return np.asarray(future.result())
 
 
@@ -272,14 +272,14 @@ def allgather_object(
     obj: T, name: str | None = None, process_set: ProcessSet | None = None
 ) -> list[T]:
     """Return the list of every rank's picklable ``obj``, in rank order."""
-    return list(_ops.allgather_object(obj, name, True, process_set).result())
+    return list(_ops.allgather_object(obj, Call(name, True, process_set)).result())
 
 
 def broadcast_object(
     obj: T, root_rank: int = 0, name: str | None = None, process_set: ProcessSet | None = None
 ) -> T:
     """Return ``root_rank``'s picklable ``obj`` on every rank."""
-    return _ops.broadcast_object(obj, root_rank, name, True, process_set).result()
+    return _ops.broadcast_object(obj, root_rank, Call(name, True, process_set)).result()
 
 
 def _ops_resolve(

@@ -28,8 +28,8 @@ from spark_estimators.collective.backends.base import (
 from spark_estimators.collective.runtime import adasum as _adasum
 from spark_estimators.collective.runtime import engine as eng
 from spark_estimators.collective.runtime.arrays import ArrayOps, numel_of, scale_array, write_result
+from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.negotiation import itemsize
-from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.runtime.requests import Agreement, Fusion, Kind, Request
 from spark_estimators.errors import ConfigurationError
 
@@ -90,9 +90,7 @@ def allreduce(
     inputs: Sequence[Buffer],
     outputs: Sequence[Buffer],
     reduction: Reduction,
-    name: str | None,
-    blocking: bool = False,
-    process_set: ProcessSet | None = None,
+    call: Call,
 ) -> Future[Sequence[Buffer]]:
     """Reduce ``inputs`` into ``outputs`` (the same objects for in-place) as one fused op.
 
@@ -100,8 +98,8 @@ def allreduce(
     ``op=ADASUM`` reduces each tensor with Adasum (see
     :mod:`~spark_estimators.collective.runtime.adasum`).
     """
-    engine = eng.require("allreduce", process_set)
-    display = name or engine.auto_name("allreduce")
+    engine = eng.require("allreduce", call.process_set)
+    name, display = call.name, call.name or engine.auto_name("allreduce")
     dtype, device = ops.dtype(inputs[0]), ops.device(inputs[0])
     for x in inputs[1:]:
         if ops.dtype(x) != dtype or ops.device(x) != device:
@@ -120,7 +118,7 @@ def allreduce(
     backend = engine.backend
     if op is ReduceOp.ADASUM:
         return _adasum.submit(engine, ops, inputs, outputs, display, name, shapes, prescale,
-                              postscale, blocking)  # fmt: skip
+                              postscale, call.blocking)  # fmt: skip
     native = (
         op is ReduceOp.AVERAGE
         and backend.native_average
@@ -187,7 +185,7 @@ def allreduce(
             inline=inline,
             fusion=fusion,
         ),
-        blocking=blocking,
+        blocking=call.blocking,
     )
 
 

@@ -2,8 +2,9 @@
 
 Each function validates its arguments in the caller's thread, builds a
 :class:`~spark_estimators.collective.runtime.requests.Request` whose ``execute`` runs on the
-engine thread after negotiation, submits it and returns the future. What differs between numpy and
-torch (packing a fusion buffer, scaling in place, cloning) is behind
+engine thread after negotiation, submits it and returns the future. The caller's name, blocking
+flag and process set come as one :class:`~spark_estimators.collective.runtime.call.Call`. What
+differs between numpy and torch (packing a fusion buffer, scaling in place, cloning) is behind
 :class:`~spark_estimators.collective.runtime.arrays.ArrayOps` (:mod:`.arrays`).
 
 The allreduce and its fusion are in :mod:`.allreduce`.
@@ -22,6 +23,7 @@ from spark_estimators.collective.backends.base import Backend, Buffer
 from spark_estimators.collective.runtime import engine as eng
 from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.arrays import ArrayOps, numel_of
+from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.engine import Engine
 from spark_estimators.collective.runtime.process_sets import ProcessSet, global_root
 from spark_estimators.collective.runtime.requests import Agreement, Kind, Request
@@ -75,25 +77,18 @@ class _Op:
 
 
 def _start(
-    ops: ArrayOps, x: Buffer, what: str, name: str | None, blocking: bool,
-    process_set: ProcessSet | None, auto: str | None = None,
-) -> tuple[_Op, tuple[int, ...]]:  # fmt: skip
+    ops: ArrayOps, x: Buffer, what: str, call: Call, auto: str | None = None
+) -> tuple[_Op, tuple[int, ...]]:
     """The op ``what`` on ``x``, and ``x``'s shape (``auto``: prefix of a generated name)."""
-    engine = eng.require(what, process_set)
-    display = name or engine.auto_name(auto or what)
-    op = _Op(engine, name, display, ops.dtype(x), ops.device(x), blocking)
+    engine = eng.require(what, call.process_set)
+    display = call.name or engine.auto_name(auto or what)
+    op = _Op(engine, call.name, display, ops.dtype(x), ops.device(x), call.blocking)
     return op, ops.shape(x)
 
 
-def allgather(
-    ops: ArrayOps,
-    x: Buffer,
-    name: str | None,
-    blocking: bool = False,
-    process_set: ProcessSet | None = None,
-) -> Future[Buffer]:
+def allgather(ops: ArrayOps, x: Buffer, call: Call) -> Future[Buffer]:
     """Concatenate ``x`` from every rank on dim 0 (which may differ across ranks)."""
-    op, shape = _start(ops, x, "allgather", name, blocking, process_set)
+    op, shape = _start(ops, x, "allgather", call)
     if not shape:
         raise ConfigurationError(
             f"allgather {op.display!r} needs at least one dimension; reshape the scalar to (1,)"
@@ -108,18 +103,12 @@ def allgather(
 
 
 def broadcast(
-    ops: ArrayOps,
-    x: Buffer,
-    output: Buffer,
-    root_rank: int,
-    name: str | None,
-    blocking: bool = False,
-    process_set: ProcessSet | None = None,
+    ops: ArrayOps, x: Buffer, output: Buffer, root_rank: int, call: Call
 ) -> Future[Buffer]:
     """Copy ``root_rank``'s ``x`` into ``output`` on every rank (``output is x``: in place)."""
-    op, shape = _start(ops, x, "broadcast", name, blocking, process_set)
+    op, shape = _start(ops, x, "broadcast", call)
     backend = op.backend
-    root = _check_root(root_rank, backend.size, op.display, process_set)
+    root = _check_root(root_rank, backend.size, op.display, call.process_set)
 
     def execute(agreement: Agreement) -> Buffer:
         if output is not x:
@@ -138,17 +127,12 @@ def broadcast(
 
 
 def grouped_broadcast(
-    ops: ArrayOps,
-    xs: Sequence[Buffer],
-    root_rank: int,
-    name: str | None,
-    blocking: bool = False,
-    process_set: ProcessSet | None = None,
+    ops: ArrayOps, xs: Sequence[Buffer], root_rank: int, call: Call
 ) -> Future[Sequence[Buffer]]:
     """Broadcast several tensors of one dtype and device in place, as one fused buffer."""
-    op, _ = _start(ops, xs[0], "broadcast", name, blocking, process_set, "grouped_broadcast")
+    op, _ = _start(ops, xs[0], "broadcast", call, "grouped_broadcast")
     backend = op.backend
-    root = _check_root(root_rank, backend.size, op.display, process_set)
+    root = _check_root(root_rank, backend.size, op.display, call.process_set)
     shapes = tuple(ops.shape(x) for x in xs)
 
     def execute(agreement: Agreement) -> Sequence[Buffer]:
@@ -164,19 +148,14 @@ def grouped_broadcast(
 
 
 def alltoall(
-    ops: ArrayOps,
-    x: Buffer,
-    splits: Sequence[int] | None,
-    name: str | None,
-    blocking: bool = False,
-    process_set: ProcessSet | None = None,
+    ops: ArrayOps, x: Buffer, splits: Sequence[int] | None, call: Call
 ) -> Future[tuple[Buffer, np.ndarray]]:
     """Scatter rows of ``x`` to the ranks (``splits[r]`` rows to rank r); gather theirs.
 
     The future resolves to ``(received, received_splits)``, ``received_splits`` a numpy array.
     With a process set, ``splits`` has one entry per member, in the set's rank order.
     """
-    op, shape = _start(ops, x, "alltoall", name, blocking, process_set)
+    op, shape = _start(ops, x, "alltoall", call)
     display, backend = op.display, op.backend
     size = backend.size
     if not shape:
@@ -211,16 +190,9 @@ def reducescatter_rows(dim0: int, size: int) -> list[int]:
     return [dim0 // size + (1 if r < dim0 % size else 0) for r in range(size)]
 
 
-def reducescatter(
-    ops: ArrayOps,
-    x: Buffer,
-    reduction: Reduction,
-    name: str | None,
-    blocking: bool = False,
-    process_set: ProcessSet | None = None,
-) -> Future[Buffer]:
+def reducescatter(ops: ArrayOps, x: Buffer, reduction: Reduction, call: Call) -> Future[Buffer]:
     """Reduce ``x`` across ranks and give each rank its block of rows."""
-    op, shape = _start(ops, x, "reducescatter", name, blocking, process_set)
+    op, shape = _start(ops, x, "reducescatter", call)
     backend = op.backend
     if not shape:
         raise ConfigurationError(f"reducescatter {op.display!r} needs at least one dimension")
@@ -261,14 +233,12 @@ def join(blocking: bool = False) -> Future[int]:
     return engine.submit(request, blocking=blocking)
 
 
-def allgather_object(
-    obj: T, name: str | None, blocking: bool = False, process_set: ProcessSet | None = None
-) -> Future[list[T]]:
+def allgather_object(obj: T, call: Call) -> Future[list[T]]:
     """Resolve to the list of every rank's ``obj`` (picklable), in rank order."""
-    engine = eng.require("allgather_object", process_set)
-    display = name or engine.auto_name("allgather_object")
+    engine = eng.require("allgather_object", call.process_set)
+    display = call.name or engine.auto_name("allgather_object")
     backend = engine.backend
-    signature = (Kind.ALLGATHER_OBJECT.name, name)
+    signature = (Kind.ALLGATHER_OBJECT.name, call.name)
     return engine.submit(
         Request(
             Kind.ALLGATHER_OBJECT,
@@ -277,23 +247,17 @@ def allgather_object(
             lambda a: backend.allgather_object(obj),
             f"{display!r}",
         ),
-        blocking=blocking,
+        blocking=call.blocking,
     )
 
 
-def broadcast_object(
-    obj: T,
-    root_rank: int,
-    name: str | None,
-    blocking: bool = False,
-    process_set: ProcessSet | None = None,
-) -> Future[T]:
+def broadcast_object(obj: T, root_rank: int, call: Call) -> Future[T]:
     """Resolve to ``root_rank``'s ``obj`` on every rank."""
-    engine = eng.require("broadcast_object", process_set)
-    display = name or engine.auto_name("broadcast_object")
+    engine = eng.require("broadcast_object", call.process_set)
+    display = call.name or engine.auto_name("broadcast_object")
     backend = engine.backend
-    root = _check_root(root_rank, backend.size, display, process_set)
-    signature = (Kind.BROADCAST_OBJECT.name, name, root)
+    root = _check_root(root_rank, backend.size, display, call.process_set)
+    signature = (Kind.BROADCAST_OBJECT.name, call.name, root)
     return engine.submit(
         Request(
             Kind.BROADCAST_OBJECT,
@@ -302,7 +266,7 @@ def broadcast_object(
             lambda a: backend.broadcast_object(obj, root),
             f"{display!r} root_rank={root}",
         ),
-        blocking=blocking,
+        blocking=call.blocking,
     )
 
 

@@ -29,6 +29,7 @@ from spark_estimators.collective.backends.base import ReduceOp
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.allreduce import Reduction
+from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.forms import named, synchronized
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
@@ -85,7 +86,7 @@ def allgather_async(
 ) -> Handle:
     """Start an allgather; see :func:`allgather`."""
     t = as_tensor(tensor, "allgather_async")
-    future = _ops.allgather(_TORCH, t, name, in_waited_ops(), process_set)
+    future = _ops.allgather(_TORCH, t, Call(name, in_waited_ops(), process_set))
     return Handle([future], name or "allgather")
 
 
@@ -135,7 +136,7 @@ def _broadcast_start(in_place: bool, what: str, doc: str) -> Callable[..., Handl
         t = as_tensor(tensor, what)
         out = t if in_place else torch.empty_like(t, memory_format=torch.contiguous_format)
         result = tensor if in_place else out
-        future = _ops.broadcast(_TORCH, t, out, root_rank, name, in_waited_ops(), process_set)
+        future = _ops.broadcast(_TORCH, t, out, root_rank, Call(name, in_waited_ops(), process_set))
         return Handle([future], name or "broadcast", lambda results: result)
 
     return named(start, what, doc)
@@ -211,7 +212,7 @@ def alltoall_async(
     """Start an alltoall; see :func:`alltoall`."""
     t = as_tensor(tensor, "alltoall_async")
     split_list = _split_list(splits)
-    future = _ops.alltoall(_TORCH, t, split_list, name, in_waited_ops(), process_set)
+    future = _ops.alltoall(_TORCH, t, split_list, Call(name, in_waited_ops(), process_set))
 
     def finish(
         results: list[tuple[torch.Tensor, np.ndarray]],
@@ -235,7 +236,7 @@ class _AlltoallFunction(torch.autograd.Function):
         process_set: ProcessSet | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         split_list = _split_list(splits)
-        future = _ops.alltoall(_TORCH, tensor.detach(), split_list, name, True, process_set)
+        future = _ops.alltoall(_TORCH, tensor.detach(), split_list, Call(name, True, process_set))
         out, received = future.result()
         # Horovod: the gradient goes back with the received splits (also after an even split).
         ctx.received, ctx.process_set = [int(n) for n in received], process_set
@@ -282,7 +283,9 @@ def reducescatter_async(
     """Start a reducescatter; see :func:`reducescatter`."""
     reduction = Reduction(reducescatter_op(op), prescale_factor, postscale_factor)
     compressed, ctx = compression.compress(as_tensor(tensor, "reducescatter_async"))
-    future = _ops.reducescatter(_TORCH, compressed, reduction, name, in_waited_ops(), process_set)
+    future = _ops.reducescatter(
+        _TORCH, compressed, reduction, Call(name, in_waited_ops(), process_set)
+    )
     return Handle(
         [future], name or "reducescatter", lambda results: compression.decompress(results[0], ctx)
     )
@@ -357,9 +360,7 @@ def broadcast_parameters(
                 _TORCH,
                 [tensors[i] for i in idx],
                 root_rank,
-                f"broadcast_parameters.{g}",
-                blocking=len(groups) == 1,
-                process_set=process_set,
+                Call(f"broadcast_parameters.{g}", len(groups) == 1, process_set),
             )
         )
     for future in futures:

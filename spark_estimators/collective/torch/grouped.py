@@ -21,6 +21,7 @@ from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.allreduce import Reduction
+from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
@@ -61,7 +62,7 @@ def grouped_allgather_async(
     ts = _tensors(tensors, "grouped_allgather_async")
     blocking = in_waited_ops()
     futures = [
-        _ops.allgather(_TORCH, t, n, blocking, process_set)
+        _ops.allgather(_TORCH, t, Call(n, blocking, process_set))
         for t, n in zip(ts, _names(name, len(ts)), strict=True)
     ]
     return Handle(futures, name or "grouped_allgather", lambda results: list(results))
@@ -122,7 +123,7 @@ def _reducescatter_each(
     """Submit one reducescatter per tensor, in order (``names[i]`` names tensor i's op)."""
     blocking = in_waited_ops()
     return [
-        _ops.reducescatter(_TORCH, t.detach(), reduction, n, blocking, process_set)
+        _ops.reducescatter(_TORCH, t.detach(), reduction, Call(n, blocking, process_set))
         for t, n in zip(tensors, names, strict=True)
     ]
 
@@ -276,8 +277,8 @@ def sparse_allreduce_async(
     values = t._values().contiguous()
     blocking = in_waited_ops()
     futures = [
-        _ops.allgather(_TORCH, values, vname, blocking, process_set),
-        _ops.allgather(_TORCH, indices, iname, blocking, process_set),
+        _ops.allgather(_TORCH, values, Call(vname, blocking, process_set)),
+        _ops.allgather(_TORCH, indices, Call(iname, blocking, process_set)),
     ]
 
     def finish(results: list[torch.Tensor]) -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import allreduce as _allreduce
 from spark_estimators.collective.runtime.allreduce import Reduction
+from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.forms import named, synchronized
 from spark_estimators.collective.runtime.futures import Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
@@ -74,8 +75,8 @@ def _grouped_allreduce_async(
             "or call grouped_allreduce once per device"
         )
     if len(inputs) == 1:  # allreduce_async_ per tensor (a hot path): nothing to group
-        one = _allreduce.allreduce(_TORCH, inputs, outputs, reduction, name,
-                                   blocking=in_waited_ops(), process_set=process_set)  # fmt: skip
+        call = Call(name, in_waited_ops(), process_set)
+        one = _allreduce.allreduce(_TORCH, inputs, outputs, reduction, call)
         return Handle([one], name or "grouped_allreduce", finish)
     futures: list[Future[Sequence[torch.Tensor]]] = []
     groups = dtype_device_groups(inputs)
@@ -87,9 +88,7 @@ def _grouped_allreduce_async(
                 [inputs[i] for i in idx],
                 [outputs[i] for i in idx],
                 reduction,
-                label,
-                blocking=in_waited_ops() and len(groups) == 1,
-                process_set=process_set,
+                Call(label, in_waited_ops() and len(groups) == 1, process_set),
             )
         )
     return Handle(futures, name or "grouped_allreduce", finish)
