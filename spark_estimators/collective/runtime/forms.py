@@ -19,9 +19,21 @@ _R = TypeVar("_R")
 _X = TypeVar("_X")
 
 
-def named(fn: _F, what: str, doc: str, signature: inspect.Signature | None = None) -> _F:
-    """``fn`` named ``what`` and documented by ``doc`` (showing ``signature`` when given)."""
+def named(
+    fn: _F,
+    what: str,
+    doc: str,
+    signature: inspect.Signature | None = None,
+    module: str | None = None,
+) -> _F:
+    """``fn`` named ``what`` and documented by ``doc`` (showing ``signature`` when given).
+
+    ``module`` is where the form is published (default: where ``fn`` was written); pickle finds
+    the function there by name, and documentation tools resolve its annotations there.
+    """
     fn.__name__ = fn.__qualname__ = what
+    if module is not None:
+        fn.__module__ = module
     fn.__doc__ = doc
     if signature is not None:
         fn.__signature__ = signature  # type: ignore[attr-defined]
@@ -37,7 +49,7 @@ def synchronized(
         return cast("_R", start(*args, **kwargs).wait())
 
     signature = inspect.signature(start).replace(return_annotation=returns)
-    return named(blocking, what, doc, signature)
+    return named(blocking, what, doc, signature, module=start.__module__)
 
 
 def out_of_place(
@@ -51,4 +63,4 @@ def out_of_place(
     def fresh(x: _X, *args: object, **kwargs: object) -> _R:
         return in_place(copy(x, what), *args, **kwargs)
 
-    return named(fresh, what, doc, inspect.signature(in_place))
+    return named(fresh, what, doc, inspect.signature(in_place), module=in_place.__module__)

@@ -300,6 +300,7 @@ reducescatter = _per_tensor(
     Blocks are as even as possible, the first ``dim0 % size()`` ranks get one extra row.
     Differentiable (Horovod's gradient: see the module docstring).
     """,
+    module=__name__,
 )
 
 

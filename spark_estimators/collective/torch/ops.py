@@ -131,9 +131,16 @@ def _first_when_done(handle: Handle) -> Handle:
 
 
 def _per_tensor(
-    grouped: Callable[..., _R], first: Callable[[_R], _S], what: str, doc: str
+    grouped: Callable[..., _R],
+    first: Callable[[_R], _S],
+    what: str,
+    doc: str,
+    module: str = __name__,
 ) -> Callable[..., _S]:
-    """The one-tensor form of the op ``grouped``: ``first`` of ``grouped([tensor], ...)``."""
+    """The one-tensor form of the op ``grouped``: ``first`` of ``grouped([tensor], ...)``.
+
+    ``module``: the module that publishes the form (pickle looks it up there by name).
+    """
 
     def one(tensor: torch.Tensor, *args: object, **kwargs: object) -> _S:
         as_tensor(tensor, what)  # a wrong argument's error names the op called
@@ -145,7 +152,7 @@ def _per_tensor(
         parameters=[tensors.replace(name="tensor", annotation="torch.Tensor"), *rest],
         return_annotation=inspect.signature(first).return_annotation,
     )
-    return named(one, what, doc, signature)
+    return named(one, what, doc, signature, module=module)
 
 
 grouped_allreduce_async_ = _grouped_allreduce_start(
