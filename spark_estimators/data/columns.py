@@ -7,7 +7,7 @@ unsupported column, or a shape that cannot be inferred fails in milliseconds wit
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from spark_estimators.data.metadata import ColumnInfo
@@ -232,6 +232,28 @@ def infer_columns(
 
 #: The boolean column that marks validation rows in the DataFrame handed to the writers/ranks.
 SPLIT_COL = "__spark_estimators_is_val__"
+
+
+def describe_columns(
+    df: DataFrame,
+    used: list[str],
+    kinds: dict[str, str],
+    compress_sparse: bool,
+    check_columns: Callable[[dict[str, ColumnInfo]], None] | None = None,
+) -> list[ColumnInfo]:
+    """The used columns as stored: from the schema when it describes them, else from the first rows.
+
+    Reading the schema needs no Spark job; only a column the schema cannot size (an ML vector
+    without ``ml_attr`` metadata, an array) costs one small sample job. ``check_columns`` (the
+    estimators' ``input_shapes`` check) sees the descriptions before anything is written or
+    streamed.
+    """
+    columns = columns_from_schema(df, used, kinds, compress_sparse)
+    if columns is None:
+        columns = infer_columns(df, used, kinds, compress_sparse)
+    if check_columns is not None:
+        check_columns({c.name: c for c in columns})
+    return columns
 
 
 def training_frame(

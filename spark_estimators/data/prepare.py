@@ -54,8 +54,7 @@ from spark_estimators.data.columns import (
     EMPTY_MESSAGE,
     SPLIT_COL,
     check_args,
-    columns_from_schema,
-    infer_columns,
+    describe_columns,
     kind_of,
     training_frame,
 )
@@ -189,11 +188,7 @@ def prepare_data(
             return cached
         # Shapes from the schema when it has them: no sample job before the write (the write
         # finds an empty DataFrame itself); else from the first rows.
-        columns = columns_from_schema(df, used, kinds, compress_sparse)
-        if columns is None:
-            columns = infer_columns(df, used, kinds, compress_sparse)
-        if check_columns is not None:
-            check_columns({c.name: c for c in columns})
+        columns = describe_columns(df, used, kinds, compress_sparse, check_columns)
         store.check_writable()
         ppp = partitions_per_process or auto_partitions_per_process(df, num_proc)
         meta = _write(

@@ -143,8 +143,7 @@ def prepare_stream(
     from spark_estimators.data.columns import (
         SPLIT_COL,
         check_args,
-        columns_from_schema,
-        infer_columns,
+        describe_columns,
         kind_of,
         training_frame,
     )
@@ -164,11 +163,7 @@ def prepare_stream(
     )
     used = features + labels + ([sample_weight_col] if sample_weight_col else [])
     kinds = {name: kind_of(df, name) for name in used}
-    columns = columns_from_schema(df, used, kinds, False)
-    if columns is None:
-        columns = infer_columns(df, used, kinds, False)
-    if check_columns is not None:
-        check_columns({c.name: c for c in columns})
+    columns = describe_columns(df, used, kinds, False, check_columns)
     partitions = None if keeps_partitions(df, num_proc) else num_proc
     frame, has_split = training_frame(df, columns, validation_col, fraction, seed, partitions)
     meta = StreamMetadata(
