@@ -53,7 +53,7 @@ import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 from spark_estimators._base.processes import kill_group
@@ -208,7 +208,7 @@ def ensure(preimport: tuple[str, ...], background: bool = False) -> None:
         elif live and live[0].idle and not background:
             normal_priority(live[0].proc.pid)
             live[0].idle = False
-        while len(_spares) < stock():
+        while len(_spares) < stock() and idle_allowed():  # else they would slow the fit
             _spares.append(_start(preimport, idle=True))
 
 
@@ -231,7 +231,7 @@ def _start(preimport: tuple[str, ...], idle: bool) -> Spare:
         start_new_session=True,
     )
     if idle:  # at once, not only when the spare gets to it (it does too: its threads)
-        idle_priority(proc.pid)
+        idle = idle_priority(proc.pid)
     return Spare(proc, preimport, env, idle)
 
 
@@ -254,35 +254,82 @@ def take(preimport: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[by
                 break
         else:
             return None
-    normal_priority(sp.proc.pid)  # its remaining imports are now on the rank's critical path
+    # its remaining imports are now on the rank's critical path; stuck idle, it is no use
+    if not normal_priority(sp.proc.pid) and sp.idle:
+        _discard(sp)
+        return None
     return sp.proc
 
 
-def idle_priority(pid: int) -> None:
-    """Run process ``pid``'s threads at ``SCHED_IDLE`` (nothing happens where that is refused)."""
-    _set_policy(pid, getattr(os, "SCHED_IDLE", None))
+@cache
+def idle_allowed() -> bool:
+    """True when this process may give a thread at ``SCHED_IDLE`` the normal policy back.
+
+    Linux treats ``SCHED_IDLE`` as nice 20 and lets a thread leave it only where
+    ``RLIMIT_NICE`` allows its nice value or with ``CAP_SYS_NICE`` (sched(7)); the usual limit,
+    0, allows nothing. A spare idled where that is refused would train, once adopted, on the
+    cycles nobody else wants, so spares go idle only where this is True. It is found by trying:
+    a short-lived thread of this process goes idle and asks to come back.
+    """
+    idle, other = getattr(os, "SCHED_IDLE", None), getattr(os, "SCHED_OTHER", None)
+    if idle is None or other is None:
+        return False
+    result: list[bool] = []
+
+    def probe() -> None:
+        tid = threading.get_native_id()
+        try:
+            os.sched_setscheduler(tid, idle, os.sched_param(0))
+        except OSError:
+            result.append(False)
+            return
+        try:
+            os.sched_setscheduler(tid, other, os.sched_param(0))
+            result.append(True)
+        except OSError:
+            result.append(False)
+
+    thread = threading.Thread(target=probe, name="spare-priority-probe", daemon=True)
+    thread.start()
+    thread.join()
+    return bool(result and result[0])
 
 
-def normal_priority(pid: int) -> None:
+def idle_priority(pid: int) -> bool:
+    """Run process ``pid``'s threads at ``SCHED_IDLE``; False (nothing changed) where not allowed.
+
+    Only where :func:`idle_allowed`: a spare that could not get the normal policy back is worse
+    than one importing at the normal priority.
+    """
+    if not idle_allowed():
+        return False
+    return _set_policy(pid, getattr(os, "SCHED_IDLE", None))
+
+
+def normal_priority(pid: int) -> bool:
     """Give every thread of process ``pid`` the normal policy back (``SCHED_OTHER``, nice kept).
 
-    Linux lets an unprivileged process leave ``SCHED_IDLE`` for ``SCHED_OTHER`` (since 2.6.39).
+    True when every thread has it (a spare that stays idle is not adopted: see :func:`take`).
     """
-    _set_policy(pid, getattr(os, "SCHED_OTHER", None))
+    return _set_policy(pid, getattr(os, "SCHED_OTHER", None))
 
 
-def _set_policy(pid: int, policy: int | None) -> None:
+def _set_policy(pid: int, policy: int | None) -> bool:
     if policy is None:
-        return
+        return False
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         tids = [pid]
+    done = True
     for tid in tids:
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:
+            pass  # a thread that ended meanwhile
         except (OSError, AttributeError):
-            pass
+            done = False
+    return done
 
 
 def main() -> None:
