@@ -206,8 +206,7 @@ def ensure(preimport: tuple[str, ...], background: bool = False) -> None:
         if not live and not background:
             _spares.append(_start(preimport, idle=False))
         elif live and live[0].idle and not background:
-            normal_priority(live[0].proc.pid)
-            live[0].idle = False
+            live[0].idle = not normal_priority(live[0].proc.pid)  # still idle: take() skips it
         while len(_spares) < stock() and idle_allowed():  # else they would slow the fit
             _spares.append(_start(preimport, idle=True))
 
