@@ -3,8 +3,9 @@
 - :mod:`.base`: ``make_param`` / ``ParamGetter`` (a Param and its typed getter in one
   statement), declared defaults, generated accessors, the horovod alias table
   (:data:`ALIASES`) and the generated ``Parameters`` docs / keyword-only signatures;
-- :mod:`.shared`: one-Param mixins (``HasFeatureCols``, ``HasOptimizer``, ``HasLoss``, ...) as
-  ``pyspark.ml.param.shared``; the supervised ones only on estimators that take them;
+- :mod:`.shared`: one-Param mixins (``HasFeatureCols``, ``HasLabelCols``, ...) as
+  ``pyspark.ml.param.shared``, and ``SupervisedParams`` (optimizer, loss, metrics, ...) only on
+  estimators that take them;
 - :mod:`.common`: the Params every estimator has, by role, composed into
   :class:`EstimatorParams`;
 - :mod:`.compat`: horovod keywords: refusals naming the alternative, defaults-only Params.
@@ -41,14 +42,9 @@ from spark_estimators.core.params.compat import (
 )
 from spark_estimators.core.params.shared import (
     HasFeatureCols,
-    HasGradientCompression,
     HasInputShapes,
     HasLabelCols,
-    HasLoss,
     HasLossConstructors,
-    HasLossWeights,
-    HasMetrics,
-    HasOptimizer,
     HasTrainMinibatchFn,
     HasTransformBatchSize,
     SupervisedParams,
@@ -62,14 +58,9 @@ __all__ = [
     "DeclaredParams",
     "EstimatorParams",
     "HasFeatureCols",
-    "HasGradientCompression",
     "HasInputShapes",
     "HasLabelCols",
-    "HasLoss",
     "HasLossConstructors",
-    "HasLossWeights",
-    "HasMetrics",
-    "HasOptimizer",
     "HasTrainMinibatchFn",
     "HasTransformBatchSize",
     "HorovodCompatParams",

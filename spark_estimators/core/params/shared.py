@@ -15,7 +15,6 @@ from pyspark.ml.param import TypeConverters
 from spark_estimators.core.params.base import (
     DeclaredParams,
     ParamGetter,
-    make_param,
     to_list_or_none,
     to_str_list,
 )
@@ -58,22 +57,6 @@ class HasTransformBatchSize(DeclaredParams):
 # -- supervised training: what the user hands in besides the model -----------------------------
 
 
-class HasOptimizer(DeclaredParams):
-    """Mixin for ``optimizer``: the framework optimizer the estimator drives."""
-
-    getOptimizer: ParamGetter[object] = ParamGetter("optimizer (bound to the model's parameters)")
-    _defaults: ClassVar[dict[str, object]] = {"optimizer": None}
-
-
-class HasLoss(DeclaredParams):
-    """Mixin for ``loss``: one loss, or one per label column."""
-
-    getLoss: ParamGetter[object] = ParamGetter(
-        "loss function, or a list of them, one per label column"
-    )
-    _defaults: ClassVar[dict[str, object]] = {"loss": None}
-
-
 class HasLossConstructors(DeclaredParams):
     """Mixin for ``lossConstructors``: callables that build the losses (instead of ``loss``)."""
 
@@ -81,43 +64,6 @@ class HasLossConstructors(DeclaredParams):
         "callables that build the loss functions (instead of loss)"
     )
     _defaults: ClassVar[dict[str, object]] = {"lossConstructors": None}
-
-
-class HasLossWeights(DeclaredParams):
-    """Mixin for ``lossWeights``: the weight of each label's loss."""
-
-    lossWeights = make_param("lossWeights", "weights of each label's loss", to_list_or_none)
-    _defaults: ClassVar[dict[str, object]] = {"lossWeights": None}
-
-    def getLossWeights(self) -> list[float] | None:
-        """Gets the value of ``lossWeights`` or its default value."""
-        return self.getOrDefault(self.lossWeights)
-
-
-class HasMetrics(DeclaredParams):
-    """Mixin for ``metrics``: metric functions averaged over the ranks every epoch."""
-
-    getMetrics: ParamGetter[object] = ParamGetter("metric functions metric(output, label) -> value")
-    _defaults: ClassVar[dict[str, object]] = {"metrics": None}
-
-
-class HasGradientCompression(DeclaredParams):
-    """Mixin for ``gradientCompression``: compression of the gradients' allreduce."""
-
-    getGradientCompression: ParamGetter[object] = ParamGetter(
-        "Compression.none or Compression.fp16 for the gradients' allreduce"
-    )
-    _defaults: ClassVar[dict[str, object]] = {"gradientCompression": None}
-
-    def _compression_name(self) -> str:
-        """``"none"``, ``"fp16"`` or (invalid) another name, from the compression given."""
-        compression = self.getGradientCompression()
-        if compression is None:
-            return "none"
-        if isinstance(compression, str):
-            return compression
-        name = getattr(compression, "__name__", type(compression).__name__).lower()
-        return "fp16" if "fp16" in name else "none" if "none" in name else name
 
 
 class HasTrainMinibatchFn(DeclaredParams):
@@ -130,5 +76,36 @@ class HasTrainMinibatchFn(DeclaredParams):
     _defaults: ClassVar[dict[str, object]] = {"trainMinibatchFn": None}
 
 
-class SupervisedParams(HasOptimizer, HasLoss, HasLossWeights, HasMetrics, HasGradientCompression):
-    """The Params of estimators that take the optimizer, loss and metrics from the user."""
+class SupervisedParams(DeclaredParams):
+    """The Params of estimators that take the optimizer, loss and metrics from the user.
+
+    The Torch and Keras estimators take all five together (the Lightning estimator none), so
+    they are declared here as one group rather than as five one-Param mixins.
+    """
+
+    getOptimizer: ParamGetter[object] = ParamGetter("optimizer (bound to the model's parameters)")
+    getLoss: ParamGetter[object] = ParamGetter(
+        "loss function, or a list of them, one per label column"
+    )
+    getLossWeights = ParamGetter("weights of each label's loss", to_list_or_none)
+    getMetrics: ParamGetter[object] = ParamGetter("metric functions metric(output, label) -> value")
+    getGradientCompression: ParamGetter[object] = ParamGetter(
+        "Compression.none or Compression.fp16 for the gradients' allreduce"
+    )
+    _defaults: ClassVar[dict[str, object]] = {
+        "optimizer": None,
+        "loss": None,
+        "lossWeights": None,
+        "metrics": None,
+        "gradientCompression": None,
+    }
+
+    def _compression_name(self) -> str:
+        """``"none"``, ``"fp16"`` or (invalid) another name, from the compression given."""
+        compression = self.getGradientCompression()
+        if compression is None:
+            return "none"
+        if isinstance(compression, str):
+            return compression
+        name = getattr(compression, "__name__", type(compression).__name__).lower()
+        return "fp16" if "fp16" in name else "none" if "none" in name else name
