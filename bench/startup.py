@@ -24,10 +24,10 @@ Per fit, wall clock on this machine (driver and ranks share the clock), rank 0's
   after its Spark job starts").
 
 ``--trace`` prints, per fit, rank 0's start-up steps in seconds after ``run`` (the marks of
-:func:`spark_estimators.task.context.mark`: the spare's start and end of imports, registration,
-adoption, config read, function fetched/unpickled, process group joined, user objects loaded,
-parameters broadcast, readers open, first step). ``--spares N`` sets
-``SPARK_ESTIMATORS_SPARE_RANKS`` for the session (0: plain rank processes).
+:func:`spark_estimators.task.context.mark`: the zygote's start and end of imports,
+registration, the fork, config read, function fetched/unpickled, process group joined, user
+objects loaded, parameters broadcast, readers open, first step). ``--spares 0`` sets
+``SPARK_ESTIMATORS_SPARE_RANKS=0`` for the session (plain rank processes, no zygote).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class TimedBackend(SparkBackend):
             if event_callback is not None:
                 event_callback(rank, kind, data)
 
-        wrapped = partial(timed)  # keeps the estimator's spare-process imports
+        wrapped = partial(timed)  # keeps the estimator's zygote imports
         setattr(wrapped, spare.PREIMPORT_ATTR, spare.preimports(fn))
         args = (fn, tuple(args), dict(kwargs or {}))
         return super().run(wrapped, args, None, env, record, **extra)
@@ -165,7 +165,7 @@ def main() -> None:
         "--spares",
         type=int,
         default=None,
-        help="SPARK_ESTIMATORS_SPARE_RANKS for the session (spares per PySpark worker; 0: off)",
+        help="SPARK_ESTIMATORS_SPARE_RANKS for the session (0: no zygote, plain rank processes)",
     )
     args = parser.parse_args()
     if args.spares is not None:
@@ -184,7 +184,7 @@ def main() -> None:
     marks: dict[str, Any] = {}
     install_prepare_timer(marks)
     root = tempfile.mkdtemp(prefix="bench-startup-")
-    print("load average at start:", os.getloadavg(), "spares per worker:", spare.stock())
+    print("load average at start:", os.getloadavg(), "zygotes:", spare.enabled())
     print(f"{'fit':22s} " + " ".join(f"{p:>10s}" for p in PHASES))
     show("first of the session", fit_once(vdf, os.path.join(root, "s0"), marks))
     written, reused = [], []

@@ -241,7 +241,7 @@ def launch(
 
         pmi = serve_mpi_job(svc, driver_host)
     stream = None if stream_input is None else StreamTaskSettings(stream_input.split_col)
-    # the estimators' ranks: spare processes with their modules imported (task/spare.py)
+    # the estimators' ranks: forked from a zygote with their modules imported (task/spare.py)
     config = task_config(job, svc, options, stream, preimport=spare.preimports(fn))
     # data="stream": the tasks map over the training data itself (one partition per rank).
     tasks = spark.range(options.ranks, numPartitions=options.ranks)

@@ -55,6 +55,15 @@ def free_port():
     return _free
 
 
+def _forked_rank(proc, cmd: list[str]) -> bool:
+    """A rank forked by a zygote (task/zygote.py): a spare_process child of a spare_process."""
+    zygote = "spark_estimators.task.spare_process"
+    if zygote not in cmd:
+        return False
+    parent = proc.parent()
+    return parent is not None and zygote in parent.cmdline()
+
+
 def rank_processes() -> list[int]:
     """PIDs of rank processes started by the launcher that are still alive."""
     import psutil
@@ -63,9 +72,11 @@ def rank_processes() -> list[int]:
     marker = os.environ[SESSION_MARKER]
     for proc in psutil.process_iter(["pid", "cmdline", "status"]):
         cmd = proc.info.get("cmdline") or []
-        if "spark_estimators.task.child" not in cmd or proc.info.get("status") == "zombie":
+        if proc.info.get("status") == "zombie":
             continue
         try:
+            if "spark_estimators.task.child" not in cmd and not _forked_rank(proc, cmd):
+                continue
             if proc.environ().get(SESSION_MARKER) == marker:
                 found.append(proc.info["pid"])
         except (psutil.AccessDenied, psutil.NoSuchProcess):

@@ -11,6 +11,22 @@ import os
 import signal
 import subprocess
 import sys
+from typing import IO, Protocol
+
+
+class RankProcess(Protocol):
+    """What a task needs of its rank process (``subprocess.Popen`` or a forked ``ForkedRank``)."""
+
+    pid: int
+    stdin: IO[bytes] | None
+    stdout: IO[bytes] | None
+    stderr: IO[bytes] | None
+
+    def poll(self) -> int | None:
+        """The exit code, or None while it runs."""
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the end and return the exit code."""
 
 
 def start_rank_process(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -29,7 +45,7 @@ def start_rank_process(module: str, env: dict[str, str]) -> subprocess.Popen[byt
     )
 
 
-def kill_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+def kill_group(proc: RankProcess, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` (default SIGKILL) to the process group that ``proc`` leads; gone is fine."""
     try:
         os.killpg(proc.pid, sig)

@@ -8,7 +8,7 @@ each implement this protocol next to their estimator (``TorchFramework`` in
 
 ========================  =====================================================================
 ``name``                  "torch", "keras" or "lightning": the ``checkpoint.json`` tag, the
-                          spare rank processes' imports, the MLflow flavour
+                          zygote's imports, the MLflow flavour
 ``trainer()``             the rank entry point, ``<framework>/remote.train(spec) -> dict``
 ``rank_env()``            environment variables for the ranks of the default backend
 ``shipped()``             the user's objects that travel to the ranks pickled by value, and the

@@ -178,13 +178,13 @@ class PartitionWriter:
     drop_invalid: bool
     row_group_bytes: int
     max_file_bytes: int
-    rank_imports: tuple[str, ...] = ()  # a spare rank process imports these meanwhile
+    rank_imports: tuple[str, ...] = ()  # the worker's zygote imports these meanwhile
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
         from pyspark import TaskContext
 
-        if self.rank_imports:  # the training stage's rank adopts it (task/spare.py)
+        if self.rank_imports:  # the training stage's ranks fork from it (task/spare.py)
             from spark_estimators.task import spare
 
             spare.ensure(self.rank_imports)

@@ -133,7 +133,7 @@ def prepare_data(
         ``input_shapes`` this way).
     rank_imports
         Modules the training ranks will import (the estimators pass ``("torch",)``): each write
-        task starts a spare rank process of its PySpark worker importing them while the data is
+        task starts its PySpark worker's zygote importing them while the data is
         written (:mod:`spark_estimators.task.spare`); () starts none.
 
     Returns

@@ -38,7 +38,7 @@ def _wait_for_other_ranks(client: Any) -> None:
 def main(config: dict[str, Any] | None = None) -> None:
     """Run one rank: fetch the function from the driver, run it, report its result or failure.
 
-    ``config``: already read from stdin (a spare adopted as this rank, see
+    ``config``: already read from stdin (a rank forked by the worker's zygote, see
     :mod:`spark_estimators.task.spare`); default read it now.
     """
     config = read_config() if config is None else config

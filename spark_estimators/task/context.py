@@ -58,8 +58,8 @@ def mark(name: str, when: float | None = None) -> None:
 def marks() -> list[tuple[str, float]]:
     """The start-up steps this rank process noted, ``(name, time.time())`` in order.
 
-    The task, the spare and the rank's framework code mark where the start-up goes (registered,
-    spare imported, function fetched, process group joined, ...): ``bench/startup.py`` shows it.
+    The task, the zygote and the rank's framework code mark where the start-up goes (registered,
+    zygote imported, function fetched, process group joined, ...): ``bench/startup.py`` shows it.
     """
     return list(_marks)
 

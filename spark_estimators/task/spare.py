@@ -1,71 +1,72 @@
-"""Spare rank processes: a fresh rank process started ahead of time with the framework imported.
+"""Warm rank processes: a zygote per PySpark worker imports a rank's modules once, forks ranks.
 
 Where a fit's time goes (bench/startup.py, 2 cores): ``import torch`` alone takes 1-7 s of a
 rank's start (the more, the busier the machine), more than the Parquet write of a 100k-row
-dataset. The rank cannot start while ``prepare_data`` writes on a cluster whose slots are all
-needed by the training stage (barrier mode runs only when all ``num_proc`` tasks have a slot, and
-the write job needs slots too), so the import is moved off the critical path instead:
+dataset, and a rank imports more than its framework before its first step (the collective
+layer, ``pyarrow.dataset`` and pandas, TensorBoard and boto3: ~0.5-1 s more). So:
 
-- each ``prepare_data`` write task starts a **spare** in its PySpark worker (its imports then
-  overlap the write; the training stage's tasks mostly run in the same workers next), and the
-  Spark task of an estimator's training stage starts one as its first act if its worker has
-  none (the imports then overlap the registration of all ranks);
-- as soon as a rank has adopted a spare, its task fills the worker's **stock** up again
-  (``SPARK_ESTIMATORS_SPARE_RANKS`` spares, default 2) for the next fits this worker runs (a
-  CrossValidator's next fit, a notebook's re-run): those import at ``SCHED_IDLE`` priority, on
-  the cycles the running fit leaves unused, and get the normal priority back when adopted. Two,
-  because a later fit often starts ~1.5 s after the previous one began (same data, no write),
-  less than one import on a busy machine: the older spare is ready while the newer imports;
-- the rank imports more than its framework before its first step (the collective layer,
-  ``pyarrow.dataset`` and pandas, TensorBoard and boto3: ~0.5-1 s): a spare imports these too
-  (:data:`PREIMPORTS`);
-- the next rank of that worker **adopts** the spare instead of starting a process: the spare
-  receives the rank's whole environment and settings on stdin and becomes an ordinary rank
-  process (:mod:`spark_estimators.task.child`).
+- each ``prepare_data`` write task, and each task of an estimator's training stage, makes sure
+  its PySpark worker has a **zygote**: a process started with the worker's environment that
+  imports the rank's modules (:data:`PREIMPORTS`) and then waits (its imports overlap the write
+  or the registration of all ranks);
+- the rank of each training task is **forked** from its worker's zygote
+  (:mod:`spark_estimators.task.zygote`): a few milliseconds at any load, where a new interpreter
+  pays its imports again, on a busy machine several seconds. The zygote stays for the next fits
+  this worker runs (a CrossValidator's folds, a param grid, a notebook's re-run);
+- the forked child takes the task's pipes as its standard streams, receives the rank's whole
+  environment and settings on stdin and becomes an ordinary rank process
+  (:mod:`spark_estimators.task.child`).
 
-A spare is still a fresh process in the sense of DECISIONS ("Where a rank runs"): it has run
-nothing but ``import`` of the listed modules, never user code, and it serves exactly one rank,
-then exits. A rank process is never reused. A spare is not adopted (it is killed and an ordinary
-process starts) when the rank's environment differs from the spare's in a variable read at
-import time (``OMP_*``, ``MKL_*``, ``CUDA_*``, ``TORCH*``, ``PYTHON*``, ``LD_*``, ... see
-:data:`IMPORT_TIME_PREFIXES`): e.g. ``env={"OMP_NUM_THREADS": "1"}`` always gets a process
-started with it.
+A forked rank is still a fresh process in the sense of DECISIONS ("Where a rank runs"): the
+zygote has run nothing but ``import`` of the listed modules (no user code, no CUDA, no process
+group, no RNG draw), each child serves exactly one rank and exits; a rank process is never
+reused, so nothing of one fit (model, optimizer, RNG, environment, process group) reaches the
+next. A rank is not forked (an ordinary process starts) when its environment differs from the
+zygote's in a variable read at import time (``OMP_*``, ``MKL_*``, ``CUDA_*``, ``TORCH*``,
+``PYTHON*``, ``LD_*``, ... see :data:`IMPORT_TIME_PREFIXES`): e.g. ``env={"OMP_NUM_THREADS":
+"1"}`` always gets a process started with it.
 
-Only the estimators ask for spares (their training function carries
-``__spark_estimators_preimport__``, e.g. ``("torch",)``); ``run(fn)`` starts plain processes.
-A spare waits at most ``SPARK_ESTIMATORS_SPARE_RANK_IDLE_S`` seconds (default 600) and exits
-with its PySpark worker (stdin EOF); ``SPARK_ESTIMATORS_SPARE_RANKS=0`` (executor environment,
-e.g. ``spark.executorEnv.SPARK_ESTIMATORS_SPARE_RANKS``) turns spares off, ``=1`` keeps one.
-Cost: up to the stock of idle processes per PySpark worker that ran a training task, ~350 MB
-RSS each with torch, pyarrow and pandas imported.
-``data="stream"`` ranks take spares too: the task's spill events reach them through a FIFO
-that the rank process opens (:mod:`spark_estimators.task.stream_spill`).
+Only the estimators ask for it (their training function carries
+``__spark_estimators_preimport__``, e.g. ``("torch", ...)``); ``run(fn)`` starts plain
+processes. A zygote exits with its PySpark worker, or after ``SPARK_ESTIMATORS_SPARE_RANK_IDLE_S``
+seconds (default 600) without a rank to fork; ``SPARK_ESTIMATORS_SPARE_RANKS=0`` (executor
+environment, e.g. ``spark.executorEnv.SPARK_ESTIMATORS_SPARE_RANKS``) turns it off. Cost: one
+idle process per PySpark worker that ran a training or write task, ~320 MB RSS with torch,
+pyarrow and pandas imported; its children share those pages until they write to them.
+``data="stream"`` ranks are forked too: the task's spill events reach them through a FIFO that
+the rank process opens (:mod:`spark_estimators.task.stream_spill`).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import select
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, partial
+from functools import partial
 from typing import Any
 
 from spark_estimators._base.processes import kill_group
+from spark_estimators.task import zygote
+from spark_estimators.task.zygote import ForkedRank, ZygoteGone
 
 SPARE_ENV = "SPARK_ESTIMATORS_SPARE_RANKS"
 IDLE_ENV = "SPARK_ESTIMATORS_SPARE_RANK_IDLE_S"
 DEFAULT_IDLE_S = 600.0
-DEFAULT_STOCK = 2
-#: The attribute of a rank function naming the modules a spare imports ahead (a tuple of names).
+#: Zygotes a worker keeps (one per framework and import-time environment; the oldest goes).
+MAX_ZYGOTES = 2
+#: The attribute of a rank function naming the modules the zygote imports (a tuple of names).
 PREIMPORT_ATTR = "__spark_estimators_preimport__"
-#: Environment variables read when a module is imported: a spare started without the rank's
-#: values for these is not adopted.
+
+#: Environment variables read when a module is imported: a zygote started without the rank's
+#: values for these does not fork that rank.
 IMPORT_TIME_PREFIXES = (
     "OMP_",
     "GOMP_",
@@ -92,21 +93,6 @@ IMPORT_TIME_PREFIXES = (
     "BOTO",
 )
 
-
-@dataclass
-class Spare:
-    """One spare process of this PySpark worker, with the environment it was started with."""
-
-    proc: subprocess.Popen[bytes]
-    preimport: tuple[str, ...]
-    env: dict[str, str]
-    idle: bool = False  # importing at SCHED_IDLE priority
-
-
-_lock = threading.Lock()
-_spares: list[Spare] = []  # this worker's stock, oldest first
-
-
 #: What every estimator rank imports before its first step besides its framework: the rank's
 #: entry, the collective layer, the reader (``pyarrow.dataset`` brings pandas) and rank 0's
 #: TensorBoard writer (which brings boto3): ~0.5-1 s of imports that a spare does ahead.
@@ -128,41 +114,27 @@ PREIMPORTS = {
         "spark_estimators.torch.remote",
         "torch.utils.tensorboard",
     ),
-    "lightning": ("torch", *_RANK_MODULES, "spark_estimators.lightning.remote"),
+    "lightning": (
+        "torch",
+        *_RANK_MODULES,
+        "spark_estimators.lightning.remote",
+        "pytorch_lightning",
+        "torch.utils.tensorboard",
+    ),
 }
 #: Imported only after :func:`~spark_estimators.core.rank.light_tensorboard`, as a rank does.
 _TENSORBOARD = ("tensorboard", "torch.utils.tensorboard")
 
 
 def with_preimports(trainer: Callable[..., Any], framework: str) -> Callable[..., Any]:
-    """``trainer`` marked with the modules its spare rank processes import ahead."""
+    """``trainer`` marked with the modules the zygote that forks its rank processes imports."""
     marked = partial(trainer)
     setattr(marked, PREIMPORT_ATTR, PREIMPORTS.get(framework, ()))
     return marked
 
 
-def stock() -> int:
-    """Spares kept per PySpark worker: ``SPARK_ESTIMATORS_SPARE_RANKS`` (default 2; 0: none).
-
-    ``0``/``false``/``no``/``off`` turn spares off; an integer keeps that many (one is adopted by
-    the worker's next rank, the others are already importing for the fits after it).
-    """
-    raw = os.environ.get(SPARE_ENV, "").strip().lower()
-    if raw in ("0", "false", "no", "off"):
-        return 0
-    try:
-        return max(int(raw), 0)
-    except ValueError:
-        return DEFAULT_STOCK
-
-
-def enabled() -> bool:
-    """False when ``SPARK_ESTIMATORS_SPARE_RANKS=0`` in this (executor) process."""
-    return stock() > 0
-
-
 def preimports(fn: object) -> tuple[str, ...]:
-    """The modules ``fn`` wants imported in a spare (its ``__spark_estimators_preimport__``)."""
+    """The modules ``fn`` wants imported in the zygote (its ``__spark_estimators_preimport__``)."""
     names = getattr(fn, PREIMPORT_ATTR, ())
     return tuple(str(n) for n in names) if isinstance(names, tuple | list) else ()
 
@@ -172,6 +144,33 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 
 
+@dataclass
+class Zygote:
+    """A zygote process of this worker, its control socket and what it was started with."""
+
+    proc: subprocess.Popen[bytes]
+    sock: socket.socket
+    preimport: tuple[str, ...]
+    env: dict[str, str]
+
+    def serves(self, preimport: tuple[str, ...], env: dict[str, str]) -> bool:
+        """Alive, with ``preimport`` imported under ``env``'s import-time variables."""
+        return (
+            self.proc.poll() is None
+            and self.preimport == preimport
+            and import_time_env(self.env) == import_time_env(env)
+        )
+
+
+_lock = threading.Lock()
+_zygotes: list[Zygote] = []  # this worker's, oldest first
+
+
+def enabled() -> bool:
+    """False when ``SPARK_ESTIMATORS_SPARE_RANKS`` is ``0``/``false``/``no``/``off`` here."""
+    return os.environ.get(SPARE_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+
+
 def _idle_s() -> float:
     try:
         return float(os.environ.get(IDLE_ENV, DEFAULT_IDLE_S))
@@ -179,171 +178,90 @@ def _idle_s() -> float:
         return DEFAULT_IDLE_S
 
 
-def _discard(spare: Spare | None) -> None:
-    if spare is not None:
-        kill_group(spare.proc)
-        spare.proc.wait()
+def _worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"  # as every rank process (see rank_environment)
+    return env
 
 
-def ensure(preimport: tuple[str, ...], background: bool = False) -> None:
-    """Keep this worker's stock of live spares with ``preimport`` imported (start what is missing).
+def _discard(z: Zygote) -> None:
+    z.sock.close()
+    kill_group(z.proc)  # the zygote only: each forked rank leads its own group
+    z.proc.wait()
 
-    Without ``background`` (a task or a write starting, a rank ended) a worker with no spare
-    starts one at the normal CPU priority, and its oldest spare, the one the worker's next rank
-    takes, gets the normal priority back: that rank comes in a moment. Spares started to fill the
-    stock up to ``SPARK_ESTIMATORS_SPARE_RANKS`` (``background``: while this worker's rank
-    trains) import at the lowest priority (``SCHED_IDLE``: only cycles the running fit leaves
-    unused); a rank that adopts one gives it the normal priority too (:func:`take`).
+
+def ensure(preimport: tuple[str, ...]) -> None:
+    """Start this worker's zygote for ``preimport`` unless one is alive (a task or write starts).
+
+    Its imports then overlap the write, or the registration of all ranks; later fits find it
+    ready. A worker keeps at most :data:`MAX_ZYGOTES` (the oldest goes).
     """
     if not preimport or not enabled():
         return
+    env = _worker_env()
     with _lock:
-        live = [sp for sp in _spares if sp.proc.poll() is None and sp.preimport == preimport]
-        for sp in _spares:
-            if sp not in live:
-                _discard(sp)
-        _spares[:] = live
-        if not live and not background:
-            _spares.append(_start(preimport, idle=False))
-        elif live and live[0].idle and not background:
-            live[0].idle = not normal_priority(live[0].proc.pid)  # still idle: take() skips it
-        while len(_spares) < stock() and idle_allowed():  # else they would slow the fit
-            _spares.append(_start(preimport, idle=True))
-
-
-def _start(preimport: tuple[str, ...], idle: bool) -> Spare:
-    env = dict(os.environ)
-    env["PYTHONUNBUFFERED"] = "1"  # as every rank process (see rank_environment)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spark_estimators.task.spare_process",
-            str(_idle_s()),
-            "idle" if idle else "normal",
-            *preimport,
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-    )
-    if idle:  # at once, not only when the spare gets to it (it does too: its threads)
-        idle = idle_priority(proc.pid)
-    return Spare(proc, preimport, env, idle)
-
-
-def take(preimport: tuple[str, ...], env: dict[str, str]) -> subprocess.Popen[bytes] | None:
-    """The oldest usable spare of this worker for a rank with environment ``env``; None: none.
-
-    Usable: alive, with ``preimport`` imported, started with the same import-time variables as
-    ``env`` (see :data:`IMPORT_TIME_PREFIXES`). Dead ones are discarded; live ones that another
-    environment cannot use stay for later ranks.
-    """
-    if not preimport:
-        return None
-    with _lock:
-        for sp in list(_spares):
-            if sp.proc.poll() is not None:
-                _spares.remove(sp)
-                _discard(sp)
-            elif sp.preimport == preimport and import_time_env(sp.env) == import_time_env(env):
-                _spares.remove(sp)
-                break
-        else:
-            return None
-    # its remaining imports are now on the rank's critical path; stuck idle, it is no use
-    if not normal_priority(sp.proc.pid) and sp.idle:
-        _discard(sp)
-        return None
-    return sp.proc
-
-
-@cache
-def idle_allowed() -> bool:
-    """True when this process may give a thread at ``SCHED_IDLE`` the normal policy back.
-
-    Linux treats ``SCHED_IDLE`` as nice 20 and lets a thread leave it only where
-    ``RLIMIT_NICE`` allows its nice value or with ``CAP_SYS_NICE`` (sched(7)); the usual limit,
-    0, allows nothing. A spare idled where that is refused would train, once adopted, on the
-    cycles nobody else wants, so spares go idle only where this is True. It is found by trying:
-    a short-lived thread of this process goes idle and asks to come back.
-    """
-    idle, other = getattr(os, "SCHED_IDLE", None), getattr(os, "SCHED_OTHER", None)
-    if idle is None or other is None:
-        return False
-    result: list[bool] = []
-
-    def probe() -> None:
-        tid = threading.get_native_id()
-        try:
-            os.sched_setscheduler(tid, idle, os.sched_param(0))
-        except OSError:
-            result.append(False)
+        for z in [z for z in _zygotes if z.proc.poll() is not None]:
+            _zygotes.remove(z)
+            _discard(z)
+        if any(z.serves(preimport, env) for z in _zygotes):
             return
-        try:
-            os.sched_setscheduler(tid, other, os.sched_param(0))
-            result.append(True)
-        except OSError:
-            result.append(False)
-
-    thread = threading.Thread(target=probe, name="spare-priority-probe", daemon=True)
-    thread.start()
-    thread.join()
-    return bool(result and result[0])
+        _zygotes.append(_start(preimport, env))
+        while len(_zygotes) > MAX_ZYGOTES:
+            _discard(_zygotes.pop(0))
 
 
-def idle_priority(pid: int) -> bool:
-    """Run process ``pid``'s threads at ``SCHED_IDLE``; False (nothing changed) where not allowed.
+def _start(preimport: tuple[str, ...], env: dict[str, str]) -> Zygote:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with theirs:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spark_estimators.task.spare_process",
+                str(_idle_s()),
+                str(theirs.fileno()),
+                *preimport,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+            pass_fds=(theirs.fileno(),),
+        )
+    return Zygote(proc, ours, preimport, env)
 
-    Only where :func:`idle_allowed`: a spare that could not get the normal policy back is worse
-    than one importing at the normal priority.
+
+def take(preimport: tuple[str, ...], env: dict[str, str]) -> ForkedRank | None:
+    """A rank process forked from this worker's zygote for a rank with environment ``env``.
+
+    None (start an ordinary process) when spares are off, no zygote has ``preimport`` imported
+    under ``env``'s import-time variables, or the zygote does not answer (it is discarded).
+    Waits while the zygote is still importing: its imports are further along than a new
+    process's.
     """
-    if not idle_allowed():
-        return False
-    return _set_policy(pid, getattr(os, "SCHED_IDLE", None))
-
-
-def normal_priority(pid: int) -> bool:
-    """Give every thread of process ``pid`` the normal policy back (``SCHED_OTHER``, nice kept).
-
-    True when every thread has it (a spare that stays idle is not adopted: see :func:`take`).
-    """
-    return _set_policy(pid, getattr(os, "SCHED_OTHER", None))
-
-
-def _set_policy(pid: int, policy: int | None) -> bool:
-    if policy is None:
-        return False
-    try:
-        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        tids = [pid]
-    done = True
-    for tid in tids:
-        try:
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
-        except ProcessLookupError:
-            pass  # a thread that ended meanwhile
-        except (OSError, AttributeError):
-            done = False
-    return done
+    if not preimport or not enabled():
+        return None
+    with _lock:
+        for z in _zygotes:
+            if z.serves(preimport, env):
+                try:
+                    return zygote.request_fork(z.sock)
+                except ZygoteGone:
+                    _zygotes.remove(z)
+                    _discard(z)
+                    return None
+    return None
 
 
 def main() -> None:
-    """The spare process: import, wait for a rank's config, then run as that rank."""
-    idle_s, priority, names = float(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    if priority == "idle":
-        idle_priority(os.getpid())
+    """The zygote process: import, then fork a rank per request (:func:`zygote.serve`)."""
+    idle_s, fd, names = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
     from spark_estimators.task import context, lazy_dynamo
 
-    context.mark("spare_started")
+    context.mark("zygote_started")
     lazy_dynamo.install()  # as a plain rank: before torch, so eager training never loads dynamo
-    stdin = sys.stdin.buffer
-    for i, name in enumerate(names):
-        if i and select.select([stdin], [], [], 0)[0]:
-            break  # a rank (or EOF) came: it imports what it still needs itself, as a plain rank
+    for name in names:
         try:
             if name in _TENSORBOARD and "tensorflow" not in sys.modules:
                 # core.rank.light_tensorboard (not imported: core -> data -> task would circle)
@@ -351,24 +269,23 @@ def main() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the rank's own import will report it
             pass
-    context.mark("spare_imported")
-    ready, _, _ = select.select([stdin], [], [], idle_s)
-    if not ready or not getattr(stdin, "peek", lambda _n: b"x")(1):  # idle, or worker gone
-        os._exit(0)
-    from spark_estimators._base.child import read_config
+    context.mark("zygote_imported")
+    # Python 3.12+ warns on fork() with threads besides the caller's (torch's and jemalloc's
+    # idle helpers here): this process holds no lock of theirs and runs nothing else.
+    warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
+    zygote.serve(socket.socket(fileno=fd), idle_s, become_rank)
+    os._exit(0)
 
+
+def become_rank() -> None:
+    """In a child forked by the zygote: read the rank's settings on stdin and run as that rank."""
+    from spark_estimators._base.child import read_config
+    from spark_estimators.task import child, context
+
+    context.mark("spare_forked")
     config = read_config()
-    normal_priority(os.getpid())  # the adopting task did too; threads started since included
     env = config.pop("env")
     os.environ.clear()
     os.environ.update(env)  # exactly the environment a plain rank process would have
-    import tempfile
-
     tempfile.tempdir = None  # TMPDIR may differ: computed again on first use
-    from spark_estimators.task import child
-
     child.main(config)
-
-
-if __name__ == "__main__":
-    main()

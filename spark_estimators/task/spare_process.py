@@ -1,4 +1,4 @@
-"""Entry point of a spare rank process: ``python -m spark_estimators.task.spare_process``.
+"""Entry point of a worker's zygote: ``python -m spark_estimators.task.spare_process``.
 
 See :mod:`spark_estimators.task.spare` (kept apart so that ``-m`` does not run a module that
 the package has already imported).

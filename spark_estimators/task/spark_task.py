@@ -29,7 +29,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from spark_estimators import envvars as ev
 from spark_estimators._base.ports import reserve_port, reserved_port
-from spark_estimators._base.processes import exit_words, kill_group
+from spark_estimators._base.processes import RankProcess, exit_words, kill_group
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import RemoteError
 from spark_estimators.task import spare
@@ -54,7 +54,7 @@ class TaskConfig:
     use_gpu: bool | None = None
     # data="stream": the task spills its input partition for its rank (task/stream_spill.py).
     stream: Any = None
-    # Modules a spare rank process imports ahead (task/spare.py); () starts plain processes.
+    # Modules the worker's zygote imports ahead (task/spare.py); () starts plain processes.
     preimport: tuple[str, ...] = ()
 
     def __repr__(self) -> str:  # never print the secret
@@ -195,7 +195,7 @@ class OutputForwarder:
 ABORT_REAP_S = 0.5
 
 
-def _abort_child(proc: subprocess.Popen[bytes], aborted: threading.Event) -> None:
+def _abort_child(proc: RankProcess, aborted: threading.Event) -> None:
     """Kill the rank because the job aborts.
 
     Only a rank that was still alive counts as aborted: one that died on its own (the cause of
@@ -211,7 +211,7 @@ def _abort_child(proc: subprocess.Popen[bytes], aborted: threading.Event) -> Non
 
 def watch_abort(
     config: TaskConfig,
-    proc: subprocess.Popen[bytes],
+    proc: RankProcess,
     stop: threading.Event,
     aborted: threading.Event,
 ) -> None:
@@ -253,7 +253,7 @@ def run_rank(
     """Register with the driver, run the rank process to completion, report; returns the rank.
 
     ``stream_fifo`` (``data="stream"``): the path of the spill's notification FIFO, which the
-    rank process opens (a spare can take it); ``outcome`` receives the rank process's exit
+    rank process opens (a forked rank can take it); ``outcome`` receives the rank process's exit
     ``code``.
 
     Every task offers a port it holds (:func:`~spark_estimators._base.ports.reserve_port`); the
@@ -298,9 +298,9 @@ def run_rank(
             "task_started": task_started,
             "task_marks": task_marks,
         }
-        adopted = spare.take(config.preimport, env)
-        if adopted is not None:  # a fresh process with the framework imported (task/spare.py)
-            proc, child_config["env"] = adopted, env
+        proc: RankProcess | None = spare.take(config.preimport, env)
+        if proc is not None:  # forked by the worker's zygote, its modules imported (task/spare.py)
+            child_config["env"] = env
         else:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "spark_estimators.task.child"],
@@ -310,8 +310,8 @@ def run_rank(
                 env=env,
                 start_new_session=True,
             )
-        task_marks.append(("spare_adopted" if adopted else "process_started", time.time()))
-        spare.ensure(config.preimport, background=True)  # the next fits' spares, meanwhile
+        started = "spare_forked_for" if "env" in child_config else "process_started"
+        task_marks.append((started, time.time()))
         code, aborted, tail_lines = supervise_child(
             config, client, proc, settings.rank, child_config
         )
@@ -341,7 +341,7 @@ def run_rank(
 def supervise_child(
     config: TaskConfig,
     client: RpcClient,
-    proc: subprocess.Popen[bytes],
+    proc: RankProcess,
     label: int,
     child_config: dict[str, Any],
 ) -> tuple[int, bool, list[str]]:
@@ -388,7 +388,7 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
         executor_address = ctx.getTaskInfos()[index].address
     except Exception:
         executor_address = ""
-    spare.ensure(config.preimport)  # its imports overlap the registration of all ranks
+    spare.ensure(config.preimport)  # a zygote's imports overlap the registration of all ranks
     try:
         if config.stream is not None:  # the partition is the rank's data: spilled as it trains
             from spark_estimators.task.stream_spill import run_streaming_rank
@@ -404,7 +404,7 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
                 pass
             rank = run_rank(index, ctx.attemptNumber(), gpus, config, executor_address, started)
     finally:
-        spare.ensure(config.preimport)  # for the next fit this worker runs
+        spare.ensure(config.preimport)  # for the next fit this worker runs (if it died)
     yield pa.RecordBatch.from_pydict(
         {"index": [index], "rank": [rank], "seconds": [time.time() - started]}
     )

@@ -7,7 +7,7 @@ directory on the executor's local disk (the first of ``SPARK_LOCAL_DIRS``, Spark
 space, else the temp dir): Arrow IPC *segment* files of about ``SEGMENT_BYTES`` per split, each
 written under a temporary name and renamed when complete. The rank learns of each segment
 through a FIFO in the spill directory (its path is ``SPARK_ESTIMATORS_STREAM_FIFO``; the rank
-process opens it and names its fd in ``SPARK_ESTIMATORS_STREAM_FD``, so a spare rank process
+process opens it and names its fd in ``SPARK_ESTIMATORS_STREAM_FD``, so a forked rank process
 started before the task can take the stream too), one text line per event::
 
     S <split> <rows> <path>       a complete segment of "train" or "val" rows

@@ -1,10 +1,10 @@
-"""Rank start-up off the critical path: spare rank processes, and a failed write's clean end.
+"""Rank start-up off the critical path: ranks forked from a zygote, and a failed write's end.
 
-See spark_estimators/task/spare.py: an estimator's Spark task adopts a spare process that has
-imported torch ahead (started when the task began, or when the worker's previous rank ended).
-A spare has never run user code and serves one rank only, so nothing of one fit reaches the
-next; these tests check that on real processes, and that a write that fails ends the fit
-before any rank starts.
+See spark_estimators/task/spare.py: each PySpark worker keeps a zygote that imported torch and
+the rank's modules once (started by the first write or training task), and an estimator's Spark
+task forks its rank from it. The zygote has never run user code and each fork serves one rank
+only, so nothing of one fit reaches the next; these tests check that on real processes, and that
+a write that fails ends the fit before any rank starts.
 """
 
 from __future__ import annotations
@@ -69,12 +69,12 @@ def probe() -> dict:
     }
 
 
-def test_a_spare_rank_process_is_adopted_and_carries_nothing_of_the_previous_rank(spark):
+def test_a_forked_rank_process_carries_nothing_of_the_previous_rank(spark):
     first = run(spare.with_preimports(dirty, "torch"), num_proc=2, spark=spark, verbose=0)
     later = run(spare.with_preimports(probe, "torch"), num_proc=2, spark=spark, verbose=0)
     assert {r["pid"] for r in first}.isdisjoint(r["pid"] for r in later)
     for rank, (was, now) in enumerate(zip(first, later, strict=True)):
-        assert now["had_torch"] is True  # a spare, torch imported before the rank began
+        assert now["had_torch"] is True  # forked by the zygote: torch imported before it began
         assert now["rank"] == str(rank)
         assert (now["env_leak"], now["module_leak"], now["builtin_leak"]) == (False,) * 3
         assert now["seed"] != 1234
@@ -84,39 +84,38 @@ def test_a_spare_rank_process_is_adopted_and_carries_nothing_of_the_previous_ran
             assert now["tmp"] == now["tmpdir_env"]
 
 
-def scheduling() -> dict:
-    """A rank's scheduling policy, and the spares that its PySpark worker (its parent) keeps."""
+def lineage() -> dict:
+    """Where a rank process came from: its parent (a zygote?) and a draw of numpy's generator."""
     import os
-    import sys
 
+    import numpy as np
     import psutil
 
-    worker = psutil.Process().parent()
-    stock = [
-        p.pid
-        for p in worker.children()
-        if "spark_estimators.task.spare_process" in p.cmdline()
-        and p.status() != "zombie"
-        and p.pid != os.getpid()  # this rank: an adopted spare
-    ]
+    parent = psutil.Process().parent()
     return {
-        "spare": sys.argv[0].endswith("spare_process.py"),
-        "policies": sorted({os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}),
-        "stock": [os.sched_getscheduler(pid) for pid in stock],
+        "pid": os.getpid(),
+        "zygote": parent.pid,
+        "forked": "spark_estimators.task.spare_process" in parent.cmdline(),
+        "own_group": os.getpgid(0) == os.getpid(),
+        "draw": float(np.random.random()),
     }
 
 
-def test_the_next_fits_spares_import_at_idle_priority_while_a_rank_trains(spark):
-    """Issue 26: the next fit's spare starts when a rank starts, not when it ends."""
-    import os
-
-    run(spare.with_preimports(scheduling, "torch"), num_proc=2, spark=spark, verbose=0)
-    results = run(spare.with_preimports(scheduling, "torch"), num_proc=2, spark=spark, verbose=0)
-    for r in results:
-        assert r["spare"] is True
-        assert r["policies"] == [os.SCHED_OTHER]  # an adopted spare runs at the normal priority
-        assert len(r["stock"]) == spare.DEFAULT_STOCK  # refilled while this rank runs
-        assert r["stock"].count(os.SCHED_IDLE) >= 1  # the new one: on cycles the fit leaves
+def test_later_fits_fork_their_ranks_from_the_zygote_their_worker_keeps(spark):
+    """Issue 26: one zygote per PySpark worker imports once; each rank is a fresh fork of it."""
+    fn = spare.with_preimports(lineage, "torch")
+    runs = [run(fn, num_proc=2, spark=spark, verbose=0) for _ in range(3)]
+    ranks = [r for results in runs for r in results]
+    assert all(r["forked"] and r["own_group"] for r in ranks)
+    assert len({r["pid"] for r in ranks}) == 6  # a new process for every rank
+    assert len({r["draw"] for r in ranks}) == 6  # each child's generator seeded afresh
+    # The zygotes outlive the fits: the later fits' ranks come from ones an earlier fit used.
+    seen: set[int] = set()
+    for results in runs:
+        zygotes = {r["zygote"] for r in results}
+        if seen:
+            assert zygotes & seen
+        seen |= zygotes
 
 
 def test_an_import_time_variable_gets_a_process_started_with_it(spark):

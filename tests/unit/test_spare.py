@@ -1,7 +1,6 @@
-"""The stock of spare rank processes of a PySpark worker (spark_estimators/task/spare.py).
+"""A PySpark worker's zygote (spark_estimators/task/spare.py), with real processes.
 
-Real processes: spares importing ``colorsys`` (a light module) in this test process, which
-plays the PySpark worker.
+This test process plays the PySpark worker; its zygote imports ``colorsys`` (a light module).
 """
 
 from __future__ import annotations
@@ -12,66 +11,66 @@ import pytest
 
 from spark_estimators.task import spare
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling only")
+pytestmark = pytest.mark.timeout(120)
 
 MODULES = ("colorsys",)
 
 
-def _policies(pid: int) -> set[int]:
-    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
-
-
 @pytest.fixture
 def worker(monkeypatch):
-    """This process as a PySpark worker with no spares; kills what the test leaves."""
-    monkeypatch.setattr(spare, "_spares", [])
-    yield spare._spares
-    for sp in list(spare._spares):
-        spare._discard(sp)
+    """This process as a PySpark worker with no zygote; kills what the test leaves."""
+    monkeypatch.setattr(spare, "_zygotes", [])
+    monkeypatch.delenv(spare.SPARE_ENV, raising=False)
+    yield spare._zygotes
+    for z in list(spare._zygotes):
+        spare._discard(z)
 
 
 @pytest.mark.parametrize(
-    ("value", "expected"),
-    [("", spare.DEFAULT_STOCK), ("0", 0), ("off", 0), ("3", 3), ("7x", spare.DEFAULT_STOCK)],
+    ("value", "expected"), [("", True), ("0", False), ("off", False), ("2", True), ("no", False)]
 )
-def test_the_setting_is_the_number_of_spares_kept(monkeypatch, value, expected):
+def test_the_setting_turns_the_zygote_on_and_off(monkeypatch, value, expected):
     monkeypatch.setenv(spare.SPARE_ENV, value)
-    assert spare.stock() == expected
-    assert spare.enabled() is (expected > 0)
+    assert spare.enabled() is expected
 
 
-def test_off_starts_no_spare_and_adopts_none(monkeypatch, worker):
+def test_off_starts_no_zygote_and_forks_nothing(monkeypatch, worker):
     monkeypatch.setenv(spare.SPARE_ENV, "0")
     spare.ensure(MODULES)
-    spare.ensure(MODULES, background=True)
     assert worker == []
     assert spare.take(MODULES, dict(os.environ)) is None
 
 
-def test_the_stock_imports_at_idle_priority_and_an_adopted_spare_gets_the_normal_one(
-    monkeypatch, worker
-):
-    monkeypatch.setenv(spare.SPARE_ENV, "2")
-    spare.ensure(MODULES)  # a task starts: its rank takes the first one in a moment
-    first, second = (sp.proc for sp in worker)
-    assert _policies(first.pid) == {os.SCHED_OTHER}
-    assert _policies(second.pid) == {os.SCHED_IDLE}  # for a later fit: leftover cycles only
-    env = dict(os.environ)
-    assert spare.take(MODULES, env) is first  # the oldest
-    spare.ensure(MODULES, background=True)  # the rank trains: the stock is filled up again
-    assert len(worker) == 2 and worker[0].proc is second
-    assert _policies(worker[1].proc.pid) == {os.SCHED_IDLE}
-    spare.ensure(MODULES)  # the rank ended: the next rank takes the oldest in a moment
-    assert _policies(second.pid) == {os.SCHED_OTHER}
-    assert _policies(worker[1].proc.pid) == {os.SCHED_IDLE}  # the one after it still waits
-    assert spare.take(MODULES, env) is second
-    assert _policies(second.pid) == {os.SCHED_OTHER}  # its rank runs at the normal priority
-    # Another import-time environment cannot use a spare; the spare stays for later ranks.
-    assert spare.take(MODULES, {**env, "OMP_NUM_THREADS": "7"}) is None
+def test_one_zygote_serves_every_rank_of_its_environment(worker):
+    spare.ensure(MODULES)
+    spare.ensure(MODULES)  # a second task or write of this worker: the same zygote
     assert len(worker) == 1
-    third = worker[0].proc
-    assert spare.take(MODULES, env) is third  # adopted while still idle: promoted by take
-    assert _policies(third.pid) == {os.SCHED_OTHER}
-    for proc in (first, second, third):
-        proc.kill()
-        proc.wait()
+    env = spare._worker_env()
+    ranks = [spare.take(MODULES, env) for _ in range(2)]
+    assert all(r is not None for r in ranks)
+    assert len({r.pid for r in ranks if r is not None}) == 2  # one fresh child per rank
+    for rank in ranks:
+        assert rank is not None and rank.stdin is not None and rank.stderr is not None
+        rank.stdin.close()  # no settings: the child says it needs a Spark task, exits 1
+        assert rank.wait(timeout=60) == 1
+        assert b"must be started by a Spark task" in rank.stderr.read()
+    # Another import-time environment or module list is not served: an ordinary process starts.
+    assert spare.take(MODULES, {**env, "OMP_NUM_THREADS": "7"}) is None
+    assert spare.take(("json",), env) is None
+    assert len(worker) == 1
+
+
+def test_a_dead_zygote_is_replaced_and_never_forks(worker):
+    spare.ensure(MODULES)
+    first = worker[0]
+    first.proc.kill()
+    first.proc.wait()
+    assert spare.take(MODULES, spare._worker_env()) is None
+    spare.ensure(MODULES)
+    assert len(worker) == 1 and worker[0] is not first and worker[0].proc.poll() is None
+
+
+def test_a_worker_keeps_at_most_two_zygotes(worker, monkeypatch):
+    for modules in (("colorsys",), ("json",), ("textwrap",)):
+        spare.ensure(modules)
+    assert [z.preimport for z in worker] == [("json",), ("textwrap",)]  # the oldest went
