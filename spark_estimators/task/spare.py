@@ -1,4 +1,4 @@
-"""Warm rank processes: a zygote per PySpark worker imports a rank's modules once, forks ranks.
+"""Warm rank processes: a zygote per executor imports a rank's modules once and forks ranks.
 
 Where a fit's time goes (bench/startup.py, 2 cores): ``import torch`` alone takes 1-7 s of a
 rank's start (the more, the busier the machine), more than the Parquet write of a 100k-row
@@ -6,13 +6,14 @@ dataset, and a rank imports more than its framework before its first step (the c
 layer, ``pyarrow.dataset`` and pandas, TensorBoard and boto3: ~0.5-1 s more). So:
 
 - each ``prepare_data`` write task, and each task of an estimator's training stage, makes sure
-  its PySpark worker has a **zygote**: a process started with the worker's environment that
-  imports the rank's modules (:data:`PREIMPORTS`) and then waits (its imports overlap the write
-  or the registration of all ranks);
-- the rank of each training task is **forked** from its worker's zygote
-  (:mod:`spark_estimators.task.zygote`): a few milliseconds at any load, where a new interpreter
-  pays its imports again, on a busy machine several seconds. The zygote stays for the next fits
-  this worker runs (a CrossValidator's folds, a param grid, a notebook's re-run);
+  its executor has a **zygote** (:mod:`spark_estimators.task.zygote`): a process started with
+  the worker's environment that imports the rank's modules (:data:`PREIMPORTS`) and then waits
+  (its imports overlap the write or the registration of all ranks);
+- the rank of each training task is **forked** from it: a few milliseconds at any load, where a
+  new interpreter pays its imports again, on a busy machine several seconds. The zygote stays
+  for the next fits (a CrossValidator's folds, a param grid, a notebook's re-run), found by
+  every PySpark worker of the executor at one address: it outlives the worker that started it
+  (PySpark ends idle workers after a minute; TorchDistributor's tasks end theirs);
 - the forked child takes the task's pipes as its standard streams, receives the rank's whole
   environment and settings on stdin and becomes an ordinary rank process
   (:mod:`spark_estimators.task.child`).
@@ -23,22 +24,25 @@ group, no RNG draw), each child serves exactly one rank and exits; a rank proces
 reused, so nothing of one fit (model, optimizer, RNG, environment, process group) reaches the
 next. A rank is not forked (an ordinary process starts) when its environment differs from the
 zygote's in a variable read at import time (``OMP_*``, ``MKL_*``, ``CUDA_*``, ``TORCH*``,
-``PYTHON*``, ``LD_*``, ... see :data:`IMPORT_TIME_PREFIXES`): e.g. ``env={"OMP_NUM_THREADS":
-"1"}`` always gets a process started with it.
+``PYTHON*``, ``LD_*``, ... see :data:`IMPORT_TIME_PREFIXES`): such a rank looks for a zygote at
+another address, and e.g. ``env={"OMP_NUM_THREADS": "1"}`` always gets a process started with
+it.
 
 Only the estimators ask for it (their training function carries
 ``__spark_estimators_preimport__``, e.g. ``("torch", ...)``); ``run(fn)`` starts plain
-processes. A zygote exits with its PySpark worker, or after ``SPARK_ESTIMATORS_SPARE_RANK_IDLE_S``
-seconds (default 600) without a rank to fork; ``SPARK_ESTIMATORS_SPARE_RANKS=0`` (executor
-environment, e.g. ``spark.executorEnv.SPARK_ESTIMATORS_SPARE_RANKS``) turns it off. Cost: one
-idle process per PySpark worker that ran a training or write task, ~320 MB RSS with torch,
-pyarrow and pandas imported; its children share those pages until they write to them.
+processes. A zygote exits with its executor (PySpark's daemon, the workers' parent), or after
+``SPARK_ESTIMATORS_SPARE_RANK_IDLE_S`` seconds (default 600) without a rank to fork;
+``SPARK_ESTIMATORS_SPARE_RANKS=0`` (executor environment, e.g.
+``spark.executorEnv.SPARK_ESTIMATORS_SPARE_RANKS``) turns it off; it needs Linux (abstract Unix
+sockets). Cost: one idle process per executor and framework, ~320 MB RSS with torch, pyarrow
+and pandas imported; its children share those pages until they write to them.
 ``data="stream"`` ranks are forked too: the task's spill events reach them through a FIFO that
 the rank process opens (:mod:`spark_estimators.task.stream_spill`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import socket
@@ -49,19 +53,15 @@ import threading
 import types
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from spark_estimators._base.processes import kill_group
 from spark_estimators.task import zygote
 from spark_estimators.task.zygote import ForkedRank, ZygoteGone
 
 SPARE_ENV = "SPARK_ESTIMATORS_SPARE_RANKS"
 IDLE_ENV = "SPARK_ESTIMATORS_SPARE_RANK_IDLE_S"
 DEFAULT_IDLE_S = 600.0
-#: Zygotes a worker keeps (one per framework and import-time environment; the oldest goes).
-MAX_ZYGOTES = 2
 #: The attribute of a rank function naming the modules the zygote imports (a tuple of names).
 PREIMPORT_ATTR = "__spark_estimators_preimport__"
 
@@ -144,30 +144,17 @@ def import_time_env(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 
 
-@dataclass
-class Zygote:
-    """A zygote process of this worker, its control socket and what it was started with."""
-
-    proc: subprocess.Popen[bytes]
-    sock: socket.socket
-    preimport: tuple[str, ...]
-    env: dict[str, str]
-
-    def serves(self, preimport: tuple[str, ...], env: dict[str, str]) -> bool:
-        """Alive, with ``preimport`` imported under ``env``'s import-time variables."""
-        return (
-            self.proc.poll() is None
-            and self.preimport == preimport
-            and import_time_env(self.env) == import_time_env(env)
-        )
-
-
 _lock = threading.Lock()
-_zygotes: list[Zygote] = []  # this worker's, oldest first
+_started: list[subprocess.Popen[bytes]] = []  # zygotes this worker started (reaped here)
 
 
 def enabled() -> bool:
-    """False when ``SPARK_ESTIMATORS_SPARE_RANKS`` is ``0``/``false``/``no``/``off`` here."""
+    """False off Linux, or when ``SPARK_ESTIMATORS_SPARE_RANKS`` is ``0``/``false``/``no``/``off``.
+
+    The zygote's address is an abstract Unix socket, which only Linux has.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
     return os.environ.get(SPARE_ENV, "").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -184,79 +171,77 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def _discard(z: Zygote) -> None:
-    z.sock.close()
-    kill_group(z.proc)  # the zygote only: each forked rank leads its own group
-    z.proc.wait()
+def address(preimport: tuple[str, ...], env: dict[str, str]) -> str:
+    """The zygote's abstract socket for ranks with ``env``, in this worker's executor.
+
+    Named after the user, the workers' parent (PySpark's daemon: one per executor and Python
+    environment), the modules and the import-time variables, so every worker of the executor
+    finds the zygote any of them started, and a rank whose import-time variables differ finds
+    none.
+    """
+    key = repr((os.getuid(), os.getppid(), preimport, sorted(import_time_env(env).items())))
+    return "\0spark-estimators-zygote-" + hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def ensure(preimport: tuple[str, ...]) -> None:
-    """Start this worker's zygote for ``preimport`` unless one is alive (a task or write starts).
+    """Start the executor's zygote for ``preimport`` unless one runs (a task or write starts).
 
     Its imports then overlap the write, or the registration of all ranks; later fits find it
-    ready. A worker keeps at most :data:`MAX_ZYGOTES` (the oldest goes).
+    ready, whichever worker runs their tasks.
     """
     if not preimport or not enabled():
         return
     env = _worker_env()
     with _lock:
-        for z in [z for z in _zygotes if z.proc.poll() is not None]:
-            _zygotes.remove(z)
-            _discard(z)
-        if any(z.serves(preimport, env) for z in _zygotes):
-            return
-        _zygotes.append(_start(preimport, env))
-        while len(_zygotes) > MAX_ZYGOTES:
-            _discard(_zygotes.pop(0))
+        _started[:] = [p for p in _started if p.poll() is None]
+        listener = zygote.listen(address(preimport, env))
+        if listener is None:
+            return  # a zygote holds the address already
+        with listener:
+            _started.append(_start(preimport, env, listener))
 
 
-def _start(preimport: tuple[str, ...], env: dict[str, str]) -> Zygote:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with theirs:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "spark_estimators.task.spare_process",
-                str(_idle_s()),
-                str(theirs.fileno()),
-                *preimport,
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-            pass_fds=(theirs.fileno(),),
-        )
-    return Zygote(proc, ours, preimport, env)
+def _start(
+    preimport: tuple[str, ...], env: dict[str, str], listener: socket.socket
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spark_estimators.task.spare_process",
+            str(_idle_s()),
+            str(listener.fileno()),
+            str(os.getppid()),
+            *preimport,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+        pass_fds=(listener.fileno(),),
+    )
 
 
 def take(preimport: tuple[str, ...], env: dict[str, str]) -> ForkedRank | None:
-    """A rank process forked from this worker's zygote for a rank with environment ``env``.
+    """A rank process forked from the executor's zygote for a rank with environment ``env``.
 
-    None (start an ordinary process) when spares are off, no zygote has ``preimport`` imported
-    under ``env``'s import-time variables, or the zygote does not answer (it is discarded).
-    Waits while the zygote is still importing: its imports are further along than a new
-    process's.
+    None (start an ordinary process) when this is off, no zygote has ``preimport`` imported
+    under ``env``'s import-time variables, or it does not answer. Waits while the zygote is
+    still importing: its imports are further along than a new process's.
     """
     if not preimport or not enabled():
         return None
-    with _lock:
-        for z in _zygotes:
-            if z.serves(preimport, env):
-                try:
-                    return zygote.request_fork(z.sock)
-                except ZygoteGone:
-                    _zygotes.remove(z)
-                    _discard(z)
-                    return None
-    return None
+    try:
+        return zygote.request_fork(address(preimport, env))
+    except ZygoteGone:
+        return None
 
 
 def main() -> None:
     """The zygote process: import, then fork a rank per request (:func:`zygote.serve`)."""
-    idle_s, fd, names = float(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    idle_s, fd, executor = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    names = sys.argv[4:]
     from spark_estimators.task import context, lazy_dynamo
 
     context.mark("zygote_started")
@@ -273,7 +258,10 @@ def main() -> None:
     # Python 3.12+ warns on fork() with threads besides the caller's (torch's and jemalloc's
     # idle helpers here): this process holds no lock of theirs and runs nothing else.
     warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
-    zygote.serve(socket.socket(fileno=fd), idle_s, become_rank)
+    try:
+        zygote.serve(socket.socket(fileno=fd), idle_s, become_rank, executor)
+    except ProcessLookupError:
+        pass  # the executor ended while this imported
     os._exit(0)
 
 

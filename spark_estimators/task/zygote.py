@@ -1,23 +1,27 @@
-"""A zygote: one process per PySpark worker that imports a rank's modules once and forks ranks.
+"""A zygote: one process per executor that imports a rank's modules once and forks ranks.
 
-The zygote is started with the worker's environment, imports the modules a rank needs before its
-first step (torch, the collective layer, pyarrow, ... see :data:`spare.PREIMPORTS
-<spark_estimators.task.spare.PREIMPORTS>`), and then only waits for requests on a Unix socket.
-For each rank, the Spark task sends it the rank's ends of four pipes (stdin, stdout, stderr and
-an exit-status pipe, with ``SCM_RIGHTS``); the zygote forks a child that takes them as its
-standard streams, and answers with the child's pid. The child never returns to the zygote's
-loop: it reads the rank's settings from stdin and runs as that rank
+The zygote is started by a PySpark worker with its environment, imports the modules a rank
+needs before its first step (torch, the collective layer, pyarrow, ... see
+:data:`spare.PREIMPORTS <spark_estimators.task.spare.PREIMPORTS>`), and then only waits for
+requests on an abstract Unix socket named after the executor, the modules and the import-time
+environment: every PySpark worker of the executor finds the same zygote, and it outlives the
+worker that started it (PySpark ends idle workers after a minute; another job's tasks may end
+theirs). For each rank, the Spark task connects and sends the rank's ends of four pipes (stdin,
+stdout, stderr and an exit-status pipe, with ``SCM_RIGHTS``); the zygote forks a child that
+takes them as its standard streams, and answers with the child's pid. The child never returns
+to the zygote's loop: it reads the rank's settings from stdin and runs as that rank
 (:func:`spark_estimators.task.spare.become_rank`), then exits. The zygote reaps it and writes its
 exit code to the status pipe, which :class:`ForkedRank` reads: to the task, a forked rank looks
 like a ``subprocess.Popen`` (``stdin``/``stdout``/``stderr``, ``poll``, ``wait``, ``pid``,
-its own process group).
+its own process group). Only a peer of the same user is served (``SO_PEERCRED``).
 
 A fork costs a few milliseconds whatever the load, where a new interpreter importing torch costs
 2-3 s of CPU: a later fit's ranks need no spare imported ahead on cycles the running fit leaves
 (on 2 busy cores there are none). The zygote itself runs nothing but imports: no user code, no
 CUDA, no process group, no thread of its own. A child gets fresh seeds (``random`` reseeds
 itself after ``fork``; numpy's global generator is reseeded here) and torch's default seed, as a
-new interpreter would.
+new interpreter would. The zygote exits after its idle time without a request, or when the
+executor's PySpark daemon (the workers' parent) ends.
 """
 
 from __future__ import annotations
@@ -110,8 +114,8 @@ class ForkedRank:
             pass
 
 
-def request_fork(sock: socket.socket, timeout: float = REPLY_TIMEOUT_S) -> ForkedRank:
-    """Ask the zygote behind ``sock`` for a child; raises :class:`ZygoteGone` when it cannot."""
+def request_fork(address: str, timeout: float = REPLY_TIMEOUT_S) -> ForkedRank:
+    """Ask the zygote listening at ``address`` for a child; :class:`ZygoteGone` if it cannot."""
     ours: list[int] = []
     theirs: list[int] = []
     for child_reads in (True, False, False, False):  # stdin, stdout, stderr, status
@@ -119,15 +123,17 @@ def request_fork(sock: socket.socket, timeout: float = REPLY_TIMEOUT_S) -> Forke
         ours.append(w if child_reads else r)
         theirs.append(r if child_reads else w)
     try:
-        socket.send_fds(sock, [_FORK], theirs)
-        sock.settimeout(timeout)
-        reply = b""
-        while len(reply) < _PID.size:
-            chunk = sock.recv(_PID.size - len(reply))
-            if not chunk:
-                raise ZygoteGone("the zygote closed its socket")
-            reply += chunk
-    except OSError as exc:  # socket.timeout included
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(address)
+            socket.send_fds(sock, [_FORK], theirs)
+            reply = b""
+            while len(reply) < _PID.size:
+                chunk = sock.recv(_PID.size - len(reply))
+                if not chunk:
+                    raise ZygoteGone("the zygote closed the connection")
+                reply += chunk
+    except OSError as exc:  # refused (no zygote), timed out, reset
         for fd in ours:
             os.close(fd)
         raise ZygoteGone(f"no answer from the zygote: {exc}") from exc
@@ -139,44 +145,104 @@ def request_fork(sock: socket.socket, timeout: float = REPLY_TIMEOUT_S) -> Forke
     return ForkedRank(_PID.unpack(reply)[0], stdin, stdout, stderr, ours[3])
 
 
-def serve(sock: socket.socket, idle_s: float, become_rank: Callable[[], object]) -> None:
+def listen(address: str) -> socket.socket | None:
+    """A listening socket bound to ``address``; None when a zygote already holds it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        return None
+    sock.listen(16)
+    return sock
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """The peer runs as this process's user (``SO_PEERCRED``; True where that is missing)."""
+    peercred = getattr(socket, "SO_PEERCRED", None)
+    if peercred is None:
+        return True
+    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, peercred, 12))
+    return uid == os.getuid()
+
+
+def serve(
+    listener: socket.socket,
+    idle_s: float,
+    become_rank: Callable[[], object],
+    executor_pid: int | None = None,
+) -> None:
     """The zygote's loop: fork a child per request, reap children, report their exit codes.
 
-    Returns when the worker closed its end and no child is left, or after ``idle_s`` seconds
-    with neither a request nor a child. Single-threaded on purpose: ``fork`` copies only the
-    calling thread, so the zygote holds no lock another thread could have taken.
+    Requests come from any PySpark worker of the executor (one connection each; a peer of
+    another user is refused). Returns after ``idle_s`` seconds with neither a request nor a
+    child, or when process ``executor_pid`` (the workers' parent) has ended. Single-threaded on
+    purpose: ``fork`` copies only the calling thread, so the zygote holds no lock another
+    thread could have taken.
     """
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda _signo, _frame: None)
+    executor = _pidfd(executor_pid)
     status: dict[int, int] = {}  # child pid -> write end of its status pipe
-    open_socket = True
-    while open_socket or status:
-        waiting = [wake_r] + ([sock] if open_socket else [])
+    while True:
+        waiting = [listener.fileno(), wake_r] + ([executor] if executor is not None else [])
         ready = select.select(waiting, [], [], None if status else idle_s)[0]
-        if not ready:
-            return  # idle: nobody asked for a rank in idle_s
+        if not ready or executor in ready:
+            return  # idle, or the executor is gone (its ranks end on their own lifeline)
         if wake_r in ready:
             os.read(wake_r, 512)
         _reap(status)
-        if sock in ready:
-            try:
-                msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 4)
-            except OSError:
-                msg, fds = b"", []
-            if msg != _FORK or len(fds) != 4:
-                for fd in fds:
-                    os.close(fd)
-                open_socket = False  # the worker is gone (EOF) or speaks no protocol we know
-                continue
-            pid = os.fork()
-            if pid == 0:
-                _child(fds, [sock.fileno(), wake_r, wake_w, *status.values()], become_rank)
-            for fd in fds[:3]:
+        if listener.fileno() in ready:
+            _answer(listener, status, [wake_r, wake_w], executor, become_rank)
+
+
+def _pidfd(pid: int | None) -> int | None:
+    open_pidfd: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
+    if pid is None or open_pidfd is None:
+        return None
+    return open_pidfd(pid)  # ProcessLookupError: the executor is already gone
+
+
+def _answer(
+    listener: socket.socket,
+    status: dict[int, int],
+    own: list[int],
+    executor: int | None,
+    become_rank: Callable[[], object],
+) -> None:
+    """Accept one request and fork its child (a malformed or foreign request is dropped)."""
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return
+    with conn:
+        fds: list[int] = []
+        try:
+            conn.settimeout(5.0)  # the client sends at once
+            if not _same_user(conn):
+                return
+            msg, fds, _flags, _addr = socket.recv_fds(conn, 16, 4)
+        except OSError:
+            msg = b""
+        if msg != _FORK or len(fds) != 4:
+            for fd in fds:
                 os.close(fd)
-            status[pid] = fds[3]
-            sock.sendall(_PID.pack(pid))
+            return
+        pid = os.fork()
+        if pid == 0:
+            inherited = [listener.fileno(), conn.fileno(), *own, *status.values()]
+            if executor is not None:
+                inherited.append(executor)
+            _child(fds, inherited, become_rank)
+        for fd in fds[:3]:
+            os.close(fd)
+        status[pid] = fds[3]
+        try:
+            conn.sendall(_PID.pack(pid))
+        except OSError:
+            pass  # the task is gone: the child sees EOF on stdin and ends
 
 
 def _reap(status: dict[int, int]) -> None:

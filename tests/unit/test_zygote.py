@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
+import uuid
 
 import pytest
 
@@ -34,29 +34,35 @@ ZYGOTE = textwrap.dedent(
             sys.stdin.readline()  # wait to be killed
         os._exit(code)
 
-    zygote.serve(socket.socket(fileno=int(sys.argv[1])), float(sys.argv[2]), become_rank)
+    executor = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    zygote.serve(socket.socket(fileno=int(sys.argv[1])), float(sys.argv[2]), become_rank, executor)
     """
 )
 
 
+def _spawn(address: str, *extra: str) -> subprocess.Popen:
+    listener = zygote.listen(address)
+    assert listener is not None
+    with listener:
+        return subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE, str(listener.fileno()), "60", *extra],
+            pass_fds=(listener.fileno(),),
+            start_new_session=True,
+        )
+
+
 @pytest.fixture
 def small_zygote():
-    """A running zygote and our end of its socket; killed at the end."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", ZYGOTE, str(theirs.fileno()), "60"],
-        pass_fds=(theirs.fileno(),),
-        start_new_session=True,
-    )
-    theirs.close()
-    yield proc, ours
-    ours.close()
+    """A running zygote and its address; killed at the end."""
+    address = f"\0spark-estimators-test-zygote-{uuid.uuid4().hex}"
+    proc = _spawn(address)
+    yield proc, address
     proc.kill()
     proc.wait()
 
 
-def _start(sock: socket.socket, code: int) -> tuple[zygote.ForkedRank, dict]:
-    rank = zygote.request_fork(sock, timeout=60)
+def _start(address: str, code: int) -> tuple[zygote.ForkedRank, dict]:
+    rank = zygote.request_fork(address, timeout=60)
     assert rank.stdin is not None and rank.stdout is not None
     rank.stdin.write(f"{code}\n".encode())
     rank.stdin.flush()
@@ -64,9 +70,9 @@ def _start(sock: socket.socket, code: int) -> tuple[zygote.ForkedRank, dict]:
 
 
 def test_each_child_is_its_own_group_with_its_own_seed_and_its_exit_code(small_zygote):
-    proc, sock = small_zygote
-    first, seen1 = _start(sock, 3)
-    second, seen2 = _start(sock, 0)
+    proc, address = small_zygote
+    first, seen1 = _start(address, 3)
+    second, seen2 = _start(address, 0)
     assert (seen1["pid"], seen2["pid"]) == (first.pid, second.pid)
     assert first.pid != second.pid
     assert seen1["pgid"] == seen1["pid"] and seen2["pgid"] == seen2["pid"]  # own groups
@@ -78,8 +84,8 @@ def test_each_child_is_its_own_group_with_its_own_seed_and_its_exit_code(small_z
 
 
 def test_a_running_child_polls_none_times_out_and_reads_its_kill(small_zygote):
-    _proc, sock = small_zygote
-    rank, _ = _start(sock, -1)  # waits on stdin
+    _proc, address = small_zygote
+    rank, _ = _start(address, -1)  # waits on stdin
     assert rank.poll() is None
     with pytest.raises(subprocess.TimeoutExpired):
         rank.wait(timeout=0.05)
@@ -87,29 +93,64 @@ def test_a_running_child_polls_none_times_out_and_reads_its_kill(small_zygote):
     assert rank.wait(timeout=60) == -signal.SIGKILL
 
 
-def test_the_zygote_leaves_when_its_worker_does_and_no_child_is_left(small_zygote):
-    proc, sock = small_zygote
-    rank, _ = _start(sock, -1)
-    sock.shutdown(socket.SHUT_RDWR)  # the worker is gone ...
-    with pytest.raises(subprocess.TimeoutExpired):
-        proc.wait(timeout=0.2)  # ... but a rank still runs: the zygote waits to reap it
-    assert rank.stdin is not None
-    rank.stdin.close()  # EOF: the rank's readline returns, it exits with int('') -> error
-    assert rank.wait(timeout=60) != 0
-    assert proc.wait(timeout=60) == 0
+def test_an_address_has_one_zygote_and_the_zygote_leaves_with_its_executor():
+    address = f"\0spark-estimators-test-zygote-{uuid.uuid4().hex}"
+    executor = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    proc = _spawn(address, str(executor.pid))
+    try:
+        assert zygote.listen(address) is None  # held: a second worker starts no second zygote
+        rank, _ = _start(address, 0)
+        assert rank.wait(timeout=60) == 0
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.2)  # serving while the executor lives
+        assert executor.stdin is not None
+        executor.stdin.close()  # the executor ends ...
+        executor.wait()
+        assert proc.wait(timeout=60) == 0  # ... and so does its zygote
+        with pytest.raises(zygote.ZygoteGone):
+            zygote.request_fork(address, timeout=5)
+    finally:
+        for p in (proc, executor):
+            p.kill()
+            p.wait()
+
+
+def test_a_peer_of_another_user_is_not_served(small_zygote):
+    if os.getuid() != 0:
+        pytest.skip("needs root to connect as another user")
+    _proc, address = small_zygote
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        from spark_estimators.task import zygote  # before: nobody may not read the stdlib
+        os.setgid(65534); os.setuid(65534)
+        try:
+            zygote.request_fork({address!r}, timeout=10)
+        except zygote.ZygoteGone as exc:
+            print("refused:", exc)
+        else:
+            print("served")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith("refused:"), out.stdout + out.stderr
+    rank, _ = _start(address, 0)  # the zygote still serves its own user
+    assert rank.wait(timeout=60) == 0
 
 
 def test_a_dead_zygote_is_reported_not_waited_for(small_zygote):
-    proc, sock = small_zygote
+    proc, address = small_zygote
     proc.kill()
     proc.wait()
     with pytest.raises(zygote.ZygoteGone):
-        zygote.request_fork(sock, timeout=5)
+        zygote.request_fork(address, timeout=5)
 
 
 def test_a_child_orphaned_by_its_zygote_is_waited_for(small_zygote):
-    proc, sock = small_zygote
-    rank, seen = _start(sock, -1)
+    proc, address = small_zygote
+    rank, seen = _start(address, -1)
     os.killpg(proc.pid, signal.SIGKILL)  # the zygote only: the rank leads its own group
     proc.wait()
     assert rank.poll() is None  # still running, though its status pipe has lost its writer
