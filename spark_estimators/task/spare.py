@@ -51,7 +51,6 @@ import sys
 import tempfile
 import threading
 import types
-import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -255,9 +254,6 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - the rank's own import will report it
             pass
     context.mark("zygote_imported")
-    # Python 3.12+ warns on fork() with threads besides the caller's (torch's and jemalloc's
-    # idle helpers here): this process holds no lock of theirs and runs nothing else.
-    warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
     try:
         zygote.serve(socket.socket(fileno=fd), idle_s, become_rank, executor)
     except ProcessLookupError:

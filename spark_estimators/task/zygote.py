@@ -33,6 +33,7 @@ import socket
 import struct
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from typing import IO, NoReturn
 
@@ -230,7 +231,7 @@ def _answer(
             for fd in fds:
                 os.close(fd)
             return
-        pid = os.fork()
+        pid = _fork()
         if pid == 0:
             inherited = [listener.fileno(), conn.fileno(), *own, *status.values()]
             if executor is not None:
@@ -243,6 +244,17 @@ def _answer(
             conn.sendall(_PID.pack(pid))
         except OSError:
             pass  # the task is gone: the child sees EOF on stdin and ends
+
+
+def _fork() -> int:
+    """``os.fork()``, without Python 3.12's warning about the threads of torch and jemalloc.
+
+    Those idle helper threads hold no lock the child needs (the zygote itself runs no thread);
+    the filter is restored in both processes, so the rank's own forks still warn.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
+        return os.fork()
 
 
 def _reap(status: dict[int, int]) -> None:
