@@ -33,6 +33,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from typing import IO, NoReturn
@@ -52,9 +53,11 @@ class ZygoteGone(RuntimeError):
 class ForkedRank:
     """A rank process forked by the zygote, with the parts of ``subprocess.Popen`` a task uses.
 
-    Its exit code comes through the status pipe (the zygote, its parent, reaps it). Should the
-    zygote die first, the pipe ends without a code: the child is then waited for through a
-    pidfd where the system has them, and its code reads as 1 ("exited without a result").
+    Its exit code comes through the status pipe (the zygote, its parent, reaps it), read by a
+    thread of its own, so ``poll`` and ``wait`` may be called from any thread (the task's main
+    thread waits while its abort watcher polls). Should the zygote die first, the pipe ends
+    without a code: the child is then waited for through a pidfd where the system has them, and
+    its code reads as 1 ("exited without a result").
     """
 
     def __init__(
@@ -65,44 +68,48 @@ class ForkedRank:
         self.stdout: IO[bytes] | None = stdout
         self.stderr: IO[bytes] | None = stderr
         self.returncode: int | None = None
-        self._status_fd = status_fd
-        self._pidfd: int | None = None
+        self._ended = threading.Event()
+        threading.Thread(
+            target=self._await_exit, args=(status_fd,), name=f"rank-{pid}-exit", daemon=True
+        ).start()
 
-    def _read_status(self, timeout: float | None) -> bool:
-        if self.returncode is not None:
-            return True
-        if self._pidfd is not None:  # orphaned: readable when the child has ended
-            if not select.select([self._pidfd], [], [], timeout)[0]:
-                return False
-            os.close(self._pidfd)
-            self._pidfd, self.returncode = None, 1
-            return True
-        if not select.select([self._status_fd], [], [], timeout)[0]:
-            return False
-        data = os.read(self._status_fd, _CODE.size)
-        os.close(self._status_fd)
+    def _await_exit(self, status_fd: int) -> None:
+        data = b""
+        try:
+            while len(data) < _CODE.size:
+                chunk = os.read(status_fd, _CODE.size - len(data))
+                if not chunk:
+                    break
+                data += chunk
+        finally:
+            os.close(status_fd)
         if len(data) == _CODE.size:
             self.returncode = _CODE.unpack(data)[0]
-            return True
-        # The zygote is gone before the child: wait for the child itself where we can.
-        open_pidfd: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
-        try:
-            self._pidfd = None if open_pidfd is None else open_pidfd(self.pid)
-        except OSError:  # already gone
-            self._pidfd = None
-        if self._pidfd is None:
+        else:  # the zygote is gone before the child: wait for the child itself where we can
+            self._wait_orphan()
             self.returncode = 1
-            return True
-        return self._read_status(timeout)
+        self._ended.set()
+
+    def _wait_orphan(self) -> None:
+        open_pidfd: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
+        if open_pidfd is None:
+            return
+        try:
+            fd = open_pidfd(self.pid)
+        except OSError:
+            return  # already gone
+        try:
+            select.select([fd], [], [])  # readable once the child has ended
+        finally:
+            os.close(fd)
 
     def poll(self) -> int | None:
         """The exit code, or None while the rank runs."""
-        self._read_status(0)
-        return self.returncode
+        return self.returncode if self._ended.is_set() else None
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the rank to end and return its exit code (``TimeoutExpired`` after timeout)."""
-        if not self._read_status(timeout):
+        if not self._ended.wait(timeout):
             raise subprocess.TimeoutExpired(f"rank process {self.pid}", timeout or 0.0)
         assert self.returncode is not None
         return self.returncode

@@ -156,3 +156,19 @@ def test_a_child_orphaned_by_its_zygote_is_waited_for(small_zygote):
     assert rank.poll() is None  # still running, though its status pipe has lost its writer
     rank.kill()
     assert rank.wait(timeout=60) == 1  # no code without the zygote: "ended without a result"
+
+
+def test_a_wait_and_a_poll_from_two_threads_see_the_same_end(small_zygote):
+    """The task's main thread waits while its abort watcher polls (task/spark_task.py)."""
+    import threading
+
+    _proc, address = small_zygote
+    rank, _ = _start(address, -1)
+    waited: list[int] = []
+    waiter = threading.Thread(target=lambda: waited.append(rank.wait()))
+    waiter.start()
+    assert rank.poll() is None
+    rank.kill()
+    waiter.join(timeout=60)
+    assert waited == [-signal.SIGKILL]
+    assert rank.poll() == -signal.SIGKILL
