@@ -1,6 +1,6 @@
 """Rank start-up off the critical path: ranks forked from a zygote, and a failed write's end.
 
-See spark_estimators/task/spare.py: each PySpark worker keeps a zygote that imported torch and
+See spark_estimators/task/spare.py: each executor keeps a zygote that imported torch and
 the rank's modules once (started by the first write or training task), and an estimator's Spark
 task forks its rank from it. The zygote has never run user code and each fork serves one rank
 only, so nothing of one fit reaches the next; these tests check that on real processes, and that
@@ -80,7 +80,7 @@ def test_a_forked_rank_process_carries_nothing_of_the_previous_rank(spark):
         assert now["seed"] != 1234
         assert now["threads"] == was["threads"]
         assert now["dist"] is False
-        if now["tmpdir_env"]:  # the rank's TMPDIR, not the one the spare started with
+        if now["tmpdir_env"]:  # the rank's TMPDIR, not the zygote's
             assert now["tmp"] == now["tmpdir_env"]
 
 
@@ -170,8 +170,8 @@ def test_a_failed_write_fails_the_fit_before_any_rank_starts(spark, tmp_path):
     assert set(tracker.getActiveJobsIds()) - before == set()
 
 
-def _spares_importing(module: str) -> list[int]:
-    """Live spare processes of this test session that import ``module``."""
+def _zygotes_importing(module: str) -> list[int]:
+    """Live zygotes of this test session that import ``module``."""
     import os
 
     import psutil
@@ -191,19 +191,20 @@ def _spares_importing(module: str) -> list[int]:
     return found
 
 
-def test_the_write_tasks_start_the_spares_so_imports_overlap_the_write(spark, tmp_path):
+def test_the_write_tasks_start_the_zygote_so_imports_overlap_the_write(spark, tmp_path):
     from spark_estimators.data import prepare_data
     from spark_estimators.store import LocalStore
 
     df = spark.range(64, numPartitions=2).select(
         F.col("id").cast("double").alias("x"), (F.col("id") * 2.0).alias("y")
     )
-    assert _spares_importing("colorsys") == []
+    assert _zygotes_importing("colorsys") == []
     meta = prepare_data(
         2, LocalStore(str(tmp_path)), df, ["x"], ["y"], verbose=0, rank_imports=("colorsys",)
     )
     assert meta.train_rows == 64
-    assert len(_spares_importing("colorsys")) >= 1  # one per PySpark worker that wrote
+    # Both write tasks asked; the executor has one zygote (local mode: one executor).
+    assert len(_zygotes_importing("colorsys")) == 1
     assert rank_processes() == []
 
 
@@ -212,8 +213,9 @@ def _seeded_fit(
 ) -> dict:
     """A seeded TorchEstimator fit (dropout: the ranks' RNG counts); its weights and its ranks.
 
-    Each rank records at ``on_train_begin`` whether it started as a spare (``sys.argv[0]`` of a
-    spare is ``spare_process.py``) and what torch's generator and thread pool were then.
+    Each rank records at ``on_train_begin`` whether it was forked by the zygote (``sys.argv[0]``
+    of a zygote and its forks is ``spare_process.py``) and what torch's generator and thread
+    pool were then.
     """
     import json
     import os
@@ -275,8 +277,8 @@ def _seeded_fit(
     return {"weights": weights, "ranks": sorted(ranks, key=lambda r: r["rank"])}
 
 
-def test_a_later_fit_served_by_spares_learns_what_plain_rank_processes_learn(spark, tmp_path):
-    """Issue 26: spares must not change what a fit learns (seeded, dropout on every rank)."""
+def test_a_later_fit_of_forked_ranks_learns_what_plain_rank_processes_learn(spark, tmp_path):
+    """Issue 26: forked ranks must not change what a fit learns (seeded, dropout on every rank)."""
     import torch
 
     from spark_estimators.store import LocalStore
@@ -284,9 +286,9 @@ def test_a_later_fit_served_by_spares_learns_what_plain_rank_processes_learn(spa
     store = LocalStore(str(tmp_path / "store"))
     log_dir = tmp_path / "ranks"
     log_dir.mkdir()
-    first = _seeded_fit(spark, store, 3, None, str(log_dir))  # leaves spares for the next fit
+    first = _seeded_fit(spark, store, 3, None, str(log_dir))  # starts the zygote for the next fit
     served = _seeded_fit(spark, store, 11, None, str(log_dir))
-    # A TORCH* variable the spares were not started with: plain rank processes (task/spare.py).
+    # A TORCH* variable the zygote was not started with: plain rank processes (task/spare.py).
     plain = _seeded_fit(spark, store, 11, {"TORCH_SE_PLAIN_RANKS": "1"}, str(log_dir))
     assert [r["spare"] for r in served["ranks"]] == [True, True]
     assert [r["spare"] for r in plain["ranks"]] == [False, False]
@@ -302,8 +304,8 @@ def test_a_later_fit_served_by_spares_learns_what_plain_rank_processes_learn(spa
     assert not torch.equal(first["weights"]["0.weight"], served["weights"]["0.weight"])
 
 
-def test_a_stream_fit_takes_spares_and_learns_what_plain_rank_processes_learn(spark, tmp_path):
-    """data="stream": the spill's events reach an adopted spare through the FIFO (issue 26)."""
+def test_a_stream_fit_of_forked_ranks_learns_what_plain_rank_processes_learn(spark, tmp_path):
+    """data="stream": the spill's events reach a forked rank through the FIFO (issue 26)."""
     import torch
 
     from spark_estimators.store import LocalStore
@@ -311,7 +313,7 @@ def test_a_stream_fit_takes_spares_and_learns_what_plain_rank_processes_learn(sp
     store = LocalStore(str(tmp_path / "store"))
     log_dir = tmp_path / "ranks"
     log_dir.mkdir()
-    _seeded_fit(spark, store, 3, None, str(log_dir), data="stream")  # spares for the next fit
+    _seeded_fit(spark, store, 3, None, str(log_dir), data="stream")  # the zygote for the next fit
     served = _seeded_fit(spark, store, 5, None, str(log_dir), data="stream")
     plain = _seeded_fit(spark, store, 5, {"TORCH_SE_PLAIN_RANKS": "1"}, str(log_dir), "stream")
     assert [r["spare"] for r in served["ranks"]] == [True, True]
