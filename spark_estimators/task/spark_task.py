@@ -20,7 +20,6 @@ import queue
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +28,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 from spark_estimators import envvars as ev
 from spark_estimators._base.ports import reserve_port, reserved_port
-from spark_estimators._base.processes import RankProcess, exit_words, kill_group
+from spark_estimators._base.processes import (
+    RankProcess,
+    exit_words,
+    kill_group,
+    start_rank_process,
+)
 from spark_estimators.driver.rpc import RpcClient
 from spark_estimators.errors import RemoteError
 from spark_estimators.task import spare
@@ -54,7 +58,7 @@ class TaskConfig:
     use_gpu: bool | None = None
     # data="stream": the task spills its input partition for its rank (task/stream_spill.py).
     stream: Any = None
-    # Modules the worker's zygote imports ahead (task/spare.py); () starts plain processes.
+    # Modules the executor's zygote imports ahead (task/spare.py); () starts plain processes.
     preimport: tuple[str, ...] = ()
 
     def __repr__(self) -> str:  # never print the secret
@@ -298,20 +302,13 @@ def run_rank(
             "task_started": task_started,
             "task_marks": task_marks,
         }
-        proc: RankProcess | None = spare.take(config.preimport, env)
-        if proc is not None:  # forked by the worker's zygote, its modules imported (task/spare.py)
-            child_config["env"] = env
+        forked = spare.take(config.preimport, env)  # the executor's zygote (task/spare.py)
+        proc: RankProcess
+        if forked is not None:  # it has the modules imported; it takes the env on stdin
+            proc, child_config["env"] = forked, env
         else:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "spark_estimators.task.child"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                start_new_session=True,
-            )
-        started = "spare_forked_for" if "env" in child_config else "process_started"
-        task_marks.append((started, time.time()))
+            proc = start_rank_process("spark_estimators.task.child", env)
+        task_marks.append(("spare_forked_for" if forked else "process_started", time.time()))
         code, aborted, tail_lines = supervise_child(
             config, client, proc, settings.rank, child_config
         )

@@ -91,13 +91,12 @@ class ForkedRank:
         self._ended.set()
 
     def _wait_orphan(self) -> None:
-        open_pidfd: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
-        if open_pidfd is None:
-            return
         try:
-            fd = open_pidfd(self.pid)
+            fd = _pidfd(self.pid)
         except OSError:
             return  # already gone
+        if fd is None:
+            return  # no pidfds here: nothing to wait on
         try:
             select.select([fd], [], [])  # readable once the child has ended
         finally:
@@ -207,10 +206,11 @@ def serve(
 
 
 def _pidfd(pid: int | None) -> int | None:
+    """A pidfd of process ``pid`` (readable once it ends); None without ``pid`` or pidfds."""
     open_pidfd: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
     if pid is None or open_pidfd is None:
         return None
-    return open_pidfd(pid)  # ProcessLookupError: the executor is already gone
+    return open_pidfd(pid)  # ProcessLookupError: the process is already gone
 
 
 def _answer(
