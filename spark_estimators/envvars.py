@@ -69,6 +69,9 @@ FUSION_THRESHOLD = PREFIX + "FUSION_THRESHOLD"
 #: this many milliseconds (or at once when a thread waits for one); see runtime/engine.py.
 CYCLE_TIME = PREFIX + "CYCLE_TIME"
 INLINE_LIMIT = PREFIX + "INLINE_LIMIT"
+#: "0" sends the negotiation rounds of same-host ranks through the backend, not Unix sockets
+#: (collective/backends/local_mesh.py).
+LOCAL_MESH = PREFIX + "LOCAL_MESH"
 MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
 #: Secret that signs saved models and estimators (HMAC-SHA256 of ``stage.pkl``) and is required
 #: to load them; see core/persistence.py and docs/security.md.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -59,6 +60,35 @@ logger = logging.getLogger(__name__)
 def rank_and_size() -> tuple[int, int]:
     """The rank and the number of ranks, from the launcher's environment (before any init)."""
     return envvars.env_int(envvars.SE_RANK, 0), envvars.env_int(envvars.SE_SIZE, 1)
+
+
+def local_size() -> int:
+    """The ranks on this host, from the launcher's environment (before any init)."""
+    return max(1, envvars.env_int(envvars.SE_LOCAL_SIZE, 1))
+
+
+def cpu_share(ranks_on_host: int) -> int | None:
+    """Compute threads for one rank: this process's cores split among the host's ranks.
+
+    ``None`` when the user chose (``OMP_NUM_THREADS`` in the rank's environment, e.g. through the
+    estimator's ``env``). Frameworks size their pools to every core by default, so N ranks on a
+    host would run N x cores threads: on the 2-core machine two torch ranks with 2 threads each
+    took 3.3 ms per step of a small MLP against 0.7 ms with 1 thread each (bench/RESULTS.md,
+    issue 26).
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, int(cores or 1) // max(1, ranks_on_host))
+
+
+def size_torch_threads(ranks_on_host: int) -> None:
+    """Give torch this rank's share of the cores (see :func:`cpu_share`)."""
+    import torch
+
+    threads = cpu_share(ranks_on_host)
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 def preload_in_background(modules: Sequence[str]) -> None:

@@ -109,9 +109,8 @@ def _size_tensorflow(local_size: int, use_gpu: bool | None) -> None:
     import tensorflow as tf
 
     # Each rank gets its share of the host's cores: N ranks x all cores oversubscribes the CPU.
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, int(cores or 1) // max(1, local_size))
-    if not os.environ.get("OMP_NUM_THREADS"):
+    threads = protocol.cpu_share(local_size)
+    if threads is not None:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
     if use_gpu is False:

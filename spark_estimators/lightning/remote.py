@@ -138,6 +138,7 @@ def train(spec: LightningTrainSpec) -> dict[str, object]:
     from spark_estimators.lightning.trainer import quiet_lightning, rank_uses_cuda
 
     rank, _ = protocol.rank_and_size()
+    protocol.size_torch_threads(protocol.local_size())
     quiet_lightning(spec.verbose, rank)
     if spec.seed is not None:
         pl.seed_everything(spec.seed, verbose=False)

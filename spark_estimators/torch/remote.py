@@ -216,6 +216,7 @@ def train(spec: TorchTrainSpec) -> dict[str, object]:
     hvd.init()
     context.mark("group_joined")
     rank, size = hvd.rank(), hvd.size()
+    protocol.size_torch_threads(hvd.local_size())
     device_name = get_device()
     use_cuda = spec.use_gpu is not False and device_name.startswith("cuda")
     device = torch.device(device_name if use_cuda else "cpu")

@@ -282,3 +282,32 @@ def test_steps_beyond_the_epoch_wrap_around_the_shard(tmp_path, shuffle):
     steps = protocol.epoch_steps(reader, None, multiple=3)
     ids = [int(b["id"][0, 0]) for b in epoch_batches(reader, convert, steps, 0)]
     assert steps == 9 and ids == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+
+
+# -- compute threads per rank ---------------------------------------------------------------------
+def test_cpu_share_splits_this_process_cores_among_the_hosts_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(protocol.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert [protocol.cpu_share(n) for n in (1, 2, 3, 16, 32)] == [16, 8, 5, 1, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's choice (e.g. the estimator's env)
+    assert protocol.cpu_share(2) is None
+
+
+def test_size_torch_threads_gives_torch_the_share_and_leaves_a_users_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(protocol.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    try:
+        protocol.size_torch_threads(2)
+        assert torch.get_num_threads() == 2
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(3)
+        protocol.size_torch_threads(2)
+        assert torch.get_num_threads() == 3  # untouched
+    finally:
+        torch.set_num_threads(before)

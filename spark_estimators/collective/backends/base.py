@@ -38,6 +38,7 @@ The methods, in short::
     reducescatter(buf, op, rows) -> buf      default: allreduce a copy, keep this rank's rows
     barrier()
     allgather_object(obj) -> list            default: pickle + allgather of bytes
+    gather_vectors(vector) -> rows           the engine's negotiation round; default allgather
     broadcast_object(obj, root) -> obj       default: pickle + broadcast of bytes
     zeros(numel, dtype, device) -> buf       what a joined rank contributes (default: numpy)
     mpi_threads_supported() -> bool          default False
@@ -232,6 +233,16 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def alltoall(self, buf: Buffer, send_rows: Sequence[int], recv_rows: Sequence[int]) -> Buffer:
         """Send ``send_rows[r]`` consecutive rows of ``buf`` to rank r; return received rows."""
+
+    def gather_vectors(self, vector: np.ndarray) -> np.ndarray:
+        """Every rank's int64 ``vector`` (the same length on all ranks) as rows in rank order.
+
+        The engine's negotiation round. Default: :meth:`allgather`; the torch.distributed
+        backends use Unix sockets when all ranks share the host (``local_mesh``).
+        """
+        length = vector.size
+        gathered = self.allgather(vector.reshape(1, length), [1] * self.size)
+        return np.asarray(gathered, dtype=np.int64).reshape(self.size, length)
 
     @abc.abstractmethod
     def barrier(self) -> None:

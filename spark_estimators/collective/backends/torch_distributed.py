@@ -8,6 +8,9 @@
   launcher with every GPU visible. NCCL errors and timeouts are handled by torch's NCCL watchdog,
   which aborts the process when an op exceeds the collective timeout.
 
+When every rank is on this host, the engine's negotiation rounds (and the small allreduces
+inside them) go through Unix sockets instead (:mod:`.local_mesh`); the ops' data does not.
+
 If ``torch.distributed`` is already initialised (a script that called ``init_process_group``
 itself, e.g. under torchrun), the default group is reused and left alone at shutdown.
 
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from spark_estimators.collective.backends import local_mesh
 from spark_estimators.collective.backends.base import Backend, Buffer, ReduceOp, Topology
 from spark_estimators.errors import CollectiveError, ConfigurationError, RendezvousTimeoutError
 
@@ -147,6 +151,8 @@ class TorchDistributedBackend(Backend):
         self.device: torch.device | None = None  # set by start()
         #: The torch process group of a process set; None is the default (global) group.
         self.group: dist.ProcessGroup | None = None
+        #: Unix sockets to the other ranks when all share this host (negotiation rounds only).
+        self._mesh: local_mesh.LocalMesh | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _device(self) -> torch.device:
@@ -189,6 +195,10 @@ class TorchDistributedBackend(Backend):
                 f"{self.dist_backend!r}) failed: {exc}"
             ) from exc
         self._owns_group = True
+        if local_mesh.enabled(self.size, self.topology.local_size):
+            self._mesh = local_mesh.LocalMesh.connect(
+                store, self.rank, self.size, timeout=self.timeout, start_timeout=self.start_timeout
+            )
 
     def _rendezvous_store(self) -> dist.Store:
         """The store of this init: the process's one TCP store, under a prefix per init.
@@ -272,6 +282,10 @@ class TorchDistributedBackend(Backend):
     def shutdown(self) -> None:
         """Destroy the process group (a subgroup destroys only itself)."""
         import torch.distributed as dist
+
+        if self._mesh is not None:
+            self._mesh.close()
+            self._mesh = None
 
         if self.group is not None:
             try:
@@ -360,6 +374,12 @@ class TorchDistributedBackend(Backend):
         _gather_single(gathered, padded, self.group)
         parts = [gathered[r * most : r * most + d] for r, d in enumerate(first_dims)]
         return _like_input(torch.cat(parts), buf)
+
+    def gather_vectors(self, vector: np.ndarray) -> np.ndarray:
+        """The negotiation round: over the local mesh when there is one, else the allgather."""
+        if self._mesh is not None:
+            return self._mesh.allgather(vector)
+        return super().gather_vectors(vector)
 
     def alltoall(self, buf: Buffer, send_rows: Sequence[int], recv_rows: Sequence[int]) -> Buffer:
         """Exchange row blocks with every rank (``all_to_all_single``)."""

@@ -406,9 +406,7 @@ class Engine:
 
     def _negotiate(self, vector: np.ndarray) -> np.ndarray:
         self._round += 1
-        length = vector.size
-        gathered = self.backend.allgather(vector.reshape(1, length), [1] * self.backend.size)
-        vectors = np.asarray(gathered, dtype=np.int64).reshape(self.backend.size, length)
+        vectors = self.backend.gather_vectors(vector)
         self._negotiation.update(vectors)
         return vectors
 

@@ -1,0 +1,252 @@
+"""Ranks on one host gather the engine's negotiation vectors over Unix sockets, not Gloo's TCP.
+
+Every collective op starts with an allgather of a small int64 vector
+(:mod:`spark_estimators.collective.runtime.engine`), and a small CPU allreduce travels inside it:
+a training loop pays one such round per step. Through Gloo on the loopback that round took
+0.3-0.6 ms on the 2-core machine, because each message passes through Gloo's I/O thread on both
+sides. Between two processes of one host a Unix stream socket exchanges 50 KB in about 20 us
+(bench/RESULTS.md, issue 26). So when every rank of the group runs on this host, the
+torch.distributed backends connect the ranks pairwise through abstract Unix sockets at start and
+gather the negotiation vectors there. The ops' own data (broadcasts, allgathers, allreduces too
+large to go inline) still goes through the backend.
+
+Setup, at ``init()``:
+
+1. Each rank listens on a random abstract socket name and publishes the name and a random token
+   in the job's rendezvous store. The store of ``run()`` and of the estimators lives in the
+   driver service and opens only with the job's secret.
+2. Each rank connects to every lower rank and sends its rank and that rank's token. A connect
+   to a listening socket returns at once, before the peer accepts.
+3. Each rank publishes whether all its connects worked, and reads every rank's answer.
+4. If every rank connected, each accepts its higher ranks. It checks each peer's user
+   (``SO_PEERCRED``) and token.
+
+If any rank could not connect, every rank drops the mesh and the backend gathers as before. That
+happens, for example, with ranks in different network namespaces that share a hostname. Set
+``SPARK_ESTIMATORS_LOCAL_MESH=0`` to turn the mesh off. It needs Linux (abstract sockets).
+
+A message is a 16-byte header (the round number and the payload's bytes), then the payload. A
+peer that closes its socket, sends another round, or stays silent for the collective timeout
+raises an error. The engine turns it into a
+:class:`~spark_estimators.errors.CollectiveError` that breaks the group, as it does for any
+backend failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import socket
+import struct
+import sys
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from spark_estimators import envvars as ev
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("<QQ")
+_HELLO = struct.Struct("<Q16s")
+_PEERCRED = struct.Struct("3i")
+_KEY = "spark_estimators/mesh/"
+
+
+def enabled(rank_count: int, ranks_here: int) -> bool:
+    """True when all ``rank_count`` (> 1) ranks are on this host, on Linux, and it is not off."""
+    if rank_count < 2 or ranks_here != rank_count or not sys.platform.startswith("linux"):
+        return False
+    return os.environ.get(ev.LOCAL_MESH, "").strip().lower() not in ("0", "false", "no", "off")
+
+
+class LocalMesh:
+    """A connected socket to every other rank of the group; :meth:`allgather` gathers over them."""
+
+    def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], timeout: float):
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self._peers = peers
+        self._by_fd = {sock.fileno(): (peer, sock) for peer, sock in peers.items()}
+        for sock in peers.values():
+            sock.setblocking(False)
+        self._round = 0
+
+    @classmethod
+    def connect(
+        cls, store: dist.Store, rank: int, size: int, *, timeout: float, start_timeout: float
+    ) -> LocalMesh | None:
+        """Connect every pair of ranks (every rank calls this); None on all ranks if one failed."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"spark-estimators-mesh-{secrets.token_hex(16)}"
+        token = secrets.token_bytes(16)
+        peers: dict[int, socket.socket] = {}
+        try:
+            listener.bind("\0" + name)
+            listener.listen(size)
+            store.set(f"{_KEY}{rank}", f"{name}:{token.hex()}")
+            connected = _connect_lower(store, rank, start_timeout, peers)
+            store.set(f"{_KEY}ok/{rank}", "1" if connected else "0")
+            answers = [store.get(f"{_KEY}ok/{r}") for r in range(size)]
+            if any(a != b"1" for a in answers):
+                failed = [r for r, a in enumerate(answers) if a != b"1"]
+                logger.debug("local mesh off: rank(s) %s could not connect", failed)
+                _close(peers)
+                return None
+            _accept_higher(listener, rank, size, token, start_timeout, peers)
+        except BaseException:
+            _close(peers)
+            raise
+        finally:
+            listener.close()
+        return cls(rank, size, peers, timeout)
+
+    def allgather(self, vector: np.ndarray) -> np.ndarray:
+        """Every rank's ``vector`` (int64, the same length on all ranks) as rows in rank order."""
+        mine = np.ascontiguousarray(vector, dtype=np.int64).reshape(-1)
+        payload = mine.tobytes()
+        self._round += 1
+        message = _HEADER.pack(self._round, len(payload)) + payload
+        expected = len(message)
+        sent = dict.fromkeys(self._peers, 0)
+        received = {peer: bytearray(expected) for peer in self._peers}
+        got = dict.fromkeys(self._peers, 0)
+        for peer, sock in self._peers.items():  # most rounds fit the socket buffer: no poll
+            sent[peer] = _send(sock, message, 0, peer)
+        deadline = time.monotonic() + self.timeout
+        pending = [p for p in self._peers if got[p] < expected or sent[p] < expected]
+        while pending:
+            poll = select.poll()
+            for peer in pending:
+                mask = select.POLLIN if got[peer] < expected else 0
+                mask |= select.POLLOUT if sent[peer] < expected else 0
+                poll.register(self._peers[peer], mask)
+            left = deadline - time.monotonic()
+            events = poll.poll(int(left * 1000) + 1) if left > 0 else []
+            if not events and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"rank(s) {pending} did not exchange local mesh round {self._round} within "
+                    f"the collective timeout ({self.timeout:g} s)"
+                )
+            for fd, event in events:
+                peer, sock = self._by_fd[fd]
+                if event & select.POLLOUT and sent[peer] < expected:
+                    sent[peer] = _send(sock, message, sent[peer], peer)
+                readable = event & (select.POLLIN | select.POLLHUP | select.POLLERR)
+                if readable and got[peer] < expected:
+                    got[peer] = _receive(sock, received[peer], got[peer], peer)
+                    if got[peer] >= _HEADER.size:  # a wrong length must not wait for bytes
+                        self._check_header(peer, received[peer], len(payload))
+                elif readable and sent[peer] < expected:
+                    raise ConnectionError(f"rank {peer} closed its local mesh connection")
+            pending = [p for p in pending if got[p] < expected or sent[p] < expected]
+        out = np.empty((self.size, mine.size), dtype=np.int64)
+        out[self.rank] = mine
+        for peer, data in received.items():
+            out[peer] = np.frombuffer(data, dtype=np.int64, offset=_HEADER.size)
+        return out
+
+    def _check_header(self, peer: int, data: bytearray, payload_bytes: int) -> None:
+        round_, nbytes = _HEADER.unpack_from(data)
+        if round_ != self._round or nbytes != payload_bytes:
+            raise ConnectionError(
+                f"rank {peer} sent round {round_} with {nbytes} bytes where this rank is at "
+                f"round {self._round} with {payload_bytes} bytes (local mesh out of step)"
+            )
+
+    def close(self) -> None:
+        """Close every connection (the peers' next round fails at once)."""
+        _close(self._peers)
+        self._by_fd.clear()
+
+
+def _connect_lower(
+    store: dist.Store, rank: int, timeout: float, peers: dict[int, socket.socket]
+) -> bool:
+    """Connect to every lower rank; False (logged) when one cannot be reached from here."""
+    for lower in range(rank):
+        name, token_hex = store.get(f"{_KEY}{lower}").decode().rsplit(":", 1)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect("\0" + name)
+            sock.sendall(_HELLO.pack(rank, bytes.fromhex(token_hex)))
+        except OSError as exc:
+            sock.close()
+            logger.debug("local mesh: rank %d cannot reach rank %d: %s", rank, lower, exc)
+            return False
+        peers[lower] = sock
+    return True
+
+
+def _accept_higher(
+    listener: socket.socket,
+    rank: int,
+    size: int,
+    token: bytes,
+    timeout: float,
+    peers: dict[int, socket.socket],
+) -> None:
+    """Accept every higher rank (queued already); refuse other users and wrong tokens."""
+    listener.settimeout(timeout)
+    uid = os.getuid()
+    while len(peers) < size - 1:
+        conn, _ = listener.accept()
+        conn.settimeout(timeout)
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        hello = _recv_exact(conn, _HELLO.size)
+        peer, their_token = _HELLO.unpack(hello) if hello else (-1, b"")
+        _, peer_uid, _ = _PEERCRED.unpack(creds)
+        if peer_uid != uid or not secrets.compare_digest(their_token, token):
+            conn.close()
+            logger.warning("local mesh: refused a connection (uid %d) without the token", peer_uid)
+            continue
+        if not rank < peer < size or peer in peers:
+            conn.close()
+            raise ConnectionError(f"local mesh: rank {rank} got a second hello from rank {peer}")
+        peers[peer] = conn
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return b""
+        data += chunk
+    return bytes(data)
+
+
+def _send(sock: socket.socket, message: bytes, offset: int, peer: int) -> int:
+    try:
+        return offset + sock.send(memoryview(message)[offset:])
+    except BlockingIOError:
+        return offset
+    except OSError as exc:
+        raise ConnectionError(f"rank {peer} closed its local mesh connection ({exc})") from exc
+
+
+def _receive(sock: socket.socket, into: bytearray, offset: int, peer: int) -> int:
+    try:
+        n = sock.recv_into(memoryview(into)[offset:])
+    except BlockingIOError:
+        return offset
+    except OSError as exc:
+        raise ConnectionError(f"rank {peer} closed its local mesh connection ({exc})") from exc
+    if n == 0:
+        raise ConnectionError(f"rank {peer} closed its local mesh connection (end of stream)")
+    return offset + n
+
+
+def _close(peers: dict[int, socket.socket]) -> None:
+    for sock in peers.values():
+        try:
+            sock.close()
+        except OSError:
+            pass
+    peers.clear()

@@ -1,0 +1,203 @@
+"""The same-host negotiation transport (spark_estimators/collective/backends/local_mesh.py).
+
+Real sockets: ranks are threads of this process meeting in one ``torch.distributed.HashStore``
+(whose ``get`` waits for the key, as the job's store does), or forked processes meeting in a
+TCPStore on 127.0.0.1 where a rank must really die.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from spark_estimators.collective.backends import local_mesh
+from spark_estimators.collective.backends.local_mesh import LocalMesh
+
+dist = pytest.importorskip("torch.distributed")
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not local_mesh.sys.platform.startswith("linux"), reason="Linux only"),
+]
+
+
+def _store() -> Any:
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=20))
+    return store
+
+
+def _on_ranks(size: int, body: Callable[[int, Any], Any], store: Any = None) -> list[Any]:
+    """Run ``body(rank, store)`` on ``size`` threads; return the results, raise the first error."""
+    store = store if store is not None else _store()
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = body(rank, store)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _connect(rank: int, store: Any, size: int, timeout: float = 20.0) -> LocalMesh | None:
+    return LocalMesh.connect(store, rank, size, timeout=timeout, start_timeout=20.0)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_allgather_returns_every_ranks_vector_in_rank_order(size: int) -> None:
+    lengths = [5, 40_000, 3]  # 40k int64 = 320 KB: more than a socket buffer, sent in parts
+
+    def body(rank: int, store: Any) -> list[np.ndarray]:
+        mesh = _connect(rank, store, size)
+        assert mesh is not None
+        try:
+            return [
+                mesh.allgather(np.arange(n, dtype=np.int64) * (rank + 1) + i)
+                for i, n in enumerate(lengths)
+            ]
+        finally:
+            mesh.close()
+
+    results = _on_ranks(size, body)
+    for rank_result in results:
+        for i, (n, rows) in enumerate(zip(lengths, rank_result, strict=True)):
+            want = np.stack([np.arange(n) * (r + 1) + i for r in range(size)])
+            np.testing.assert_array_equal(rows, want)
+
+
+def test_rounds_of_different_lengths_raise_out_of_step() -> None:
+    def body(rank: int, store: Any) -> str:
+        mesh = _connect(rank, store, 2)
+        assert mesh is not None
+        try:
+            mesh.allgather(np.zeros(4 if rank == 0 else 6, dtype=np.int64))
+        except ConnectionError as exc:
+            return str(exc)
+        finally:
+            mesh.close()
+        return "no error"
+
+    messages = _on_ranks(2, body)
+    assert all("out of step" in m for m in messages), messages
+    assert "rank 1 sent round 1 with 48 bytes" in messages[0]
+
+
+def test_a_silent_peer_times_out_naming_it() -> None:
+    def body(rank: int, store: Any) -> str:
+        mesh = _connect(rank, store, 2, timeout=0.5)
+        assert mesh is not None
+        if rank == 1:
+            store.wait(["done"])  # never gathers; closes after rank 0 gave up
+            mesh.close()
+            return ""
+        start = time.monotonic()
+        try:
+            with pytest.raises(TimeoutError, match=r"rank\(s\) \[1\] did not exchange") as info:
+                mesh.allgather(np.ones(3, dtype=np.int64))
+            return f"{time.monotonic() - start:.2f} {info.value}"
+        finally:
+            store.set("done", "1")
+            mesh.close()
+
+    waited = float(_on_ranks(2, body)[0].split()[0])
+    assert 0.4 <= waited < 5.0
+
+
+def test_a_dead_peer_fails_the_round_at_once() -> None:
+    """A forked rank exits mid-job: the other rank's round fails now, not after the timeout."""
+    import multiprocessing
+
+    server = dist.TCPStore("127.0.0.1", 0, 2, True, datetime.timedelta(seconds=20), False)
+    ctx = multiprocessing.get_context("fork")
+
+    def child() -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, 2, False, datetime.timedelta(seconds=20))
+        mesh = _connect(1, store, 2)
+        assert mesh is not None
+        mesh.allgather(np.full(2, 7, dtype=np.int64))
+        os._exit(0)  # the kernel closes its sockets
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    mesh = _connect(0, server, 2, timeout=60.0)
+    assert mesh is not None
+    np.testing.assert_array_equal(mesh.allgather(np.arange(2, dtype=np.int64)), [[0, 1], [7, 7]])
+    proc.join(20)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="rank 1 closed its local mesh connection"):
+        mesh.allgather(np.arange(2, dtype=np.int64))
+    assert time.monotonic() - start < 5.0  # the collective timeout here is 60 s
+    mesh.close()
+
+
+def test_one_rank_that_cannot_connect_turns_the_mesh_off_everywhere() -> None:
+    """Rank 0 publishes a name nobody listens on (as across network namespaces)."""
+    store = _store()
+    real_set = store.set
+
+    class Store:
+        def set(self, key: str, value: Any) -> None:
+            if key == "spark_estimators/mesh/0":
+                value = "spark-estimators-mesh-nobody:" + "00" * 16
+            real_set(key, value)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+    results = _on_ranks(3, lambda rank, _: _connect(rank, Store(), 3))
+    assert results == [None, None, None]
+
+
+def test_a_hello_without_the_token_is_refused() -> None:
+    import socket
+
+    store = _store()
+    stranger_done = threading.Event()
+
+    def stranger() -> None:
+        name, _ = store.get("spark_estimators/mesh/0").decode().rsplit(":", 1)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect("\0" + name)
+        sock.sendall(local_mesh._HELLO.pack(1, b"\0" * 16))
+        stranger_done.set()
+        sock.recv(1)  # closed by rank 0
+        sock.close()
+
+    threading.Thread(target=stranger, daemon=True).start()
+
+    def body(rank: int, shared: Any) -> list[list[int]]:
+        if rank == 1:
+            stranger_done.wait(20)  # the forged hello is queued first
+        mesh = _connect(rank, shared, 2)
+        assert mesh is not None
+        try:
+            return mesh.allgather(np.array([rank, 10 + rank], dtype=np.int64)).tolist()
+        finally:
+            mesh.close()
+
+    assert _on_ranks(2, body, store) == [[[0, 10], [1, 11]]] * 2
+
+
+def test_enabled_only_for_several_ranks_all_on_this_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SPARK_ESTIMATORS_LOCAL_MESH", raising=False)
+    assert local_mesh.enabled(2, 2)
+    assert not local_mesh.enabled(1, 1)  # nobody to talk to
+    assert not local_mesh.enabled(4, 2)  # two hosts (or a host-hash salt)
+    monkeypatch.setenv("SPARK_ESTIMATORS_LOCAL_MESH", "0")
+    assert not local_mesh.enabled(2, 2)
