@@ -263,11 +263,20 @@ def training_frame(
     fraction: float,
     seed: int,
     partitions: int | None,
+    *,
+    by_content: bool = False,
 ) -> tuple[DataFrame, bool]:
     """The used columns, the validation flag (:data:`SPLIT_COL`), ``partitions`` partitions.
 
-    ``partitions=None`` keeps ``df``'s partitions (no shuffle). Vectors become ``array<double>``
-    after the shuffle. The flag is the validation column (> 0
+    ``partitions=None`` keeps ``df``'s partitions (no shuffle). Else a round-robin
+    ``repartition(partitions)`` (equal shares within a row: ``data="stream"`` gives each rank
+    one partition), or with ``by_content`` a hash repartition on every used column
+    (``xxhash64``), which ``prepare_data`` uses: its readers balance the ranks' rows
+    themselves, and Spark sorts every partition before a round-robin shuffle (so that a retried
+    task sends the same rows to the same place) but not before a hash shuffle, which is just as
+    deterministic. That sort was ~0.8 of 2.7 s of a 1M x 32 write here (bench/RESULTS.md, issue
+    26). Shares then differ by about the square root of the rows; identical rows land together.
+    Vectors become ``array<double>`` after the shuffle. The flag is the validation column (> 0
     or true; null is training) or ``rand(seed) < fraction``, so the Parquet path and
     ``data="stream"`` pick the same rows. Returns the frame and whether it has the flag.
     """
@@ -285,7 +294,9 @@ def training_frame(
     if split is not None:
         selected.append(split.alias(SPLIT_COL))
     shuffled = df.select(*selected)
-    if partitions is not None:
+    if partitions is not None and by_content:
+        shuffled = shuffled.repartition(partitions, F.xxhash64(*shuffled.columns))
+    elif partitions is not None:
         shuffled = shuffled.repartition(partitions)
     converted = [
         vector_to_array(F.col(c.name), "float64").alias(c.name)

@@ -18,15 +18,21 @@ How it works
    ``ml_attr``) need no data. Otherwise one small job reads a few rows (shapes of arrays/vectors,
    sparse or dense, an empty DataFrame). So a DataFrame of such columns costs exactly the jobs of
    ``df.repartition(n).write.parquet`` (AQE's shuffle-map job and the write job).
-4. One write job: ``repartition(num_proc * partitions_per_process)`` (a shuffle, so every rank
-   gets an equal share; ``coalesce`` would not balance), ``vector_to_array`` for dense ML vectors
-   in the JVM, then ``mapInArrow`` writes Parquet **from the executors through the store's own
-   pyarrow/fsspec filesystem**. This is the decision on writes: it needs no Hadoop connector jar
-   (``s3a://`` is not in the pyspark wheel), the same code path serves local, S3, GCS, Azure, HDFS
-   and DBFS and is testable end to end against an S3 server, there is no ``_temporary`` rename
-   (slow on object stores), and the tasks return exact row counts and row-group sizes, so no listing
-   or footer read follows. Nulls/NaNs and wrong lengths are counted in the same pass; the driver
-   raises a clear error (or the rows are dropped with ``drop_invalid_rows=True``).
+4. One write job: ``repartition(num_proc * partitions_per_process, xxhash64(columns))``, then
+   ``vector_to_array`` for dense ML vectors in the JVM, then ``mapInArrow`` writes Parquet **from
+   the executors through the store's own pyarrow/fsspec filesystem**. This is the decision on
+   writes: it needs no Hadoop connector jar (``s3a://`` is not in the pyspark wheel), the same code
+   path serves local, S3, GCS, Azure, HDFS and DBFS and is testable end to end against an S3
+   server, there is no ``_temporary`` rename (slow on object stores), and the tasks return exact
+   row counts and row-group sizes, so no listing or footer read follows. Nulls/NaNs and wrong
+   lengths are counted in the same pass; the driver raises a clear error (or the rows are dropped
+   with ``drop_invalid_rows=True``). The shuffle mixes the rows of every input partition into every
+   output partition (a sorted or grouped DataFrame does not give a rank one class), and
+   ``coalesce`` would not. It hashes the rows' content instead of dealing them round-robin: Spark
+   sorts every partition before a round-robin shuffle (so that a retried task sends the same rows
+   to the same place), and a hash shuffle is as deterministic without that sort (~0.8 s of a 1M x
+   32 write here). The partitions then differ by about the square root of their rows, which costs
+   nothing: the readers cut equal shares for every rank out of all files (``data/shards.py``).
 5. The metadata is written last and atomically: its presence means the dataset is complete.
    Concurrent preparations of different data get different indexes; two processes preparing the
    same data write distinct file names, the first to publish wins and the other removes its files.
@@ -268,7 +274,9 @@ def _write(
     drop_invalid: bool,
     rank_imports: tuple[str, ...] = (),
 ) -> DatasetMetadata:
-    frame, has_split = training_frame(df, columns, validation_col, fraction, seed, partitions)
+    frame, has_split = training_frame(
+        df, columns, validation_col, fraction, seed, partitions, by_content=True
+    )
     token = uuid.uuid4().hex[:10]
     train_dir = store.get_train_data_path(idx)
     val_dir = store.get_val_data_path(idx) if has_split else None

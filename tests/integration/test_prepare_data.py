@@ -222,6 +222,47 @@ def test_uneven_rows_give_equal_batch_counts(spark, store):
     assert steps == [7, 7] and sorted(rows) == list(range(101))
 
 
+def test_sorted_rows_are_mixed_across_ranks_by_a_hash_shuffle_without_a_sort(spark, tmp_path):
+    """A DataFrame sorted by label (all 0s, then all 1s) must not give a rank one class.
+
+    The write hashes each row's content (no round-robin, so Spark adds no sort before the
+    shuffle); the same rows land in the same files each time, as a retried task needs.
+    """
+    from spark_estimators.data.columns import training_frame
+
+    df = spark.range(400, numPartitions=2).selectExpr("id", "cast(id >= 200 as double) as y")
+    metas = [
+        prepare_data(2, LocalStore(str(tmp_path / name)), df, "id", "y", partitions_per_process=2)
+        for name in ("a", "b")
+    ]
+    assert [m.train_rows for m in metas] == [400, 400]
+    shards = []
+    for meta, name in zip(metas, ("a", "b"), strict=True):
+        st = LocalStore(str(tmp_path / name))
+        per_rank = []
+        for rank in range(2):
+            reader = make_batch_reader(
+                st.to_remote(), meta, split="train", rank=rank, size=2, batch_size=50,
+                shuffle=False, columns=["id", "y"],
+            )  # fmt: skip
+            ids, labels = [], []
+            for batch in reader:
+                ids += batch["id"].tolist()
+                labels += batch["y"].tolist()
+            assert len(ids) == 200  # equal shares whatever the files hold
+            assert 60 <= sum(labels) <= 140, f"rank {rank} got {sum(labels):.0f} of 200 ones"
+            per_rank.append(sorted(ids))
+        shards.append(per_rank)
+        assert sorted(per_rank[0] + per_rank[1]) == list(range(400))
+    assert shards[0] == shards[1]  # deterministic placement
+    columns = list(metas[0].columns.values())
+    frame, _ = training_frame(df, columns, None, 0.0, 0, 4, by_content=True)
+    plan = frame._jdf.queryExecution().executedPlan().toString()
+    # Spark's sort before a shuffle is inside the exchange (not in the plan): it comes with
+    # RoundRobinPartitioning only.
+    assert "hashpartitioning(xxhash64(" in plan and "RoundRobinPartitioning" not in plan, plan
+
+
 def test_nulls_and_nans_are_counted_by_column_or_dropped(spark, store):
     data = [
         (i, None if i % 10 == 0 else float(i), [float(i), float("nan") if i == 3 else 1.0])
