@@ -75,12 +75,13 @@ def cv_distributor(df: Any, cfg: dict[str, Any]) -> float:
     from pyspark.sql import functions as F
 
     def one_fit(frame: Any, epochs: int) -> float:
-        """Seconds of one successful fit; a crashed one (seen: SIGABRT in a rank) is retried."""
+        """Seconds of one successful fit; a crashed one (seen: SIGABRT in a rank) is retried.
+
+        A hung attempt is retried inside fit_distributor, which counts only the fit that ends.
+        """
         for attempt in (1, 2):
-            t0 = time.time()
             try:
-                fit_distributor(frame, dict(cfg, epochs=epochs))
-                return time.time() - t0
+                return float(fit_distributor(frame, dict(cfg, epochs=epochs))["total_s"])
             except Exception as exc:  # noqa: BLE001 - reported, retried once
                 print(f"TorchDistributor fit failed (attempt {attempt}, not counted): {exc!r:.200}")
         raise RuntimeError("TorchDistributor failed twice")
