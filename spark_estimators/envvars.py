@@ -156,6 +156,11 @@ def env_int(name: str, default: int) -> int:
     return int(_env_number(name, default, int, "an integer"))
 
 
+def env_on(name: str) -> bool:
+    """A switch that is on unless set to ``0``, ``false``, ``no`` or ``off`` (any case)."""
+    return os.environ.get(name, "").strip().lower() not in ("0", "false", "no", "off")
+
+
 def first_set(*names: str) -> str | None:
     """The first of ``names`` set to a non-empty value in the environment, or None."""
     for name in names:

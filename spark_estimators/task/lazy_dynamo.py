@@ -33,7 +33,6 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
-import os
 import sys
 import threading
 import types
@@ -199,7 +198,7 @@ _FINDER = _Finder()
 
 def enabled() -> bool:
     """False when ``SPARK_ESTIMATORS_LAZY_DYNAMO`` is ``0``/``false``/``no``."""
-    return os.environ.get(ev.LAZY_DYNAMO, "1").strip().lower() not in ("0", "false", "no", "off")
+    return ev.env_on(ev.LAZY_DYNAMO)
 
 
 def install() -> bool:

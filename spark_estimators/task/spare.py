@@ -55,6 +55,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from spark_estimators.envvars import env_on
 from spark_estimators.task import zygote
 from spark_estimators.task.zygote import ForkedRank, ZygoteGone
 
@@ -154,7 +155,7 @@ def enabled() -> bool:
     """
     if not sys.platform.startswith("linux"):
         return False
-    return os.environ.get(SPARE_ENV, "").strip().lower() not in ("0", "false", "no", "off")
+    return env_on(SPARE_ENV)
 
 
 def _idle_s() -> float:

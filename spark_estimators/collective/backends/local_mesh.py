@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<QQ")
 _HELLO = struct.Struct("<Q16s")
-_PEERCRED = struct.Struct("3i")
+_PEERCRED = struct.Struct("3i")  # task/zygote.py reads it too (no shared helper: layers)
 _KEY = "spark_estimators/mesh/"
 
 
@@ -63,7 +63,7 @@ def enabled(rank_count: int, ranks_here: int) -> bool:
     """True when all ``rank_count`` (> 1) ranks are on this host, on Linux, and it is not off."""
     if rank_count < 2 or ranks_here != rank_count or not sys.platform.startswith("linux"):
         return False
-    return os.environ.get(ev.LOCAL_MESH, "").strip().lower() not in ("0", "false", "no", "off")
+    return ev.env_on(ev.LOCAL_MESH)
 
 
 class LocalMesh:
