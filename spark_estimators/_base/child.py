@@ -19,6 +19,20 @@ from typing import Any, NoReturn
 
 #: The collective timeline module, flushed before exit when the rank used it (never imported here).
 _TIMELINE_MODULE = "spark_estimators.collective.api.timeline"
+#: An exit code as the status pipe of a forked rank carries it (task/zygote.py).
+EXIT_CODE = struct.Struct("!i")
+#: The write end of this process's status pipe, when a zygote forked it (else None).
+_status_fd: int | None = None
+
+
+def report_exit_code_to(fd: int) -> None:
+    """Have :func:`exit_now` write the exit code to ``fd`` (a forked rank's status pipe).
+
+    The zygote that forked the rank writes the code too when it reaps it, but a zygote that died
+    first cannot: the rank's own word keeps a healthy rank healthy.
+    """
+    global _status_fd
+    _status_fd = fd
 
 
 def read_config() -> dict[str, Any]:
@@ -88,4 +102,9 @@ def exit_now(code: int) -> NoReturn:
     if timeline is not None:
         timeline.flush_all()
     flush_streams()
+    if _status_fd is not None:
+        try:
+            os.write(_status_fd, EXIT_CODE.pack(code))
+        except OSError:
+            pass  # the task is gone: nobody to tell
     os._exit(code)

@@ -18,6 +18,13 @@ start time, :mod:`spark_estimators._base.liveness`), and :func:`create_scratch` 
 listed). A task process that exits normally while a scratch dir is still there (an interpreter
 shutdown in the middle of a task) removes it at exit. Dirs without ``.owner`` (made by an
 earlier version) are left alone.
+
+The temp dir is shared with the host's other users, so that cleanup trusts only what it can prove
+is ours (:mod:`spark_estimators._base.owned`): a ``se-rank-*`` dir counts only when it is a real
+directory of our user that nobody else may enter (``mkdtemp`` makes it so), its ``.owner`` and
+``.remove-at-exit`` only when they are regular files of ours inside it, and a listed path is
+removed only when it is a directory of ours (never through a link). A stranger's planted dir,
+whatever its ``.owner`` and list say, is left alone.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import tempfile
 
 from spark_estimators import envvars as ev
 from spark_estimators._base.liveness import is_gone, process_id
+from spark_estimators._base.owned import is_owned, is_private_dir, read_owned_file
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +96,15 @@ def remove_orphans(base: str) -> list[str]:
         return removed
     for name in names:
         path = os.path.join(base, name)
+        if not is_private_dir(path):
+            continue  # another user's (or a link): never ours to remove
+        text = read_owned_file(os.path.join(path, _OWNER))
         try:
-            with open(os.path.join(path, _OWNER), encoding="utf-8") as f:
-                owner = json.load(f)
-            gone = is_gone(str(owner["host_id"]), int(owner["pid"]), str(owner["start"]))
-        except (OSError, ValueError, KeyError, TypeError):
+            owner = json.loads(text) if text is not None else None
+            gone = owner is not None and is_gone(
+                str(owner["host_id"]), int(owner["pid"]), str(owner["start"])
+            )
+        except (ValueError, KeyError, TypeError):
             continue  # not ours to judge: no owner file (an earlier version), or unreadable
         if gone:
             remove_scratch(path)
@@ -112,8 +124,11 @@ def remove_scratch(path: str | None) -> None:
     if path is None:
         return
     _live.discard(path)
-    with contextlib.suppress(OSError), open(os.path.join(path, _MANIFEST), encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                shutil.rmtree(line.strip(), ignore_errors=True)
+    if not is_private_dir(path):
+        return  # not (or no longer) a scratch dir of ours: leave it
+    listed = read_owned_file(os.path.join(path, _MANIFEST)) or ""
+    for line in listed.splitlines():
+        target = line.strip()
+        if os.path.isabs(target) and is_owned(target):
+            shutil.rmtree(target, ignore_errors=True)
     shutil.rmtree(path, ignore_errors=True)

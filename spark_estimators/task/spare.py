@@ -38,12 +38,23 @@ sockets). Cost: one idle process per executor and framework, ~320 MB RSS with to
 and pandas imported; its children share those pages until they write to them.
 ``data="stream"`` ranks are forked too: the task's spill events reach them through a FIFO that
 the rank process opens (:mod:`spark_estimators.task.stream_spill`).
+
+On a host shared with other users the address must be neither predictable nor trusted: it is
+derived from a random **zygote key** kept in ``<temp dir>/spark-estimators-<uid>/zygote.key``, a
+directory only our user can enter (:func:`zygote_key`); the task sends its request only to a
+listener of our user and proves the key; the zygote gets the key on its stdin (never on a
+command line, which ``ps`` shows to everyone). If another user's process holds the address (it
+bound the name after our zygote's idle exit: abstract names can be read in ``/proc/net/unix``),
+the key is replaced, which moves the address, and a new zygote starts there. If the directory is
+someone else's, there is no zygote (ranks start as plain processes) and a warning says why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
+import logging
 import os
 import socket
 import subprocess
@@ -55,9 +66,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from spark_estimators._base.owned import private_dir, read_owned_file, same_user_peer
 from spark_estimators.envvars import env_on
 from spark_estimators.task import zygote
 from spark_estimators.task.zygote import ForkedRank, ZygoteGone
+
+logger = logging.getLogger(__name__)
 
 SPARE_ENV = "SPARK_ESTIMATORS_SPARE_RANKS"
 IDLE_ENV = "SPARK_ESTIMATORS_SPARE_RANK_IDLE_S"
@@ -171,16 +185,78 @@ def _worker_env() -> dict[str, str]:
     return env
 
 
-def address(preimport: tuple[str, ...], env: dict[str, str]) -> str:
+_KEY_FILE = "zygote.key"
+
+
+def _key_dir() -> str | None:
+    name = f"spark-estimators-{os.geteuid()}"
+    path = private_dir(tempfile.gettempdir(), name)
+    if path is None:
+        logger.warning(
+            "%s is not a private directory of this user (someone else made it, or others may "
+            "enter it): rank processes start without a zygote",
+            os.path.join(tempfile.gettempdir(), name),
+        )
+    return path
+
+
+def _read_key(path: str) -> bytes | None:
+    text = (read_owned_file(path, limit=256) or "").strip()
+    if len(text) != 2 * zygote.KEY_BYTES:
+        return None
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return None
+
+
+def zygote_key(renew: bool = False) -> bytes | None:
+    """The zygote key of this user on this host (made on first use); None without a private dir.
+
+    ``renew``: replace it (another user holds the address the old key named). Written under a
+    temporary name and linked or renamed into place, so a reader never sees half a key.
+    """
+    directory = _key_dir()
+    if directory is None:
+        return None
+    path = os.path.join(directory, _KEY_FILE)
+    key = None if renew else _read_key(path)
+    if key is not None:
+        return key
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".key-")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(os.urandom(zygote.KEY_BYTES).hex())
+    if renew:
+        os.replace(tmp, path)
+    else:
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)  # unless another worker wrote one meanwhile: then that one
+        os.unlink(tmp)
+    return _read_key(path)
+
+
+def address(preimport: tuple[str, ...], env: dict[str, str], key: bytes) -> str:
     """The zygote's abstract socket for ranks with ``env``, in this worker's executor.
 
-    Named after the user, the workers' parent (PySpark's daemon: one per executor and Python
-    environment), the modules and the import-time variables, so every worker of the executor
-    finds the zygote any of them started, and a rank whose import-time variables differ finds
-    none.
+    Named after the zygote key, the user, the workers' parent (PySpark's daemon: one per
+    executor and Python environment), the modules and the import-time variables, so every worker
+    of the executor finds the zygote any of them started, a rank whose import-time variables
+    differ finds none, and nobody without the key can tell the name in advance.
     """
-    key = repr((os.getuid(), os.getppid(), preimport, sorted(import_time_env(env).items())))
-    return "\0spark-estimators-zygote-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+    parts = repr((os.getuid(), os.getppid(), preimport, sorted(import_time_env(env).items())))
+    digest = hashlib.sha256(key + parts.encode()).hexdigest()[:32]
+    return "\0spark-estimators-zygote-" + digest
+
+
+def _held_by_stranger(addr: str) -> bool:
+    """Whether a process of another user listens at ``addr``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5.0)
+        try:
+            probe.connect(addr)
+        except OSError:
+            return False  # nobody listens (a zygote that just ended): bind again next time
+        return not same_user_peer(probe)
 
 
 def ensure(preimport: tuple[str, ...]) -> None:
@@ -194,17 +270,24 @@ def ensure(preimport: tuple[str, ...]) -> None:
     env = _worker_env()
     with _lock:
         _started[:] = [p for p in _started if p.poll() is None]
-        listener = zygote.listen(address(preimport, env))
-        if listener is None:
-            return  # a zygote holds the address already
+        key = zygote_key()
+        if key is None:
+            return
+        listener = zygote.listen(address(preimport, env, key))
+        if listener is None and _held_by_stranger(address(preimport, env, key)):
+            logger.warning("another user holds this executor's zygote address: moving it")
+            key = zygote_key(renew=True)
+            listener = zygote.listen(address(preimport, env, key)) if key else None
+        if listener is None or key is None:
+            return  # a zygote of ours holds the address already
         with listener:
-            _started.append(_start(preimport, env, listener))
+            _started.append(_start(preimport, env, listener, key))
 
 
 def _start(
-    preimport: tuple[str, ...], env: dict[str, str], listener: socket.socket
+    preimport: tuple[str, ...], env: dict[str, str], listener: socket.socket, key: bytes
 ) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -214,13 +297,17 @@ def _start(
             str(os.getppid()),
             *preimport,
         ],
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=env,
         start_new_session=True,
         pass_fds=(listener.fileno(),),
     )
+    assert proc.stdin is not None
+    with proc.stdin:  # the key travels on stdin: a command line is visible to every user
+        proc.stdin.write(key.hex().encode() + b"\n")
+    return proc
 
 
 def take(preimport: tuple[str, ...], env: dict[str, str]) -> ForkedRank | None:
@@ -232,8 +319,11 @@ def take(preimport: tuple[str, ...], env: dict[str, str]) -> ForkedRank | None:
     """
     if not preimport or not enabled():
         return None
+    key = zygote_key()
+    if key is None:
+        return None
     try:
-        return zygote.request_fork(address(preimport, env))
+        return zygote.request_fork(address(preimport, env, key), key)
     except ZygoteGone:
         return None
 
@@ -242,6 +332,9 @@ def main() -> None:
     """The zygote process: import, then fork a rank per request (:func:`zygote.serve`)."""
     idle_s, fd, executor = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     names = sys.argv[4:]
+    key = bytes.fromhex(sys.stdin.readline().strip())
+    os.close(0)  # the rank's stdin comes with each request
+    os.open(os.devnull, os.O_RDONLY)
     from spark_estimators.task import context, lazy_dynamo
 
     context.mark("zygote_started")
@@ -256,7 +349,7 @@ def main() -> None:
             pass
     context.mark("zygote_imported")
     try:
-        zygote.serve(socket.socket(fileno=fd), idle_s, become_rank, executor)
+        zygote.serve(socket.socket(fileno=fd), idle_s, become_rank, executor, key=key)
     except ProcessLookupError:
         pass  # the executor ended while this imported
     os._exit(0)

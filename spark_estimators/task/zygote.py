@@ -13,7 +13,18 @@ to the zygote's loop: it reads the rank's settings from stdin and runs as that r
 (:func:`spark_estimators.task.spare.become_rank`), then exits. The zygote reaps it and writes its
 exit code to the status pipe, which :class:`ForkedRank` reads: to the task, a forked rank looks
 like a ``subprocess.Popen`` (``stdin``/``stdout``/``stderr``, ``poll``, ``wait``, ``pid``,
-its own process group). Only a peer of the same user is served (``SO_PEERCRED``).
+its own process group).
+
+Both ends check each other before anything is sent or forked (the host may be shared): the task
+connects only to a zygote of its own user (``SO_PEERCRED`` of the listener) and sends nothing
+else; the zygote serves only a peer of its own user that presents the zygote's key (a random
+secret in a directory only our user can enter, see :mod:`spark_estimators.task.spare`), which also
+names the address. A stranger who binds the address (abstract names are listed in
+``/proc/net/unix``) gets no request and no config from us.
+
+A forked rank writes its own exit code to the status pipe before it exits, and the zygote writes
+it again when it reaps the child: a zygote that dies first (killed, out of memory) does not fail
+the ranks it forked, which run on as orphans and report as usual.
 
 A fork costs a few milliseconds whatever the load, where a new interpreter importing torch costs
 2-3 s of CPU: a later fit's ranks need no spare imported ahead on cycles the running fit leaves
@@ -26,6 +37,8 @@ executor's PySpark daemon (the workers' parent) ends.
 
 from __future__ import annotations
 
+import hmac
+import logging
 import os
 import select
 import signal
@@ -38,10 +51,17 @@ import warnings
 from collections.abc import Callable
 from typing import IO, NoReturn
 
+from spark_estimators._base.child import EXIT_CODE as _CODE
+from spark_estimators._base.child import report_exit_code_to
+from spark_estimators._base.owned import peer_uid, same_user_peer
+
+logger = logging.getLogger(__name__)
+
 _PID = struct.Struct("!q")
-_CODE = struct.Struct("!i")
-#: The message that asks the zygote for a child (with four fds).
+#: The message that asks the zygote for a child (with four fds), followed by the zygote's key.
 _FORK = b"F"
+#: Bytes of the zygote's key (:func:`spark_estimators.task.spare.zygote_key`).
+KEY_BYTES = 32
 #: How long a task waits for the zygote's answer (it may still be importing).
 REPLY_TIMEOUT_S = 120.0
 
@@ -61,9 +81,16 @@ class ForkedRank:
     """
 
     def __init__(
-        self, pid: int, stdin: IO[bytes], stdout: IO[bytes], stderr: IO[bytes], status_fd: int
+        self,
+        pid: int,
+        stdin: IO[bytes],
+        stdout: IO[bytes],
+        stderr: IO[bytes],
+        status_fd: int,
+        zygote_pid: int = 0,
     ) -> None:
         self.pid = pid
+        self.zygote_pid = zygote_pid
         self.stdin: IO[bytes] | None = stdin
         self.stdout: IO[bytes] | None = stdout
         self.stderr: IO[bytes] | None = stderr
@@ -85,8 +112,14 @@ class ForkedRank:
             os.close(status_fd)
         if len(data) == _CODE.size:
             self.returncode = _CODE.unpack(data)[0]
-        else:  # the zygote is gone before the child: wait for the child itself where we can
+        else:  # the child ended without its word and the zygote is gone: code unknown
             self._wait_orphan()
+            logger.warning(
+                "rank process %d ended without reporting its exit code, and the zygote (pid %d) "
+                "that forked it had ended before it; counted as exit code 1",
+                self.pid,
+                self.zygote_pid,
+            )
             self.returncode = 1
         self._ended.set()
 
@@ -121,8 +154,20 @@ class ForkedRank:
             pass
 
 
-def request_fork(address: str, timeout: float = REPLY_TIMEOUT_S) -> ForkedRank:
-    """Ask the zygote listening at ``address`` for a child; :class:`ZygoteGone` if it cannot."""
+def _peer_pid(sock: socket.socket) -> int:
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return 0
+    return int(struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, option, 12))[0])
+
+
+def request_fork(address: str, key: bytes, timeout: float = REPLY_TIMEOUT_S) -> ForkedRank:
+    """Ask the zygote listening at ``address`` for a child; :class:`ZygoteGone` if it cannot.
+
+    The listener must run as this user (``SO_PEERCRED``), else nothing is sent and
+    :class:`ZygoteGone` says who holds the address; ``key`` proves to the zygote that the request
+    is ours.
+    """
     ours: list[int] = []
     theirs: list[int] = []
     for child_reads in (True, False, False, False):  # stdin, stdout, stderr, status
@@ -133,7 +178,14 @@ def request_fork(address: str, timeout: float = REPLY_TIMEOUT_S) -> ForkedRank:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(address)
-            socket.send_fds(sock, [_FORK], theirs)
+            if not same_user_peer(sock):
+                logger.warning(
+                    "the zygote address is held by a process of user %s, not ours: not used",
+                    peer_uid(sock),
+                )
+                raise ZygoteGone(f"the zygote address is held by user {peer_uid(sock)}")
+            zygote_pid = _peer_pid(sock)
+            socket.send_fds(sock, [_FORK + key], theirs)
             reply = b""
             while len(reply) < _PID.size:
                 chunk = sock.recv(_PID.size - len(reply))
@@ -149,7 +201,7 @@ def request_fork(address: str, timeout: float = REPLY_TIMEOUT_S) -> ForkedRank:
             os.close(fd)
     stdin = os.fdopen(ours[0], "wb")
     stdout, stderr = os.fdopen(ours[1], "rb"), os.fdopen(ours[2], "rb")
-    return ForkedRank(_PID.unpack(reply)[0], stdin, stdout, stderr, ours[3])
+    return ForkedRank(_PID.unpack(reply)[0], stdin, stdout, stderr, ours[3], zygote_pid)
 
 
 def listen(address: str) -> socket.socket | None:
@@ -164,26 +216,20 @@ def listen(address: str) -> socket.socket | None:
     return sock
 
 
-def _same_user(conn: socket.socket) -> bool:
-    """The peer runs as this process's user (``SO_PEERCRED``; True where that is missing)."""
-    peercred = getattr(socket, "SO_PEERCRED", None)
-    if peercred is None:
-        return True
-    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, peercred, 12))
-    return uid == os.getuid()
-
-
 def serve(
     listener: socket.socket,
     idle_s: float,
     become_rank: Callable[[], object],
     executor_pid: int | None = None,
+    *,
+    key: bytes,
 ) -> None:
     """The zygote's loop: fork a child per request, reap children, report their exit codes.
 
     Requests come from any PySpark worker of the executor (one connection each; a peer of
-    another user is refused). Returns after ``idle_s`` seconds with neither a request nor a
-    child, or when process ``executor_pid`` (the workers' parent) has ended. Single-threaded on
+    another user, or one without ``key``, is refused). Returns after ``idle_s`` seconds with
+    neither a request nor a child, or when process ``executor_pid`` (the workers' parent) has
+    ended. Single-threaded on
     purpose: ``fork`` copies only the calling thread, so the zygote holds no lock another
     thread could have taken.
     """
@@ -202,7 +248,7 @@ def serve(
             os.read(wake_r, 512)
         _reap(status)
         if listener.fileno() in ready:
-            _answer(listener, status, [wake_r, wake_w], executor, become_rank)
+            _answer(listener, status, [wake_r, wake_w], executor, become_rank, key)
 
 
 def _pidfd(pid: int | None) -> int | None:
@@ -219,6 +265,7 @@ def _answer(
     own: list[int],
     executor: int | None,
     become_rank: Callable[[], object],
+    key: bytes,
 ) -> None:
     """Accept one request and fork its child (a malformed or foreign request is dropped)."""
     try:
@@ -229,12 +276,12 @@ def _answer(
         fds: list[int] = []
         try:
             conn.settimeout(5.0)  # the client sends at once
-            if not _same_user(conn):
+            if not same_user_peer(conn):
                 return
-            msg, fds, _flags, _addr = socket.recv_fds(conn, 16, 4)
+            msg, fds, _flags, _addr = socket.recv_fds(conn, len(_FORK) + KEY_BYTES + 1, 4)
         except OSError:
             msg = b""
-        if msg != _FORK or len(fds) != 4:
+        if not hmac.compare_digest(msg, _FORK + key) or len(fds) != 4:
             for fd in fds:
                 os.close(fd)
             return
@@ -289,7 +336,8 @@ def _child(fds: list[int], inherited: list[int], become_rank: Callable[[], objec
         os.setsid()  # its own process group, as a plain rank (start_new_session)
         for fd in inherited:
             os.close(fd)
-        os.close(fds[3])  # the status pipe is the zygote's
+        os.set_inheritable(fds[3], False)  # the status pipe: this rank's, not its children's
+        report_exit_code_to(fds[3])
         for target, fd in enumerate(fds[:3]):
             os.dup2(fd, target)
             os.close(fd)

@@ -1,7 +1,9 @@
 """The zygote's fork protocol (spark_estimators/task/zygote.py), with real processes.
 
 A small zygote runs ``serve`` with a ``become_rank`` that reports what a forked child sees
-(its pid, process group, parent, a numpy draw) and exits with the code it reads on stdin.
+(its pid, process group, parent, a numpy draw) and exits with the code it reads on stdin (a
+negative code: wait for a second line with the code, as a rank that runs on). It exits through
+``exit_now``, as a real rank does.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ ZYGOTE = textwrap.dedent(
     """
     import json, os, socket, sys
     import numpy as np
+    from spark_estimators._base.child import exit_now
     from spark_estimators.task import zygote
 
     def become_rank():
@@ -31,13 +34,16 @@ ZYGOTE = textwrap.dedent(
         print(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "ppid": os.getppid(),
                           "draw": float(np.random.random())}), flush=True)
         if code < 0:
-            sys.stdin.readline()  # wait to be killed
-        os._exit(code)
+            code = int(sys.stdin.readline())  # wait for the code (or to be killed)
+        exit_now(code)
 
+    key = bytes.fromhex(os.environ.pop("TEST_ZYGOTE_KEY"))
     executor = int(sys.argv[3]) if len(sys.argv) > 3 else None
-    zygote.serve(socket.socket(fileno=int(sys.argv[1])), float(sys.argv[2]), become_rank, executor)
+    zygote.serve(socket.socket(fileno=int(sys.argv[1])), float(sys.argv[2]), become_rank, executor,
+                 key=key)
     """
 )
+KEY = os.urandom(zygote.KEY_BYTES)
 
 
 def _spawn(address: str, *extra: str) -> subprocess.Popen:
@@ -48,6 +54,7 @@ def _spawn(address: str, *extra: str) -> subprocess.Popen:
             [sys.executable, "-c", ZYGOTE, str(listener.fileno()), "60", *extra],
             pass_fds=(listener.fileno(),),
             start_new_session=True,
+            env={**os.environ, "TEST_ZYGOTE_KEY": KEY.hex()},
         )
 
 
@@ -62,7 +69,7 @@ def small_zygote():
 
 
 def _start(address: str, code: int) -> tuple[zygote.ForkedRank, dict]:
-    rank = zygote.request_fork(address, timeout=60)
+    rank = zygote.request_fork(address, KEY, timeout=60)
     assert rank.stdin is not None and rank.stdout is not None
     rank.stdin.write(f"{code}\n".encode())
     rank.stdin.flush()
@@ -110,32 +117,36 @@ def test_an_address_has_one_zygote_and_the_zygote_leaves_with_its_executor():
         executor.wait()
         assert proc.wait(timeout=60) == 0  # ... and so does its zygote
         with pytest.raises(zygote.ZygoteGone):
-            zygote.request_fork(address, timeout=5)
+            zygote.request_fork(address, KEY, timeout=5)
     finally:
         for p in (proc, executor):
             p.kill()
             p.wait()
 
 
-def test_a_peer_of_another_user_is_not_served(small_zygote):
+def test_a_peer_of_another_user_is_not_served_even_with_the_key(small_zygote):
     if os.getuid() != 0:
         pytest.skip("needs root to connect as another user")
-    _proc, address = small_zygote
+    proc, address = small_zygote
+    before = _children(proc.pid)
     code = textwrap.dedent(
         f"""
-        import os, sys
-        from spark_estimators.task import zygote  # before: nobody may not read the stdlib
+        import os, socket
         os.setgid(65534); os.setuid(65534)
-        try:
-            zygote.request_fork({address!r}, timeout=10)
-        except zygote.ZygoteGone as exc:
-            print("refused:", exc)
-        else:
-            print("served")
+        r, w = os.pipe()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect({address!r})
+            try:
+                socket.send_fds(s, [b"F" + {KEY!r}], [r, w, w, w])
+                print("served" if s.recv(8) else "refused")
+            except ConnectionResetError:  # closed unread
+                print("refused")
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.startswith("refused:"), out.stdout + out.stderr
+    assert out.stdout.strip() == "refused", out.stdout + out.stderr
+    assert _children(proc.pid) == before
     rank, _ = _start(address, 0)  # the zygote still serves its own user
     assert rank.wait(timeout=60) == 0
 
@@ -145,7 +156,36 @@ def test_a_dead_zygote_is_reported_not_waited_for(small_zygote):
     proc.kill()
     proc.wait()
     with pytest.raises(zygote.ZygoteGone):
-        zygote.request_fork(address, timeout=5)
+        zygote.request_fork(address, KEY, timeout=5)
+
+
+def test_a_request_without_the_key_forks_nothing(small_zygote):
+    proc, address = small_zygote
+    before = _children(proc.pid)
+    with pytest.raises(zygote.ZygoteGone):
+        zygote.request_fork(address, os.urandom(zygote.KEY_BYTES), timeout=10)
+    assert _children(proc.pid) == before  # dropped before any fork
+    rank, _ = _start(address, 0)  # the zygote still serves the key's holder
+    assert rank.wait(timeout=60) == 0
+
+
+def _children(pid: int) -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process(pid).children()}
+
+
+def test_a_rank_outlives_its_zygote_and_reports_its_own_exit_code(small_zygote):
+    """Killing the zygote in the middle of a fit must not fail the ranks it forked."""
+    proc, address = small_zygote
+    rank, _ = _start(address, -1)
+    os.killpg(proc.pid, signal.SIGKILL)  # the zygote only: the rank leads its own group
+    proc.wait()
+    assert rank.poll() is None  # still running
+    assert rank.stdin is not None
+    rank.stdin.write(b"0\n")
+    rank.stdin.flush()
+    assert rank.wait(timeout=60) == 0  # its own word: healthy (was 1, "failed")
 
 
 def test_a_child_orphaned_by_its_zygote_is_waited_for(small_zygote):

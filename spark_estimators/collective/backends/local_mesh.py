@@ -19,10 +19,16 @@ Setup, at ``init()``:
    to a listening socket returns at once, before the peer accepts.
 3. Each rank publishes whether all its connects worked, and reads every rank's answer.
 4. If every rank connected, each accepts its higher ranks. It checks each peer's user
-   (``SO_PEERCRED``) and token.
+   (``SO_PEERCRED``) before it reads a byte, then the token; a peer that sends no hello within
+   :data:`HELLO_TIMEOUT_S` is dropped and the rank accepts the next one.
+5. Each rank publishes whether it accepted all its higher ranks, and reads every rank's answer.
 
-If any rank could not connect, every rank drops the mesh and the backend gathers as before. That
-happens, for example, with ranks in different network namespaces that share a hostname. Set
+If any rank could not connect or accept, every rank drops the mesh and the backend gathers as
+before (a warning says why when it was not a plain "not reachable"). That happens, for example,
+with ranks in different network namespaces that share a hostname, or when another local process
+connects to a rank's socket (abstract names can be read in ``/proc/net/unix``) and stays silent:
+the mesh is then given up within the start timeout, ``init()`` still succeeds. Each connecting
+rank checks that the socket it reached belongs to its own user too. Set
 ``SPARK_ESTIMATORS_LOCAL_MESH=0`` to turn the mesh off. It needs Linux (abstract sockets).
 
 A message is a 16-byte header (the round number and the payload's bytes), then the payload. A
@@ -35,7 +41,6 @@ backend failure.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import select
 import socket
@@ -47,6 +52,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from spark_estimators import envvars as ev
+from spark_estimators._base.owned import peer_uid, same_user_peer
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -55,8 +61,9 @@ logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<QQ")
 _HELLO = struct.Struct("<Q16s")
-_PEERCRED = struct.Struct("3i")  # task/zygote.py reads it too (no shared helper: layers)
 _KEY = "spark_estimators/mesh/"
+#: How long an accepted peer may take to send its hello (the ranks send it right after connect).
+HELLO_TIMEOUT_S = 5.0
 
 
 def enabled(rank_count: int, ranks_here: int) -> bool:
@@ -98,7 +105,18 @@ class LocalMesh:
                 logger.debug("local mesh off: rank(s) %s could not connect", failed)
                 _close(peers)
                 return None
-            _accept_higher(listener, rank, size, token, start_timeout, peers)
+            accepted = _accept_higher(listener, rank, size, token, start_timeout, peers)
+            store.set(f"{_KEY}accepted/{rank}", "1" if accepted else "0")
+            answers = [store.get(f"{_KEY}accepted/{r}") for r in range(size)]
+            if any(a != b"1" for a in answers):
+                failed = [r for r, a in enumerate(answers) if a != b"1"]
+                logger.warning(
+                    "local mesh off, collectives gather through the backend: rank(s) %s did not "
+                    "get a hello from every local rank within the start timeout",
+                    failed,
+                )
+                _close(peers)
+                return None
         except BaseException:
             _close(peers)
             raise
@@ -175,6 +193,8 @@ def _connect_lower(
         sock.settimeout(timeout)
         try:
             sock.connect("\0" + name)
+            if not same_user_peer(sock):
+                raise ConnectionRefusedError(f"the socket is held by user {peer_uid(sock)}")
             sock.sendall(_HELLO.pack(rank, bytes.fromhex(token_hex)))
         except OSError as exc:
             sock.close()
@@ -191,25 +211,44 @@ def _accept_higher(
     token: bytes,
     timeout: float,
     peers: dict[int, socket.socket],
-) -> None:
-    """Accept every higher rank (queued already); refuse other users and wrong tokens."""
-    listener.settimeout(timeout)
-    uid = os.getuid()
-    while len(peers) < size - 1:
-        conn, _ = listener.accept()
-        conn.settimeout(timeout)
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        hello = _recv_exact(conn, _HELLO.size)
-        peer, their_token = _HELLO.unpack(hello) if hello else (-1, b"")
-        _, peer_uid, _ = _PEERCRED.unpack(creds)
-        if peer_uid != uid or not secrets.compare_digest(their_token, token):
+) -> bool:
+    """Accept every higher rank (queued already); False if they are not all there in time.
+
+    A peer of another user is closed before a byte is read from it; one without the token, or
+    silent for :data:`HELLO_TIMEOUT_S`, is closed and the next one accepted.
+    """
+    deadline = time.monotonic() + timeout
+    wanted = size - 1 - rank
+    accepted = 0
+    while accepted < wanted:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        listener.settimeout(left)
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            return False
+        if not same_user_peer(conn):
+            logger.warning("local mesh: refused a connection of user %s", peer_uid(conn))
             conn.close()
-            logger.warning("local mesh: refused a connection (uid %d) without the token", peer_uid)
+            continue
+        conn.settimeout(min(HELLO_TIMEOUT_S, max(left, 0.01)))
+        try:
+            hello = _recv_exact(conn, _HELLO.size)
+        except OSError:
+            hello = b""
+        peer, their_token = _HELLO.unpack(hello) if hello else (-1, b"")
+        if not secrets.compare_digest(their_token, token):
+            conn.close()
+            logger.warning("local mesh: refused a connection without the token")
             continue
         if not rank < peer < size or peer in peers:
             conn.close()
             raise ConnectionError(f"local mesh: rank {rank} got a second hello from rank {peer}")
         peers[peer] = conn
+        accepted += 1
+    return True
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
