@@ -201,3 +201,56 @@ def test_enabled_only_for_several_ranks_all_on_this_host(monkeypatch: pytest.Mon
     assert not local_mesh.enabled(4, 2)  # two hosts (or a host-hash salt)
     monkeypatch.setenv("SPARK_ESTIMATORS_LOCAL_MESH", "0")
     assert not local_mesh.enabled(2, 2)
+
+
+def _silent_connection(store: Any, connected: threading.Event, done: threading.Event) -> None:
+    """Connect to rank 0's mesh socket first and say nothing until ``done``."""
+    import socket
+
+    name, _ = store.get("spark_estimators/mesh/0").decode().rsplit(":", 1)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect("\0" + name)
+        connected.set()
+        done.wait(60)
+
+
+def test_a_silent_connection_is_dropped_and_the_mesh_still_forms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before issue 40 it held rank 0 until the start timeout, then a bare TimeoutError."""
+    monkeypatch.setattr(local_mesh, "HELLO_TIMEOUT_S", 0.5)
+    store = _store()
+    connected, done = threading.Event(), threading.Event()
+    threading.Thread(target=_silent_connection, args=(store, connected, done), daemon=True).start()
+
+    def body(rank: int, shared: Any) -> list[list[int]]:
+        if rank == 1:
+            connected.wait(20)  # the silent connection is queued first
+        mesh = _connect(rank, shared, 2)
+        assert mesh is not None
+        try:
+            return mesh.allgather(np.array([rank], dtype=np.int64)).tolist()
+        finally:
+            mesh.close()
+
+    try:
+        assert _on_ranks(2, body, store) == [[[0], [1]]] * 2
+    finally:
+        done.set()
+
+
+def test_a_mesh_not_accepted_in_time_is_dropped_on_every_rank() -> None:
+    """The fallback: every rank gets None (the backend gathers), no rank raises."""
+    store = _store()
+    connected, done = threading.Event(), threading.Event()
+    threading.Thread(target=_silent_connection, args=(store, connected, done), daemon=True).start()
+
+    def body(rank: int, shared: Any) -> LocalMesh | None:
+        if rank == 1:
+            connected.wait(20)
+        return LocalMesh.connect(shared, rank, 2, timeout=20.0, start_timeout=0.5)
+
+    try:
+        assert _on_ranks(2, body, store) == [None, None]
+    finally:
+        done.set()
