@@ -89,24 +89,56 @@ def _is_number(value: object) -> bool:
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Start every rank from ``root_rank``'s model and optimizer state.
 
-    Runs in ``on_train_begin`` of every ``fit`` (Keras 3 builds the optimizer before that; an
-    unbuilt one is built here). Broadcasts ``model.variables`` (trainable, non-trainable,
-    seed-generator state) and ``model.optimizer.variables`` (iteration counter, slots).
+    Broadcasts ``model.variables`` (trainable, non-trainable, seed-generator state) and
+    ``model.optimizer.variables`` (iteration counter, slots) once per ``fit``:
+
+    - in ``on_train_begin`` when the model already has its variables (a functional model, or a
+      ``Sequential`` with an ``Input``); an optimizer not built yet is built here for them;
+    - else after the first batch, as horovod does (``on_train_batch_end``): a ``Sequential``
+      without an ``Input``, a subclassed ``keras.Model`` or one with its own ``train_step`` gets
+      its variables, and the optimizer its slots, only inside the first step. Building the
+      optimizer before would tie it to no variables ("Unknown variable ... This optimizer can
+      only be called for the variables it was originally built with"). The first step then runs
+      from each rank's own initial weights; the broadcast after it makes the ranks equal.
+
+    ``local_variables``: variables (or a list of them) that stay each rank's own (horovod's
+    argument): they are left out of the broadcast.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = ""):
+    def __init__(
+        self,
+        root_rank: int = 0,
+        device: str = "",
+        local_variables: keras.Variable | Sequence[keras.Variable] | None = None,
+    ):
         super().__init__()
         self.root_rank = root_rank
         self.device = device
+        if local_variables is None:
+            local_variables = []
+        elif not isinstance(local_variables, list | tuple):
+            local_variables = [local_variables]
+        self._local_ids = {id(v) for v in local_variables}
         self.broadcast_done = False
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
-        """Broadcast the model's (and optimizer's) variables from ``root_rank``."""
+        """Broadcast from ``root_rank`` now if the model has its variables (else after batch 1)."""
+        self.broadcast_done = False
+        if self.model.trainable_variables:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: Logs | None = None) -> None:
+        """Broadcast after the first batch when the model had no variables before it."""
+        if not self.broadcast_done:
+            self._broadcast()
+
+    def _broadcast(self) -> None:
         model = self.model
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built:
             optimizer.build(model.trainable_variables)
-        broadcast_variables(model.variables, self.root_rank, name="bcast.model")
+        shared = [v for v in model.variables if id(v) not in self._local_ids]
+        broadcast_variables(shared, self.root_rank, name="bcast.model")
         if optimizer is not None:
             broadcast_variables(optimizer.variables, self.root_rank, name="bcast.optimizer")
         self.broadcast_done = True
