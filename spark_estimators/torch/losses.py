@@ -64,6 +64,7 @@ def compute_loss(
     not a weighted average, so two rows of equal weight count the same in any batch. A loss
     with several values per row (an ``[n, k]`` output) is averaged over them first.
     """
+    check_output_count(len(outputs), len(labels))
     if loss_weights is None:
         loss_weights = [1.0 / len(outputs)] * len(outputs)
     total = None
@@ -84,6 +85,19 @@ def compute_loss(
         total = value * float(weight) if total is None else total + value * float(weight)
     assert total is not None  # as_list gives at least one output
     return total
+
+
+def check_output_count(outputs: int, labels: int, label_cols: Sequence[str] = ()) -> None:
+    """A clear error when the model returns another number of outputs than there are labels."""
+    if outputs == labels:
+        return
+    named = f" {list(label_cols)!r}" if label_cols else ""
+    raise ValueError(
+        f"the model returns {outputs} output(s) but there are {labels} label column(s){named}: "
+        f"each output is compared with one label column by its own loss. Return {labels} "
+        f"output(s) from forward() (e.g. the first of a tuple), or list {outputs} columns in "
+        "label_cols (and as many losses)"
+    )
 
 
 def unreduced(loss_fn: Loss) -> Loss:

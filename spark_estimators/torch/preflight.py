@@ -121,6 +121,10 @@ def check_model_on_rows(
             except Exception as exc:  # noqa: BLE001 - explained, then raised with the cause
                 raise _forward_error(spec, model, inputs, exc) from exc
             outputs, matched = loss_lib.transform_outputs(out, labels)
+            try:
+                loss_lib.check_output_count(len(outputs), len(labels), spec.label_cols)
+            except ValueError as exc:
+                raise ConfigurationError(str(exc)) from None
             loss_fn = loss_lib.LossFn(
                 losses, spec.loss_weights, weighted=bool(spec.sample_weight_col)
             )

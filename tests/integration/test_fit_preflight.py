@@ -129,3 +129,32 @@ def test_store_failure_on_an_executor_is_a_store_error_naming_the_path(spark, df
     assert train_path in message and "executor" in message
     assert "Traceback" not in message
     assert not os.path.exists(str(tmp_path / "store" / "intermediate_train_data"))
+
+
+class _TwoOutputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y, y * 2
+
+
+def test_more_outputs_than_label_columns_is_named_before_training(spark, df, tmp_path):
+    """Issue 44 item 6: it was a raw ``zip() argument 2 is longer than argument 1``."""
+    model = _TwoOutputs()
+    est = estimator(LocalStore(str(tmp_path)), model=model)
+    with pytest.raises(ConfigurationError) as info:
+        est.fit(df)
+    assert str(info.value).startswith(
+        "the model returns 2 output(s) but there are 1 label column(s) ['y']"
+    )
+
+
+def test_the_rank_side_loss_names_the_output_count_too():
+    from spark_estimators.torch.losses import compute_loss
+
+    out = torch.zeros(4, 1)
+    with pytest.raises(ValueError, match=r"returns 2 output\(s\) but there are 1 label"):
+        compute_loss([torch.nn.MSELoss()], [out, out], [out], None, None)
