@@ -22,12 +22,13 @@ import numpy as np
 from spark_estimators.core import checkpoint
 from spark_estimators.core import rank as protocol
 from spark_estimators.keras.serialization import scale_learning_rate
+from spark_estimators.store.layout import CHECKPOINT_FILENAME
 from spark_estimators.task.scratch import make_temp_dir, scratch_root
 
 if TYPE_CHECKING:
     from spark_estimators.store.base import StoreBase
 
-CHECKPOINT_FILE = "checkpoint.keras"
+CHECKPOINT_FILE = CHECKPOINT_FILENAME
 FRAMEWORK = "keras"
 
 #: Keras's ``logs`` argument of a callback hook.

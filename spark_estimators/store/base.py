@@ -34,6 +34,7 @@ from spark_estimators.store._exclusive import write_if_absent
 from spark_estimators.store._filesystems import FilesystemSpec
 from spark_estimators.store.compat import HorovodStoreMethods
 from spark_estimators.store.layout import (  # noqa: F401  (the layout's names, also here)
+    CHECKPOINT_FILENAME,
     CHECKPOINTS_SUBDIR,
     LOGS_SUBDIR,
     METADATA_SUFFIX,
@@ -153,6 +154,14 @@ class StoreBase(HorovodStoreMethods):
     def get_checkpoint_path(self, run_id: str | None = None) -> str:
         """Directory that holds the checkpoints of a run."""
         return join_path(self.get_run_path(run_id), CHECKPOINTS_SUBDIR)
+
+    def get_checkpoint_filename(self) -> str:
+        """The file name of a run's Keras checkpoint in :meth:`get_checkpoint_path` (horovod's).
+
+        ``checkpoint.keras``: horovod named it ``checkpoint.h5``, Keras 3 saves ``.keras``. The
+        torch and Lightning estimators keep their checkpoints under other names in the same dir.
+        """
+        return CHECKPOINT_FILENAME
 
     def get_logs_path(self, run_id: str | None = None) -> str:
         """Directory that holds the logs (e.g. TensorBoard) of a run."""

@@ -18,6 +18,9 @@ VAL_DATA_NAME = "intermediate_val_data"
 TEST_DATA_NAME = "intermediate_test_data"
 RUNS_NAME = "runs"
 CHECKPOINTS_SUBDIR = "checkpoints"
+#: The Keras estimator's checkpoint in a run's checkpoint dir (horovod's was ``checkpoint.h5``;
+#: Keras 3 saves whole models only as ``.keras``).
+CHECKPOINT_FILENAME = "checkpoint.keras"
 
 LOGS_SUBDIR = "logs"
 METADATA_SUFFIX = ".metadata.json"

@@ -49,7 +49,7 @@ from spark_estimators.collective import api as _api
 from spark_estimators.collective.api import *  # noqa: F403
 from spark_estimators.collective.api.numpy_ops import allgather_object, barrier, broadcast_object
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
-from spark_estimators.collective.keras import callbacks
+from spark_estimators.collective.keras import callbacks, elastic
 from spark_estimators.collective.keras.callbacks import (
     BroadcastGlobalVariablesCallback,
     LearningRateScheduleCallback,
@@ -63,6 +63,7 @@ from spark_estimators.collective.keras.optimizer import (
     DistributedOptimizer,
     FP16Compressor,
     NoneCompressor,
+    PartialDistributedOptimizer,
     is_distributed,
 )
 from spark_estimators.collective.runtime.process_sets import ProcessSet
@@ -187,6 +188,7 @@ __all__ = [
     "LearningRateWarmupCallback",
     "MetricAverageCallback",
     "NoneCompressor",
+    "PartialDistributedOptimizer",
     "allgather",
     "allgather_object",
     "allreduce",
@@ -196,6 +198,7 @@ __all__ = [
     "broadcast_object",
     "broadcast_variables",
     "callbacks",
+    "elastic",
     "is_distributed_optimizer",
     "load_model",
     "reducescatter",

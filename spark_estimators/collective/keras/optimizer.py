@@ -186,6 +186,9 @@ class _DistributedMixin:
     """Overrides ``apply``; every other method is the user's optimizer class's own."""
 
     _se_reducer: _Reducer | None = None
+    #: ids of the variables whose gradients stay local (PartialDistributedOptimizer).
+    _se_local_ids: frozenset[int] = frozenset()
+    _se_scale_local: bool = True
 
     def apply(
         self,
@@ -194,8 +197,34 @@ class _DistributedMixin:
     ) -> object:
         reducer = self._se_reducer
         if reducer is not None and _core.is_initialized() and _core.size() > 1:
-            grads = allreduce_gradients(list(grads), reducer)
+            if self._se_local_ids:
+                grads = self._se_partial(list(grads), trainable_variables, reducer)
+            else:
+                grads = allreduce_gradients(list(grads), reducer)
         return super().apply(grads, trainable_variables)  # type: ignore[misc]
+
+    def _se_partial(
+        self,
+        grads: list[tf.Tensor | None],
+        trainable_variables: Sequence[keras.Variable] | None,
+        reducer: _Reducer,
+    ) -> list[tf.Tensor | None]:
+        """Average the shared variables' gradients; the local ones stay (scaled by 1/size)."""
+        variables = list(
+            trainable_variables if trainable_variables is not None else self._trainable_variables  # type: ignore[attr-defined]
+        )
+        local = [id(v) in self._se_local_ids for v in variables]
+        shared = [i for i, is_local in enumerate(local) if not is_local]
+        reduced = allreduce_gradients([grads[i] for i in shared], reducer)
+        for i, g in zip(shared, reduced, strict=True):
+            grads[i] = g
+        if self._se_scale_local:
+            scale = 1.0 / _core.size()
+            for i, is_local in enumerate(local):
+                g = grads[i]
+                if is_local and g is not None:
+                    grads[i] = g * scale
+        return grads
 
 
 def distributed_class(base: type) -> type:
@@ -367,3 +396,64 @@ def check_initialized(what: str) -> None:
             f"{what} needs the collective group: call spark_estimators.collective.keras.init() "
             "first"
         )
+
+
+def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: type[Compressor] = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: ReduceOp | int | None = None,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: int | Sequence[Sequence[keras.Variable]] | None = None,
+    process_set: ProcessSet | None = None,
+    scale_local_gradients: bool = True,
+    local_layers: keras.layers.Layer | Sequence[keras.layers.Layer] | None = None,
+) -> keras.optimizers.Optimizer:
+    """A :func:`DistributedOptimizer` that leaves the gradients of ``local_layers`` local.
+
+    The trainable variables of ``local_layers`` (a layer or a list of layers) are updated from
+    this rank's own gradients, every other variable from the average across ranks (horovod's
+    ``PartialDistributedOptimizer``). ``scale_local_gradients`` (default, as horovod): a local
+    gradient is divided by the number of ranks, so that a rank's local and shared updates keep
+    the same scale. Other parameters: as :func:`DistributedOptimizer`.
+
+    Examples
+    --------
+    >>> opt = hvd.PartialDistributedOptimizer(  # doctest: +SKIP
+    ...     keras.optimizers.SGD(0.01), local_layers=[model.get_layer("rank_head")]
+    ... )
+    """
+    if local_layers is None:
+        layers: list[keras.layers.Layer] = []
+    elif isinstance(local_layers, list | tuple):
+        layers = list(local_layers)
+    else:
+        layers = [local_layers]
+    dist = DistributedOptimizer(
+        optimizer,
+        name=name,
+        device_dense=device_dense,
+        device_sparse=device_sparse,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        groups=groups,
+        process_set=process_set,
+    )
+    local_ids = frozenset(id(v) for layer in layers for v in layer.trainable_weights)
+    if layers and not local_ids:
+        raise ConfigurationError(
+            "local_layers have no trainable weights yet: build the model (call it once, or give "
+            "it an Input) before making the PartialDistributedOptimizer"
+        )
+    dist._se_local_ids = local_ids
+    dist._se_scale_local = scale_local_gradients
+    return dist
