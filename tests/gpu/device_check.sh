@@ -25,10 +25,10 @@ status=0
 nvidia-smi -L
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
       'devices', torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version())"
-timeout 240 $PY -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" \
+timeout 150 $PY -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" \
   | tail -25
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
-timeout 360 $PY tests/gpu/estimators_local.py --device cuda --out "$OUT" 2>&1 \
+timeout 270 $PY tests/gpu/estimators_local.py --device cuda --out "$OUT" 2>&1 \
   | tee "$OUT/estimators.log" | grep -v '^\[0\].*UserWarning' | tail -40
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 if [ "${DEVICE_CHECK_CONFORMANCE:-0}" = 1 ]; then

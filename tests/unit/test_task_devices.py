@@ -108,6 +108,9 @@ def test_two_gpus_per_task():
         assert get_device() == "cuda:2"
     ranks = _ranks(regs)
     assert [r["get_device"] for r in ranks] == ["0", "2"]
+    assert [r["tf_idiom"] for r in ranks] == ["0", "2"]
+    # horovod's set_device(local_rank) assumes one GPU per process: local rank 1 gets GPU 1.
+    assert [r["set_device_local_rank"] for r in ranks] == ["0", "1"]
 
 
 def test_numeric_order_of_addresses():
