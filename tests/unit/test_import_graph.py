@@ -202,8 +202,5 @@ def test_collective_layers_import_only_downwards():
     # ground floor, _base, which imports nothing above it, is below every layer)
     ours = {m: top[m] | deferred[m] for m in top if m.startswith(c)}
     floor = (c, "spark_estimators.errors", "spark_estimators.envvars", "spark_estimators._base")
-    outside = {
-        m: sorted(t for t in ts if not t.startswith(floor))
-        for m, ts in ours.items()
-    }
+    outside = {m: sorted(t for t in ts if not t.startswith(floor)) for m, ts in ours.items()}
     assert {m: ts for m, ts in outside.items() if ts} == {}
