@@ -157,6 +157,7 @@ def ours(store, args, device: str, work: str, round_no: int) -> float:
         shuffle=False,
         callbacks=[EpochClock(clock)],
         run_id=f"bench_{round_no}",
+        **({"train_reader_num_workers": args.reader_workers} if args.reader_workers else {}),
     )
     est.fit_on_parquet()
     with open(clock) as f:
@@ -205,6 +206,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--width", type=int, default=64, help="channels of the first stage")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--reader-workers", type=int, default=0, help="train_reader_num_workers")
     p.add_argument("--tiny", action="store_true", help="CI sizes: 64 rows of 3x16x16, width 8")
     p.add_argument("--out", default=None, help="also write the result as JSON here")
     args = p.parse_args()
@@ -229,6 +231,8 @@ def main() -> int:
         "image": [3, args.image, args.image],
         "batch": args.batch,
         "epochs_timed": args.epochs - 1,
+        "width": args.width,
+        "reader_workers": args.reader_workers or "default",
         "ours": [],
         "plain": [],
     }
