@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spark_estimators.core.backend import Backend, SparkBackend
+from spark_estimators.core.backend import Backend, LocalBackend, SparkBackend
 from spark_estimators.elastic import run_elastic
 from spark_estimators.errors import (
     CollectiveError,
@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "LocalBackend",
     "CollectiveError",
     "ConfigurationError",
     "RendezvousTimeoutError",

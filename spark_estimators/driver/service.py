@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypedDict, TypeVar, Unpack
 
+from spark_estimators._base.gpus import gpus_key, host_gpus
 from spark_estimators.driver.kvstore import RendezvousKV, StoreRequest
 from spark_estimators.driver.rpc import Connection, RpcServer
 from spark_estimators.errors import RemoteError
@@ -136,12 +137,17 @@ class RankSettings:
     master_addr: str
     master_port: int
     host_hash: str
+    #: The job's GPUs on this host in local-rank order: the rank's ``CUDA_VISIBLE_DEVICES``.
+    host_gpus: tuple[str, ...] = ()
 
 
 def assign_ranks(regs: list[Registration]) -> dict[int, RankSettings]:
-    """Map task index -> settings; ranks of one host hash are contiguous, in task-index order.
+    """Map task index -> settings; ranks of one host hash are contiguous.
 
-    Hosts are ordered by their lowest task index, so task 0's host holds rank 0.
+    Hosts are ordered by their lowest task index. On a host, ranks follow the tasks' GPU
+    addresses ("0" < "1" < "10"), then task index (the only order without GPUs), so that with
+    one GPU per task ``local_rank`` numbers the host's GPUs in order and ``host_gpus`` (the
+    ranks' ``CUDA_VISIBLE_DEVICES``) puts each rank's GPU at position ``local_rank``.
     ``cross_rank`` / ``cross_size`` follow Horovod: the rank among the processes that share a
     ``local_rank`` across hosts, and how many such processes there are.
     """
@@ -149,6 +155,9 @@ def assign_ranks(regs: list[Registration]) -> dict[int, RankSettings]:
     for reg in sorted(regs, key=lambda r: r.index):
         by_host.setdefault(reg.host_hash, []).append(reg)
     hosts = list(by_host)  # insertion order = lowest task index first
+    for peers in by_host.values():
+        peers.sort(key=lambda r: (gpus_key(r.gpus), r.index))
+    visible = {h: host_gpus(r.gpus for r in by_host[h]) for h in hosts}
     ordered = [reg for h in hosts for reg in by_host[h]]
     master = ordered[0]
     out: dict[int, RankSettings] = {}
@@ -166,6 +175,7 @@ def assign_ranks(regs: list[Registration]) -> dict[int, RankSettings]:
             master_addr=master.address,
             master_port=master.port,
             host_hash=reg.host_hash,
+            host_gpus=visible[reg.host_hash],
         )
     return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TypedDict, Unpack
+from typing import NotRequired, TypedDict, Unpack
 
 from spark_estimators.driver.launch_job import positive_int, positive_seconds
 from spark_estimators.driver.rpc import Connection
@@ -47,6 +47,7 @@ class JoinMessage(TypedDict):
     host: str
     host_hash: str
     address: str
+    gpus: NotRequired[tuple[str, ...]]
 
 
 class WorkerFailure(TypedDict):
@@ -90,6 +91,7 @@ class Worker:
     port: int = 0
     rank: int | None = None  # rank in the round it last took part in
     died_at: float | None = None
+    gpus: tuple[str, ...] = ()  # the task's Spark GPU addresses (orders local ranks)
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,7 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
                 host_hash=data["host_hash"],
                 address=data["address"],
                 seq=self._seq,
+                gpus=tuple(data.get("gpus", ())),
             )
             conn.attrs["worker_id"] = wid
             self._cond.notify_all()
@@ -354,7 +357,13 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
         ordered = sorted(chosen, key=lambda w: (w.rank is None, w.rank or 0, w.index, w.seq))
         regs = [
             Registration(
-                index=i, host=w.host, host_hash=w.host_hash, pid=0, address=w.address, port=w.port
+                index=i,
+                host=w.host,
+                host_hash=w.host_hash,
+                pid=0,
+                address=w.address,
+                port=w.port,
+                gpus=w.gpus,
             )
             for i, w in enumerate(ordered)
         ]

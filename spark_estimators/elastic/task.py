@@ -77,6 +77,7 @@ def run_worker(config: TaskConfig, index: int, attempt: int, gpus: tuple[str, ..
                 "host": hostname,
                 "host_hash": host_hash(),
                 "address": client.local_address(),
+                "gpus": gpus,
             },
         )
         if reply["status"] != "ok":
@@ -86,7 +87,9 @@ def run_worker(config: TaskConfig, index: int, attempt: int, gpus: tuple[str, ..
         env.update(reply["env"])
         env["PYTHONUNBUFFERED"] = "1"
         if gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            # A worker outlives its rounds, so its CUDA_VISIBLE_DEVICES cannot follow them: it
+            # keeps the executor's view (Spark's addresses index it; get_device() finds its own),
+            # and local ranks follow the GPU addresses (docs/clusters.md, "GPUs").
             env["SPARK_ESTIMATORS_GPU_ADDRESSES"] = ",".join(gpus)
         code, aborted, tail = _supervise(config, client, wid, index, env)
         retry = False

@@ -115,6 +115,17 @@ def _size_tensorflow(local_size: int, use_gpu: bool | None) -> None:
         tf.config.threading.set_inter_op_parallelism_threads(max(2, threads))
     if use_gpu is False:
         tf.config.set_visible_devices([], "GPU")
+        return
+    # The host's GPUs are visible to every rank (docs/clusters.md, "GPUs"): TensorFlow would
+    # reserve memory on each of them, so it is given the rank's own GPU only, as horovod's
+    # set_visible_devices idiom does.
+    from spark_estimators._base.gpus import own_cuda_indices
+
+    gpus = tf.config.list_physical_devices("GPU")
+    own = [i for i in own_cuda_indices() if i < len(gpus)]
+    if gpus and own:
+        tf.config.set_visible_devices(gpus[own[0]], "GPU")
+        tf.config.experimental.set_memory_growth(gpus[own[0]], True)
 
 
 # -- data ----------------------------------------------------------------------------------------

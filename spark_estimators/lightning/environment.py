@@ -1,8 +1,8 @@
 """Lightning ``ClusterEnvironment`` for rank processes started by spark_estimators.
 
 Every rank of :func:`spark_estimators.run` (and so of :class:`LightningEstimator`) is one process
-that drives exactly one device: the task's GPU (masked so it is ``cuda:0``) or the CPU. Lightning
-is told so with ``Trainer(devices=1, num_nodes=world_size)``: each rank is a "node" of one device,
+that drives exactly one device: the task's GPU (``devices=[get_device()'s index]``) or the CPU.
+Lightning is told so with ``Trainer(num_nodes=world_size)``: each rank is a "node" of one device,
 so Lightning's ``node_rank * devices + local_rank`` is our global rank. The rendezvous point is the
 one our driver assigned (``SPARK_ESTIMATORS_MASTER_ADDR`` / ``_PORT``, a port that rank 0's task
 holds for it on its host); Lightning's DDP strategy creates the ``torch.distributed`` group there.

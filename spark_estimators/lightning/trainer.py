@@ -80,6 +80,12 @@ def rank_uses_cuda(spec: TrainerSpec) -> bool:
     return has_gpu
 
 
+def _own_cuda_index() -> int:
+    from spark_estimators.task import get_device
+
+    return int(get_device().split(":")[1])
+
+
 def _process_group_backend(spec: TrainerSpec, use_cuda: bool) -> str:
     if spec.collective_backend == "auto":
         return "nccl" if use_cuda else "gloo"
@@ -141,7 +147,9 @@ def trainer_kwargs(
     )
     kwargs: dict[str, Any] = {
         "accelerator": "gpu" if use_cuda else "cpu",
-        "devices": 1,
+        # One device per rank: its own GPU (devices=1 would mean cuda:0, which is another
+        # rank's when the host's GPUs are visible, docs/clusters.md "GPUs").
+        "devices": [_own_cuda_index()] if use_cuda else 1,
         "num_nodes": env.world_size(),
         "strategy": strategy,
         "max_epochs": spec.epochs,

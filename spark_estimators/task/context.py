@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from spark_estimators import envvars as ev
+from spark_estimators._base.gpus import own_cuda_indices, split_ids
 
 if TYPE_CHECKING:
     from spark_estimators.driver.rpc import RpcClient
@@ -86,9 +87,10 @@ def get_available_devices() -> list[str]:
     GPU 3 of its executor), or ``[]`` when the task has no GPU. Called inside a plain Spark task
     (not a rank), it asks :class:`pyspark.TaskContext`.
 
-    The launcher masks ``CUDA_VISIBLE_DEVICES`` to exactly these addresses, so inside a rank the
-    first of them is CUDA device 0: pin with :func:`get_device` (``"cuda:0"``), not with
-    ``int(get_available_devices()[0])`` nor ``LOCAL_RANK``.
+    A rank sees the job's GPUs on its host, in local-rank order (docs/clusters.md, "GPUs"): on
+    the usual executor (GPUs ``0..k-1``, one per task) horovod's
+    ``gpus[int(get_available_devices()[0])]`` is the rank's own GPU; :func:`get_device` is it
+    in every case.
 
     >>> from spark_estimators.task import get_available_devices
     >>> get_available_devices()  # doctest: +SKIP
@@ -96,7 +98,7 @@ def get_available_devices() -> list[str]:
     """
     addresses = os.environ.get(ev.SE_GPU_ADDRESSES)
     if addresses is not None:
-        return [a for a in addresses.split(",") if a]
+        return split_ids(addresses)
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
@@ -107,22 +109,21 @@ def get_available_devices() -> list[str]:
 
 
 def get_devices() -> list[str]:
-    """Torch device names of this rank's GPUs (``["cuda:0", ...]``), else ``["cpu"]``.
+    """Torch device names of this rank's own GPUs (``["cuda:1"]``), else ``["cpu"]``.
 
-    Follows ``CUDA_VISIBLE_DEVICES``, which the launcher masks to the task's Spark GPUs, so the
-    task's first GPU is always ``cuda:0`` in the rank.
+    Each of the task's Spark GPUs as CUDA numbers it in the rank (its position in
+    ``CUDA_VISIBLE_DEVICES``). Without Spark addresses (the local launcher) every visible GPU,
+    the one of ``local_rank % count`` first.
     """
-    visible = os.environ.get(ev.CUDA_VISIBLE_DEVICES, "")
-    ids = [v for v in visible.split(",") if v.strip() != ""]
-    if not ids:
-        return ["cpu"]
-    return [f"cuda:{i}" for i in range(len(ids))]
+    indices = own_cuda_indices()
+    return [f"cuda:{i}" for i in indices] if indices else ["cpu"]
 
 
 def get_device() -> str:
-    """The device this rank should train on: ``"cuda:0"`` with a Spark GPU, else ``"cpu"``.
+    """The device this rank should train on: its own GPU (``"cuda:1"``), else ``"cpu"``.
 
-    Use it where Horovod scripts called ``torch.cuda.set_device(hvd.local_rank())``.
+    Right on every executor layout (one or several GPUs per task, any addresses); on the usual
+    one it equals horovod's ``torch.cuda.set_device(hvd.local_rank())``.
 
     >>> import torch
     >>> from spark_estimators.task import get_device

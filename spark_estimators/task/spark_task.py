@@ -113,9 +113,12 @@ def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict
         )
         env.update(zip(ev.HOROVOD_RANK_VARS, map(str, horovod)))
     if gpus:
-        # The rank sees exactly its task's GPUs (as cuda:0..); get_available_devices() still
-        # answers Spark's addresses, as Horovod's does.
-        env[ev.CUDA_VISIBLE_DEVICES] = ",".join(gpus)
+        # The rank sees the job's GPUs on its host in local-rank order (settings.host_gpus):
+        # cuda:local_rank is its own GPU (horovod's set_device idiom), peers stay visible for
+        # NCCL's peer-to-peer paths; get_available_devices() answers Spark's addresses and
+        # get_device() finds them in the list (docs/clusters.md, "GPUs").
+        visible = getattr(settings, "host_gpus", ()) or gpus
+        env[ev.CUDA_VISIBLE_DEVICES] = ",".join(visible)
         env[ev.SE_GPU_ADDRESSES] = ",".join(gpus)
     return env
 

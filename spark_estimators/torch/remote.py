@@ -1,7 +1,7 @@
 """What every rank runs for ``TorchEstimator.fit`` (executor side; module-level, no closures).
 
-Per rank: init the collective group, pick the device (the task's GPU, as ``cuda:0``, when there
-is one and ``use_gpu`` allows), restore the last checkpoint on hot-start, broadcast parameters
+Per rank: init the collective group, pick the device (the task's own GPU, ``get_device()``, when
+there is one and ``use_gpu`` allows), restore the last checkpoint on hot-start, broadcast parameters
 and optimizer state from rank 0, scale the learning rate by the number of ranks (Horovod's rule:
 users give the single-process rate; ``scale_lr=False`` turns it off), train with
 ``DistributedOptimizer`` on the sharded reader, call the callbacks, and on rank 0 write an atomic
@@ -112,6 +112,9 @@ class _Epoch:
         model, user, k = self.model, self.user, self.spec.backward_passes_per_step
         plan = losses.metric_plan(user.metrics, self.spec.label_cols)
         sums = protocol.EpochSums(len(plan))
+        # The loss sum stays on the device until the epoch ends: a float() per step would wait
+        # for the GPU at every step and keep the next batch's host work from overlapping it.
+        loss_sum: torch.Tensor | None = None
         model.train(train)
         for step, batch in enumerate(epoch_batches(reader, self.convert, steps, epoch)):
             inputs, labels, weights = _on_device(self.spec, batch, self.device)
@@ -139,7 +142,12 @@ class _Epoch:
                 for _, metric, index in plan:
                     out = outputs[index].detach()
                     values.append(float(metric(out, losses.match_output(labels[index], out))))
-            sums.add(float(loss.detach()), float(inputs[0].shape[0]), values)
+            rows = float(inputs[0].shape[0])
+            weighted = loss.detach().to(torch.float64) * rows
+            loss_sum = weighted if loss_sum is None else loss_sum + weighted
+            sums.add(0.0, rows, values)
+        if loss_sum is not None:
+            sums.loss = float(loss_sum)
         return protocol.average_over_ranks(sums)
 
 
@@ -220,6 +228,8 @@ def train(spec: TorchTrainSpec) -> dict[str, object]:
     device_name = get_device()
     use_cuda = spec.use_gpu is not False and device_name.startswith("cuda")
     device = torch.device(device_name if use_cuda else "cpu")
+    if use_cuda:  # the host's GPUs are visible: make the rank's own the default one
+        torch.cuda.set_device(device)
     if spec.seed is not None:
         torch.manual_seed(spec.seed)
     user: UserObjects = cloudpickle.loads(spec.user_blob)

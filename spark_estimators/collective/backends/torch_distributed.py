@@ -3,10 +3,11 @@
 * ``gloo``: one Gloo process group; numpy buffers are wrapped zero-copy with ``torch.from_numpy``.
 * ``nccl``: one process group with two backends, ``"cpu:gloo,cuda:nccl"``: CUDA tensors go
   through NCCL, CPU tensors and numpy buffers (negotiation, objects) through Gloo. The rank's
-  device is ``cuda:(local_rank % device_count)``: ``cuda:0`` inside :func:`spark_estimators.run`
-  (the task masks ``CUDA_VISIBLE_DEVICES`` to its GPU), ``cuda:local_rank`` under the local
-  launcher with every GPU visible. NCCL errors and timeouts are handled by torch's NCCL watchdog,
-  which aborts the process when an op exceeds the collective timeout.
+  device is its own GPU (``spark_estimators.task.get_device()``: its Spark address's place in
+  ``CUDA_VISIBLE_DEVICES``, which is ``cuda:local_rank`` on the usual executor), else
+  ``cuda:(local_rank % device_count)`` (the local launcher with every GPU visible). NCCL errors
+  and timeouts are handled by torch's NCCL watchdog, which aborts the process when an op
+  exceeds the collective timeout.
 
 When every rank is on this host, the engine's negotiation rounds (and the small allreduces
 inside them) go through Unix sockets instead (:mod:`.local_mesh`); the ops' data does not.
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from spark_estimators._base.gpus import own_cuda_indices
 from spark_estimators.collective.backends import local_mesh
 from spark_estimators.collective.backends.base import Backend, Buffer, ReduceOp, Topology
 from spark_estimators.errors import CollectiveError, ConfigurationError, RendezvousTimeoutError
@@ -438,6 +440,7 @@ class NcclBackend(TorchDistributedBackend):
                 "backend='nccl' needs a CUDA device, but torch sees none; use backend='gloo' "
                 "or 'auto'"
             )
-        index = self.topology.local_rank % torch.cuda.device_count()
+        own = [i for i in own_cuda_indices() if i < torch.cuda.device_count()]
+        index = own[0] if own else self.topology.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
