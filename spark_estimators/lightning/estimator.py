@@ -38,6 +38,7 @@ from spark_estimators.lightning.callbacks import FRAMEWORK
 from spark_estimators.lightning.model import LightningModel
 from spark_estimators.lightning.preflight import check_training_step_on_rows
 from spark_estimators.lightning.remote import LightningTrainSpec, LightningUserObjects, train
+from spark_estimators.lightning.trainer import check_strategy
 from spark_estimators.torch.estimator import trained_module
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ MIN_PL_VERSION = "2.0.0"
 
 #: Trainer arguments the estimator sets itself: the param to use instead.
 _RESERVED_TRAINER_ARGS = {
-    "strategy": "nothing: the estimator runs Lightning's DDP strategy across its Spark tasks",
     "devices": "num_proc (one device per rank)",
     "num_nodes": "num_proc (one device per rank)",
     "accelerator": "num_gpus / use_gpu",
@@ -253,7 +253,11 @@ class LightningEstimator(SparkEstimator):
         import pytorch_lightning as pl
 
         known = [p for p in inspect.signature(pl.Trainer.__init__).parameters if p != "self"]
-        for key in raw or {}:
+        args = raw or {}
+        for key in args:
+            if key == "strategy":
+                check_strategy(args[key])
+                continue
             if key in _RESERVED_TRAINER_ARGS:
                 raise ConfigurationError(
                     f"trainer_args[{key!r}] is set by LightningEstimator; use "

@@ -202,6 +202,7 @@ def _fit(
             setup.make_logger(user.logger, logs_dir),
             setup.make_profiler(user.profiler, logs_dir),
             run_dir,
+            setup.find_unused_parameters(spec.trainer_args, module),
         )
     )
     convert = converter(spec)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from spark_estimators.core.rank import light_tensorboard
+from spark_estimators.errors import ConfigurationError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -125,6 +126,39 @@ def make_profiler(profiler: Profiler | str | None, logs_dir: str) -> Profiler | 
     return cls(dirpath=logs_dir, filename="profile")
 
 
+#: The ``trainer_args["strategy"]`` values taken: Lightning's DDP names -> find_unused_parameters.
+DDP_STRATEGIES = {
+    "ddp": False,
+    "ddp_find_unused_parameters_false": False,
+    "ddp_find_unused_parameters_true": True,
+}
+
+
+def check_strategy(value: object) -> None:
+    """Refuse a ``trainer_args["strategy"]`` other than Lightning's DDP names (in the driver)."""
+    if value not in DDP_STRATEGIES:
+        raise ConfigurationError(
+            f"trainer_args['strategy']={value!r} is not supported: LightningEstimator runs "
+            f"Lightning's DDP across its Spark tasks; accepted: {sorted(DDP_STRATEGIES)!r} "
+            "(ddp_find_unused_parameters_true for a model whose step leaves parameters without "
+            "gradients)"
+        )
+
+
+def find_unused_parameters(trainer_args: dict[str, Any], module: object) -> bool:
+    """DDP's ``find_unused_parameters``: the user's strategy name, else by the module.
+
+    A module with ``automatic_optimization = False`` (manual optimization: a GAN's generator
+    and discriminator steps, ``toggle_optimizer``) leaves some parameters without gradients in
+    each backward; DDP then needs to look for them, so it is on for such modules. Automatic
+    optimization keeps DDP's faster default (off).
+    """
+    name = trainer_args.get("strategy")
+    if name is not None:
+        return DDP_STRATEGIES[str(name)]
+    return getattr(module, "automatic_optimization", True) is False
+
+
 def trainer_kwargs(
     spec: TrainerSpec,
     use_cuda: bool,
@@ -132,6 +166,7 @@ def trainer_kwargs(
     train_logger: Logger | list[Logger] | bool,
     profiler: Profiler | None,
     default_root_dir: str,
+    find_unused: bool = False,
 ) -> dict[str, Any]:
     """``pl.Trainer`` keywords: DDP on the Spark ranks, one device each, ``trainer_args`` last."""
     from pytorch_lightning.strategies import DDPStrategy
@@ -144,6 +179,7 @@ def trainer_kwargs(
         cluster_environment=env,
         process_group_backend=_process_group_backend(spec, use_cuda),
         timeout=datetime.timedelta(seconds=collective_timeout()),
+        find_unused_parameters=find_unused,
     )
     kwargs: dict[str, Any] = {
         "accelerator": "gpu" if use_cuda else "cpu",
@@ -167,7 +203,7 @@ def trainer_kwargs(
         "enable_model_summary": spec.verbose >= 2,
         "default_root_dir": default_root_dir,
     }
-    kwargs.update(spec.trainer_args)
+    kwargs.update({k: v for k, v in spec.trainer_args.items() if k != "strategy"})
     return kwargs
 
 

@@ -330,7 +330,7 @@ def test_horovod_names_are_aliases():
         ),
         ({"loss": torch.nn.MSELoss()}, r"loss= \(a MSELoss\).*training_step"),
         ({"scale_lr": True}, r"scale_lr=True.*self.trainer.world_size"),
-        ({"trainer_args": {"strategy": "ddp"}}, r"trainer_args\['strategy'\] is set by"),
+        ({"trainer_args": {"strategy": "fsdp"}}, r"trainer_args\['strategy'\]='fsdp' is not"),
         ({"trainer_args": {"max_epochs": 3}}, r"trainer_args\['max_epochs'\].*use epochs"),
         ({"trainer_args": {"gradient_clip": 1.0}}, "Did you mean gradient_clip_val"),
         ({"trainer_args": [1]}, "expected a dict"),
