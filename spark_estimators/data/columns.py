@@ -306,8 +306,10 @@ def training_frame(
         shuffled = shuffled.repartition(partitions, F.xxhash64(*shuffled.columns))
     elif partitions is not None:
         shuffled = shuffled.repartition(partitions)
+    # A null vector stays null, for the writer (or the stream reader) to count and name:
+    # vector_to_array itself fails the task on one, with an error that names no column.
     converted = [
-        vector_to_array(F.col(c.name), "float64").alias(c.name)
+        F.when(F.col(c.name).isNotNull(), vector_to_array(F.col(c.name), "float64")).alias(c.name)
         if c.kind == "vector"
         else F.col(c.name)
         for c in columns

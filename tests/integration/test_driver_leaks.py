@@ -12,7 +12,7 @@ and their zygotes, reused afterwards):
   (the slack covers a py4j callback thread or connection that Spark opens on its own);
 * the soak (``-m slow``, or ``make soak``): 200 ``run()`` calls and 50 ``TorchEstimator`` fits in
   one driver, the same bounds plus child processes <= baseline + 2 (a Python worker Spark
-  starts or lets go) and RSS growth <= 40 MB over the second half of the jobs (the first half
+  starts or lets go) and RSS growth <= 16 MB over the second half of the jobs (the first half
   warms caches: Spark's plan caches, torch's and cloudpickle's).
 """
 
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.spark, pytest.mark.multiprocess]
 THREAD_SLACK = 2
 FD_SLACK = 5
 CHILD_SLACK = 2
-RSS_GROWTH_MB = 40.0
+RSS_GROWTH_MB = 16.0
 
 
 @dataclasses.dataclass(frozen=True)
