@@ -26,6 +26,11 @@ logs one WARNING, retries with a backoff of up to one second and serves the wait
 once descriptors are free again (:attr:`RpcServer.accept_errors` counts the failures).
 Refused connections are counted (:attr:`RpcServer.refusals`) and logged as one WARNING per
 ``log_interval``, not one per connection. The limits come from :class:`RpcLimits`.
+
+:meth:`RpcServer.close` (every job closes its server) stops accepting, closes the listening
+socket and every connection, and joins the accept and connection threads (5 s at most): a
+driver that runs hundreds of jobs keeps its threads, descriptors and ports flat
+(``tests/integration/test_driver_leaks.py``).
 """
 
 from __future__ import annotations
