@@ -174,6 +174,16 @@ class UnverifiedModelWarning(UserWarning):
     """A saved stage was loaded without an integrity check (saved before digests were recorded)."""
 
 
+class NoModelKeyWarning(UserWarning):
+    """A saved stage was loaded without a model key: its SHA-256 was checked, not who wrote it.
+
+    A model signed with a key whose signature was removed and digest rewritten looks exactly like
+    an unsigned one, so every load without a key says so. Set the key the models are signed with
+    (``SPARK_ESTIMATORS_MODEL_KEY`` or ``key=``); if you do not sign models,
+    ``warnings.filterwarnings("ignore", category=NoModelKeyWarning)`` silences it.
+    """
+
+
 def _failure_report(message: str, failures: dict[int, RemoteError]) -> str:
     """The cause's message first, then ``message`` and each rank (see TrainingFailedError)."""
     if not failures:
@@ -203,6 +213,7 @@ __all__ = [
     "ConfigurationError",
     "ElasticResetLimitError",
     "ModelIntegrityError",
+    "NoModelKeyWarning",
     "RemoteError",
     "RendezvousTimeoutError",
     "RpcError",

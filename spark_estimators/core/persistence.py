@@ -19,6 +19,10 @@ outside the storage, also stops someone who can rewrite the metadata. Decisions:
   :class:`~spark_estimators.errors.UnverifiedModelWarning`, unless a key is configured: then it is
   refused, as is any stage without an HMAC (stripping the HMAC must not bypass the key);
 - a signed stage loaded without a key is checked against its SHA-256 only, with a warning;
+- an unsigned stage loaded without a key is checked against its SHA-256, with a
+  :class:`~spark_estimators.errors.NoModelKeyWarning`: without a key nothing can tell it from a
+  signed stage whose signature was stripped and digest rewritten (issue 40), since whoever can
+  rewrite the metadata can remove any record that it was signed. A key at load refuses that case;
 - with a key, the HMAC also covers the metadata that rebuilds the stage (``class``, ``uid``,
   ``paramMap``, ``defaultParamMap``: featureCols, labelCols, ...), recorded as
   ``metadataHmacSha256``; an edited metadata is refused. A stage signed by an earlier version
@@ -54,7 +58,12 @@ from pyspark.ml.util import (
 
 from spark_estimators import envvars
 from spark_estimators._base.versions import installed_pyspark, parse_version
-from spark_estimators.errors import ConfigurationError, ModelIntegrityError, UnverifiedModelWarning
+from spark_estimators.errors import (
+    ConfigurationError,
+    ModelIntegrityError,
+    NoModelKeyWarning,
+    UnverifiedModelWarning,
+)
 
 if TYPE_CHECKING:
     from fsspec.core import OpenFile
@@ -195,7 +204,18 @@ def verify_blob(path: str, blob: bytes, record: Any, key: bytes | None) -> None:
         )
     signature = record.get("hmacSha256")
     if key is None:
-        if signature is not None:
+        if signature is None:
+            warnings.warn(
+                f"{path!r} is loaded without a model key ({envvars.MODEL_KEY} or key=): its "
+                "SHA-256 matched, which catches corruption but not someone who can write the "
+                "model's directory (a model signed with a key whose signature was removed and "
+                "digest rewritten looks exactly like this one). Set the key your models are "
+                "signed with to check who wrote it; if you do not sign models, silence this with "
+                "warnings.filterwarnings('ignore', category=NoModelKeyWarning).",
+                NoModelKeyWarning,
+                stacklevel=4,
+            )
+        else:
             warnings.warn(
                 f"{path!r} is signed but no key is set ({envvars.MODEL_KEY} or key=): only its "
                 "SHA-256 was checked, which does not stop someone who can also rewrite the "

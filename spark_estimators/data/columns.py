@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 #: Rows read to infer shapes when the schema does not give them.
 SAMPLE_ROWS = 32
+#: The boolean column that marks validation rows in the DataFrame handed to the writers/ranks.
+#: A name of ours: a DataFrame that has a column by this name is refused (:func:`check_args`).
+SPLIT_COL = "__spark_estimators_is_val__"
 #: The error for a DataFrame without rows.
 EMPTY_MESSAGE = "the DataFrame is empty (0 rows); check the filters that produced it"
 
@@ -109,6 +112,15 @@ def check_args(
             )
         fraction = float(validation)
     names = list(df.columns)
+    if SPLIT_COL in names:
+        # Ours marks validation rows next to the user's columns: one of the same name would be
+        # ambiguous (used) or silently look like a validation flag it is not (unused).
+        raise ConfigurationError(
+            f"the DataFrame has a column named {SPLIT_COL!r}, a name spark_estimators reserves "
+            "for its own validation flag; rename or drop it first, e.g. "
+            f"df.withColumnRenamed({SPLIT_COL!r}, 'is_val'), and pass validation='is_val' if it "
+            "marks the validation rows"
+        )
     wanted = used + ([validation_col] if validation_col else [])
     missing = [c for c in wanted if c not in names]
     if missing:
@@ -230,10 +242,6 @@ def infer_columns(
     return out
 
 
-#: The boolean column that marks validation rows in the DataFrame handed to the writers/ranks.
-SPLIT_COL = "__spark_estimators_is_val__"
-
-
 def describe_columns(
     df: DataFrame,
     used: list[str],
@@ -298,8 +306,10 @@ def training_frame(
         shuffled = shuffled.repartition(partitions, F.xxhash64(*shuffled.columns))
     elif partitions is not None:
         shuffled = shuffled.repartition(partitions)
+    # A null vector stays null, for the writer (or the stream reader) to count and name:
+    # vector_to_array itself fails the task on one, with an error that names no column.
     converted = [
-        vector_to_array(F.col(c.name), "float64").alias(c.name)
+        F.when(F.col(c.name).isNotNull(), vector_to_array(F.col(c.name), "float64")).alias(c.name)
         if c.kind == "vector"
         else F.col(c.name)
         for c in columns

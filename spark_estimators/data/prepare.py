@@ -36,6 +36,9 @@ How it works
 5. The metadata is written last and atomically: its presence means the dataset is complete.
    Concurrent preparations of different data get different indexes; two processes preparing the
    same data write distinct file names, the first to publish wins and the other removes its files.
+   A preparation that fails (null or NaN values, rows of another length, a failed, cancelled or
+   interrupted write job) removes the files it wrote and the directories it created, so nothing
+   of it stays in the store (a directory another process is writing into is kept).
 
 ``partitions_per_process`` default (None = automatic): enough partitions that each holds about
 64 MiB by Spark's size estimate of the plan (1 to 32 per process), or 4 per process when Spark has
@@ -292,10 +295,13 @@ def _write(
         max_file_bytes=MAX_FILE_BYTES,
         rank_imports=rank_imports,
     )
+    dirs = [d for d in (train_dir, val_dir) if d]
+    existed = {d for d in dirs if store.exists(d)}
     try:
         rows = frame.mapInArrow(writer, INFO_SCHEMA).collect()
-    except Exception as exc:
-        store_error = _executor_store_error(exc)
+    except BaseException as exc:  # a failed task, a cancelled job, an interrupt in a notebook
+        _discard(store, dirs, token, existed)
+        store_error = _executor_store_error(exc) if isinstance(exc, Exception) else None
         if store_error is None:
             raise
         raise StoreError(f"{store_error} (on an executor, in {store!r})") from exc
@@ -315,12 +321,11 @@ def _write(
             dropped += d["stats"]["dropped"]
         else:
             files[d["split"]].append(ParquetFileInfo.from_dict(d))
-    dirs = [d for d in (train_dir, val_dir) if d]
     problem = _bad_data_error(columns, invalid, bad_length, drop_invalid)
     if problem is None and not files["train"] and not files["val"] and not dropped:
         problem = ConfigurationError(EMPTY_MESSAGE)  # no sample job ran to find it before
     if problem is not None or not files["train"]:
-        _sweep(store, dirs, token, {})  # nothing of this preparation stays
+        _discard(store, dirs, token, existed)  # nothing of this preparation stays
     else:
         _sweep(store, dirs, token, files)  # files of failed task attempts
     if problem is not None:
@@ -392,6 +397,22 @@ def _sweep(
         for name in store.listdir(d):
             if f"-{token}-" in name and name not in kept:
                 store.delete(f"{d.rstrip('/')}/{name}")
+
+
+def _discard(store: StoreBase, dirs: list[str], token: str, existed: set[str]) -> None:
+    """Remove what a failed preparation wrote: its files, and the directories it created.
+
+    A directory that existed before (another process preparing the same dataset) or that holds
+    other files now is kept. Errors are logged, not raised: the failure being cleaned up after
+    is the one the caller reports.
+    """
+    try:
+        _sweep(store, dirs, token, {})
+        for d in dirs:
+            if d not in existed and store.exists(d) and not store.listdir(d):
+                store.delete(d)
+    except Exception as exc:
+        logger.warning("prepare_data: could not remove the partial output in %s: %s", dirs, exc)
 
 
 def _publish(store: StoreBase, meta: DatasetMetadata) -> DatasetMetadata:

@@ -24,7 +24,11 @@ from pyspark.ml.linalg import Vectors  # noqa: E402
 
 from spark_estimators import envvars  # noqa: E402
 from spark_estimators.core import persistence  # noqa: E402
-from spark_estimators.errors import ModelIntegrityError, UnverifiedModelWarning  # noqa: E402
+from spark_estimators.errors import (  # noqa: E402
+    ModelIntegrityError,
+    NoModelKeyWarning,
+    UnverifiedModelWarning,
+)
 from spark_estimators.torch import TorchEstimator, TorchModel  # noqa: E402
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
@@ -217,3 +221,49 @@ def test_environment_key_signs_pipeline_stages(tmp_path, monkeypatch):
     monkeypatch.delenv(envvars.MODEL_KEY)
     with pytest.warns(UnverifiedModelWarning, match="signed but no key"):
         PipelineModel.load(path)
+
+
+def test_stripped_signature_and_rewritten_digest_are_flagged_without_a_key(
+    spark, tmp_path, monkeypatch
+):
+    """Issue 40: nothing in the directory can prove a model was signed, so a keyless load warns.
+
+    Whoever can rewrite the metadata can drop any record that the model was signed; a load
+    without a key cannot tell the stripped model from an unsigned one, and says so each time.
+    """
+    monkeypatch.delenv(envvars.MODEL_KEY, raising=False)
+    path = str(tmp_path / "signed")
+    make_model().save(path, key="s3cret")
+    blob = cloudpickle.dumps(
+        {"params": {}, "extra": {**make_model()._extra_state(), "run_id": "forged"}}
+    )
+    with open(os.path.join(path, persistence.BLOB_NAME), "wb") as f:
+        f.write(blob)
+
+    def strip_and_forge(meta):
+        meta[persistence.DIGEST_KEY] = {
+            "file": "stage.pkl",
+            "sha256": hashlib.sha256(blob).hexdigest(),
+        }
+
+    rewrite_metadata(path, strip_and_forge)
+    with pytest.warns(
+        NoModelKeyWarning, match=r"loaded without a model key .*SPARK_ESTIMATORS_MODEL_KEY"
+    ) as seen:
+        loaded = TorchModel.load(path)
+    assert loaded.getRunId() == "forged"  # it did load: without a key it cannot be refused
+    (warning,) = [w for w in seen if issubclass(w.category, NoModelKeyWarning)]
+    assert "signature was removed and digest rewritten" in str(warning.message)
+    # The key refuses the same directory.
+    with pytest.raises(ModelIntegrityError, match="carries no HMAC"):
+        TorchModel.load(path, key="s3cret")
+
+
+def test_unsigned_model_loaded_without_a_key_warns_with_its_own_category(spark, saved):
+    with pytest.warns(NoModelKeyWarning, match="loaded without a model key"):
+        loaded = TorchModel.load(saved)
+    assert same_weights(loaded)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=NoModelKeyWarning)  # the documented opt-out
+        assert same_weights(TorchModel.load(saved))

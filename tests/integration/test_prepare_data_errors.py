@@ -7,6 +7,7 @@ import uuid
 import pytest
 
 from spark_estimators.data import prepare_data
+from spark_estimators.data.columns import SPLIT_COL
 from spark_estimators.errors import ConfigurationError
 from spark_estimators.store import LocalStore
 
@@ -115,3 +116,21 @@ def test_prepare_data_refuses_to_run_inside_a_task(spark, store):
 
     (message,) = spark.sparkContext.parallelize([0], 1).mapPartitions(inside).collect()
     assert "only be called on the Spark driver" in message
+
+
+@pytest.mark.parametrize("used", [False, True], ids=["unused", "feature"])
+def test_a_column_named_like_the_internal_validation_flag_is_refused(spark, store, df, used):
+    """The name is ours: refused before any job, naming the column and the fix (issue 40)."""
+    frame = df.selectExpr("x", "flag", f"not flag as {SPLIT_COL}")
+    features = ["x", SPLIT_COL] if used else ["x"]
+    message = (
+        rf"column named '{SPLIT_COL}', a name spark_estimators reserves.*"
+        rf"withColumnRenamed\('{SPLIT_COL}', 'is_val'\), and pass validation='is_val'"
+    )
+
+    def call():
+        with pytest.raises(ConfigurationError, match=message):
+            prepare_data(2, store, frame, features, ["flag"], validation=0.5)
+
+    assert jobs_run_by(spark, call) == []
+    assert store.list_datasets() == []

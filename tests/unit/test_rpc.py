@@ -13,6 +13,7 @@ import pytest
 
 from spark_estimators.driver.frames import (
     _HEADER,
+    AUTH_BYTES,
     HELLO_BYTES,
     MAC_BYTES,
     MAGIC,
@@ -122,27 +123,63 @@ def test_wrong_key_refused_at_the_handshake_and_nothing_unpickled(server):
     _good_roundtrip(server, "still serving")
 
 
-def test_client_refuses_a_server_without_the_secret():
-    """A fake driver that greets correctly but cannot prove the secret gets no reply read."""
+def _fake_server(proof: bytes | None):
+    """A listener that greets like the driver but does not hold the secret.
+
+    It answers the handshake with ``proof`` (None: never) and records every byte the client
+    sends until the client hangs up.
+    """
     fake = socket.create_server(("127.0.0.1", 0))
-    got = []
+    got = bytearray()
 
     def serve():
         conn, _ = fake.accept()
-        conn.sendall(MAGIC + os.urandom(NONCE_BYTES))
-        got.append(_recv(conn, 52))
-        conn.sendall(os.urandom(MAC_BYTES))  # a proof made without the secret
-        conn.recv(1 << 16)
-        conn.close()
+        with conn:
+            conn.sendall(MAGIC + os.urandom(NONCE_BYTES))
+            if proof is not None:
+                got.extend(_recv(conn, AUTH_BYTES))
+                conn.sendall(proof)
+            conn.settimeout(10)
+            try:
+                while chunk := conn.recv(1 << 16):
+                    got.extend(chunk)
+            except OSError:
+                pass
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    with RpcClient(fake.getsockname()[:2], new_secret()) as client:
-        with pytest.raises(RpcError, match="did not prove that it holds the job's secret"):
-            client.call("ping", 1)
-    t.join(5)
+    return fake, t, got
+
+
+@pytest.mark.parametrize("proof", [os.urandom(MAC_BYTES), None], ids=["forged-proof", "no-proof"])
+def test_client_sends_no_request_byte_to_a_server_without_the_secret(proof):
+    """Only the 52 handshake bytes reach a listener that cannot prove the secret."""
+    fake, t, got = _fake_server(proof)
+    want = "did not prove that it holds" if proof else "did not prove within 1s"
+    with RpcClient(fake.getsockname()[:2], new_secret(), timeout=1.0) as client:
+        with pytest.raises(RpcError, match=want):
+            client.call("register", {"secret-looking": "x" * 100})
+    t.join(10)
     fake.close()
-    assert got and got[0][:4] == MAGIC
+    assert not t.is_alive()
+    assert len(got) == AUTH_BYTES, f"the client sent {len(got) - AUTH_BYTES} request bytes"
+    assert bytes(got[:4]) == MAGIC
+
+
+def test_closed_server_stops_listening_and_ends_its_threads():
+    """close() closes the port and joins the accept and connection threads (they leaked)."""
+    srv = _make_server()
+    before = {t.ident for t in threading.enumerate()}
+    client = RpcClient(srv.address, srv.secret)
+    assert client.call("ping", 1)["echo"] == 1  # a connection thread is serving it now
+    ours = [t for t in threading.enumerate() if t.name.startswith("se-rpc")]
+    assert {t.name for t in ours} == {"se-rpc-accept", "se-rpc-conn"}
+    srv.close()  # joins them (bounded)
+    assert [t.name for t in ours if t.is_alive()] == []
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(srv.address, timeout=2).close()
+    client.close()
+    assert {t.ident for t in threading.enumerate() if t.is_alive()} <= before
 
 
 def test_oversized_length_rejected_before_reading(server):
