@@ -69,8 +69,9 @@ DUPLICATE_NAME_TESTS = [
 @pytest.mark.timeout(600)
 @pytest.mark.xfail(
     strict=True,
-    reason="reported (beyond issue 25 items 1-13): a duplicate in-flight op name is accepted, so "
-    "horovod's *_duplicate_name_error tests (xfail on their own) leave the ranks at different "
+    reason="documented difference: horovod's *_duplicate_name_error tests (xfail on their own: "
+    "the duplicate is refused as in horovod, but rank 0's first op stays pending across a "
+    "barrier, and ops are negotiated in submission order) leave the ranks at different "
     "collectives, and the tests after them in the same run fail with mismatched ops",
 )
 def test_horovod_test_torch_under_two_ranks(tmp_path):

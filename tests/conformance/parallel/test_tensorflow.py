@@ -47,6 +47,17 @@ from base_test_tensorflow import *
 _IS_TF2 = version.parse(tf.__version__) >= version.parse('2.0.0')
 _is_mac = platform.system() == 'Darwin'
 
+
+def _op_error():
+    """conformance: documented difference: the error of an op that fails across ranks.
+
+    Eagerly horovod's ``FailedPreconditionError``; inside a graph (``tf.function``, a TF1 session)
+    the op is a ``tf.py_function``, whose errors TensorFlow re-raises as ``UnknownError`` with our
+    message (docs/conformance.md, test_documented_differences_tensorflow.py). The body runs in both
+    modes instead of being skipped in graph mode.
+    """
+    return tf.errors.FailedPreconditionError if _executing_eagerly() else tf.errors.UnknownError
+
 class TensorFlowTests(BaseTensorFlowTests):
     """
     Tests for ops in horovod.tensorflow.
@@ -1017,8 +1028,6 @@ class TensorFlowTests(BaseTensorFlowTests):
     def test_horovod_allreduce_error(self):
         """Test that the allreduce raises an error if different ranks try to
         send tensors of different rank or dimension."""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         hvd.init()
         rank = hvd.rank()
         size = hvd.size()
@@ -1030,7 +1039,7 @@ class TensorFlowTests(BaseTensorFlowTests):
         # Same rank, different dimension
         dims = [17 + rank] * 3
         tensor = self.random_uniform(dims, -1.0, 1.0)
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.allreduce(tensor))
 
         # Same number of elements, different rank
@@ -1039,14 +1048,12 @@ class TensorFlowTests(BaseTensorFlowTests):
         else:
             dims = [17, 23, 57]
         tensor = self.random_uniform(dims, -1.0, 1.0)
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.allreduce(tensor))
 
     def test_horovod_allreduce_type_error(self):
         """Test that the allreduce raises an error if different ranks try to
         send tensors of different type."""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         hvd.init()
         rank = hvd.rank()
         size = hvd.size()
@@ -1059,7 +1066,7 @@ class TensorFlowTests(BaseTensorFlowTests):
         dims = [17] * 3
         tensor = tf.ones(dims,
                          dtype=tf.int32 if rank % 2 == 0 else tf.float32)
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.allreduce(tensor))
 
     def test_horovod_allreduce_cpu_gpu_error(self):
@@ -2581,8 +2588,6 @@ class TensorFlowTests(BaseTensorFlowTests):
     def test_horovod_allgather_error(self):
         """Test that the allgather returns an error if any dimension besides
         the first is different among the tensors being gathered."""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         hvd.init()
         rank = hvd.rank()
         size = hvd.size()
@@ -2594,14 +2599,12 @@ class TensorFlowTests(BaseTensorFlowTests):
         tensor_size = [17] * 3
         tensor_size[1] = 10 * (rank + 1)
         tensor = tf.ones(tensor_size, dtype=tf.float32) * rank
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.allgather(tensor))
 
     def test_horovod_allgather_type_error(self):
         """Test that the allgather returns an error if the types being gathered
         differ among the processes"""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         hvd.init()
         rank = hvd.rank()
         size = hvd.size()
@@ -2613,7 +2616,7 @@ class TensorFlowTests(BaseTensorFlowTests):
         tensor_size = [17] * 3
         dtype = tf.int32 if rank % 2 == 0 else tf.float32
         tensor = tf.ones(tensor_size, dtype=dtype) * rank
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.allgather(tensor))
 
     def test_horovod_allgather_grad_cpu(self):
@@ -2962,8 +2965,6 @@ class TensorFlowTests(BaseTensorFlowTests):
     def test_horovod_broadcast_error(self):
         """Test that the broadcast returns an error if any dimension besides
         the first is different among the tensors being broadcasted."""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         hvd.init()
         rank = hvd.rank()
         size = hvd.size()
@@ -2975,14 +2976,12 @@ class TensorFlowTests(BaseTensorFlowTests):
         tensor_size = [17] * 3
         tensor_size[1] = 10 * (rank + 1)
         tensor = tf.ones(tensor_size, dtype=tf.float32) * rank
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.broadcast(tensor, 0))
 
     def test_horovod_broadcast_type_error(self):
         """Test that the broadcast returns an error if the types being broadcasted
         differ among the processes"""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         hvd.init()
         rank = hvd.rank()
         size = hvd.size()
@@ -2994,14 +2993,12 @@ class TensorFlowTests(BaseTensorFlowTests):
         tensor_size = [17] * 3
         dtype = tf.int32 if rank % 2 == 0 else tf.float32
         tensor = tf.ones(tensor_size, dtype=dtype) * rank
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.broadcast(tensor, 0))
 
     def test_horovod_broadcast_rank_error(self):
         """Test that the broadcast returns an error if different ranks
         specify different root rank."""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         hvd.init()
         rank = hvd.rank()
         size = hvd.size()
@@ -3011,7 +3008,7 @@ class TensorFlowTests(BaseTensorFlowTests):
             self.skipTest("Only one worker available")
 
         tensor = tf.ones([17] * 3, dtype=tf.float32)
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.broadcast(tensor, rank))
 
     def test_horovod_broadcast_grad_cpu(self):
@@ -3619,8 +3616,6 @@ class TensorFlowTests(BaseTensorFlowTests):
     def test_horovod_alltoall_type_error(self):
         """Test that the alltoall returns an error if the tensor types differ
            across the processes."""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         hvd.init()
         rank = hvd.rank()
         size = hvd.size()
@@ -3635,7 +3630,7 @@ class TensorFlowTests(BaseTensorFlowTests):
             else:
                 tensor = tf.ones([size], dtype=tf.float32)
 
-            with self.assertRaises(tf.errors.FailedPreconditionError):
+            with self.assertRaises(_op_error()):
                 self.evaluate(hvd.alltoall(tensor))
 
     def test_horovod_alltoall_equal_split_length_error(self):
@@ -3676,8 +3671,6 @@ class TensorFlowTests(BaseTensorFlowTests):
     def test_horovod_alltoall_rank_error(self):
         """Test that the alltoall returns an error if any dimension besides
         the first is different among the tensors being processed."""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         hvd.init()
         rank = hvd.rank()
         size = hvd.size()
@@ -3691,7 +3684,7 @@ class TensorFlowTests(BaseTensorFlowTests):
         with tf.device("/cpu:0"):
             tensor = tf.ones(tensor_size)
 
-            with self.assertRaises(tf.errors.FailedPreconditionError):
+            with self.assertRaises(_op_error()):
                 self.evaluate(hvd.alltoall(tensor))
 
     def test_horovod_alltoall_grad_cpu(self):
@@ -4895,8 +4888,6 @@ class TensorFlowTests(BaseTensorFlowTests):
     def test_horovod_reducescatter_error(self):
         """Test that the reducescatter raises an error if different ranks try to
         send tensors of different rank or dimension."""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         if hvd.ccl_built():
             self.skipTest("Reducescatter is not supported yet with oneCCL operations.")
         if _is_mac and hvd.gloo_built() and not hvd.mpi_built():
@@ -4912,7 +4903,7 @@ class TensorFlowTests(BaseTensorFlowTests):
         # Same rank, different dimension
         dims = [17 + rank] * 3
         tensor = self.random_uniform(dims, -1.0, 1.0)
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.reducescatter(tensor))
 
         # Same number of elements, different rank
@@ -4921,14 +4912,12 @@ class TensorFlowTests(BaseTensorFlowTests):
         else:
             dims = [17, 23, 57]
         tensor = self.random_uniform(dims, -1.0, 1.0)
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.reducescatter(tensor))
 
     def test_horovod_reducescatter_type_error(self):
         """Test that the reducescatter raises an error if different ranks try to
         send tensors of different type."""
-        if not _executing_eagerly():  # conformance: documented difference (graph mode only, see docs/conformance.md)
-            pytest.xfail('documented difference: inside a graph (tf.function, TF1 session) an op that fails across ranks raises tf.errors.UnknownError (tf.py_function), not FailedPreconditionError; see test_documented_differences_tensorflow.py')
         if hvd.ccl_built():
             self.skipTest("Reducescatter is not supported yet with oneCCL operations.")
         if _is_mac and hvd.gloo_built() and not hvd.mpi_built():
@@ -4945,7 +4934,7 @@ class TensorFlowTests(BaseTensorFlowTests):
         dims = [17] * 3
         tensor = tf.ones(dims,
                          dtype=tf.int32 if rank % 2 == 0 else tf.float32)
-        with self.assertRaises(tf.errors.FailedPreconditionError):
+        with self.assertRaises(_op_error()):
             self.evaluate(hvd.reducescatter(tensor))
 
     def test_horovod_reducescatter_grad_cpu(self):

@@ -684,7 +684,7 @@ class TorchTests(unittest.TestCase):
         except (torch.FatalError, RuntimeError):
             pass
 
-    @pytest.mark.xfail(strict=True, reason="documented difference: ops are negotiated in submission order on every rank (horovod matched queued ops by name, so rank 0 could leave an op pending across a barrier); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
+    @pytest.mark.xfail(strict=True, reason="documented difference: rank 0 refuses the duplicate name as horovod does (tests/integration/test_collective_duplicate_names.py), then leaves its first op pending across a barrier rank 1 reaches first; ops are negotiated in submission order on every rank (horovod matched queued ops by name); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
     def test_horovod_allreduce_duplicate_name_error(self):
         """Test that the allreduce raises an error if there are
         two concurrent operations with the same name."""
@@ -1301,7 +1301,7 @@ class TorchTests(unittest.TestCase):
         except (torch.FatalError, RuntimeError):
             pass
 
-    @pytest.mark.xfail(strict=True, reason="documented difference: ops are negotiated in submission order on every rank (horovod matched queued ops by name, so rank 0 could leave an op pending across a barrier); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
+    @pytest.mark.xfail(strict=True, reason="documented difference: rank 0 refuses the duplicate name as horovod does (tests/integration/test_collective_duplicate_names.py), then leaves its first op pending across a barrier rank 1 reaches first; ops are negotiated in submission order on every rank (horovod matched queued ops by name); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
     def test_horovod_allgather_duplicate_name_error(self):
         """Test that the allgather raises an error if there are
         two concurrent operations with the same name."""
@@ -1757,7 +1757,7 @@ class TorchTests(unittest.TestCase):
         except (torch.FatalError, RuntimeError):
             pass
 
-    @pytest.mark.xfail(strict=True, reason="documented difference: ops are negotiated in submission order on every rank (horovod matched queued ops by name, so rank 0 could leave an op pending across a barrier); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
+    @pytest.mark.xfail(strict=True, reason="documented difference: rank 0 refuses the duplicate name as horovod does (tests/integration/test_collective_duplicate_names.py), then leaves its first op pending across a barrier rank 1 reaches first; ops are negotiated in submission order on every rank (horovod matched queued ops by name); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
     def test_horovod_broadcast_duplicate_name_error(self):
         """Test that the broadcast raises an error if there are
         two concurrent operations with the same name."""
@@ -3901,7 +3901,7 @@ class TorchTests(unittest.TestCase):
             pass
 
 
-    @pytest.mark.xfail(strict=True, reason="documented difference: ops are negotiated in submission order on every rank (horovod matched queued ops by name, so rank 0 could leave an op pending across a barrier); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
+    @pytest.mark.xfail(strict=True, reason="documented difference: rank 0 refuses the duplicate name as horovod does (tests/integration/test_collective_duplicate_names.py), then leaves its first op pending across a barrier rank 1 reaches first; ops are negotiated in submission order on every rank (horovod matched queued ops by name); see test_documented_differences.py::test_ops_are_negotiated_in_submission_order")
     def test_horovod_reducescatter_duplicate_name_error(self):
         """Test that the reducescatter raises an error if there are
         two concurrent operations with the same name."""
