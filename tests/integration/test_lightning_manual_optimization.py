@@ -91,7 +91,7 @@ def _estimator(tmp_path, module, **kw):
     return LightningEstimator(**opts)
 
 
-@pytest.mark.parametrize("toggle", [True, False])
+@pytest.mark.parametrize("toggle", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_gan_with_two_optimizers_trains_on_two_ranks(spark, real_vectors, tmp_path, toggle):
     module = TinyGAN(toggle=toggle)
     before = module.generator.weight.detach().clone()
