@@ -49,7 +49,8 @@ def test_every_python_block_runs_or_says_why_not():
 
 
 def _run_pages(page_ids: list[str], cwd) -> str:
-    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "PYTHONPATH": path}
     env.pop("SPARK_ESTIMATORS_TEST_SESSION", None)  # its rank processes are its own business
     env.pop("PYTEST_CURRENT_TEST", None)
     done = subprocess.run(
@@ -93,11 +94,12 @@ def page_outputs(request, tmp_path_factory):
 @pytest.mark.parametrize("page", _runnable_pages())
 def test_page_blocks_run_as_written(page, page_outputs):
     output = page_outputs(_page_id(page))
-    ran = [ln.split()[1:3] for ln in output.splitlines() if ln.startswith("DOCS-BLOCK ")]
+    ran = [ln.split()[1:] for ln in output.splitlines() if ln.startswith("DOCS-BLOCK ")]
     want = [f"{b.page}:{b.line}" for b in blocks(page) if b.status == "run"]
-    mine = [(where, how) for where, how in ran if where.rsplit(":", 1)[0] == _page_id(page)]
+    mine = [(r[0], r[-1]) for r in ran if r[0].rsplit(":", 1)[0] == _page_id(page)]
     if any(how == "failed" for _, how in mine) or [w for w, _ in mine] != want:
         start = output.find(f"DOCS-BLOCK {_page_id(page)}:")
         pytest.fail(f"ran {mine}, expected {want} all ok:\n{output[max(start, 0) :][:8000]}")
+    print("\n".join(f"{where} ok in {how}" for where, how in mine))  # with -s / -rP: timings
     if _page_id(page) == "README.md":  # what the page's comments promise
         assert "[(0, 42), (1, 42)]" in output
