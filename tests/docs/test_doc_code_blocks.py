@@ -2,8 +2,8 @@
 
 The rule and the markers are in :mod:`doc_blocks`: each page's blocks in page order in a fresh
 namespace (``spark`` a local[2] session as in a notebook); all pages in one process, so the JVM
-starts once (the TensorFlow page in a second one, in the slow suite); a block that cannot run here
-is marked in the Markdown with its reason and counted. The counts are printed at the end of the
+starts once (SLOW_PAGES in a second one, in the slow suite); a block that cannot run here is
+marked in the Markdown with its reason and counted. The counts are printed at the end of the
 pytest run (tests/docs/conftest.py).
 """
 
@@ -16,8 +16,9 @@ import sys
 import pytest
 from doc_blocks import ROOT, blocks, pages, stray_markers
 
-#: Pages whose blocks train with TensorFlow: slower to import and fit (run in the slow suite).
-SLOW_PAGES = {"docs/keras.md"}
+#: Run in the slow suite: the TensorFlow page (slow to import and fit), and tracking.md, whose
+#: blocks test_tracking_examples.py runs in the fast suite already.
+SLOW_PAGES = {"docs/keras.md", "docs/tracking.md"}
 #: All pages of a group run in one process: JVM start, then each page's fits.
 RUN_TIMEOUT_S = 900
 
