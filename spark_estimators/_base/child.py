@@ -108,3 +108,47 @@ def exit_now(code: int) -> NoReturn:
         except OSError:
             pass  # the task is gone: nobody to tell
     os._exit(code)
+
+
+def pickle_return_value(value: object) -> bytes:
+    """``fn``'s return value as cloudpickle bytes, or a TypeError that names what cannot travel.
+
+    The value goes back to the driver; a lock, a generator, an open file or a CUDA stream
+    cannot. The error says it is fn's return value (pickle's own message names only a type, as
+    if fn itself had failed) and which part of it: ``fn's return value["model"].lock``.
+    """
+    import cloudpickle
+
+    try:
+        return bytes(cloudpickle.dumps(value))
+    except Exception as exc:
+        where, culprit = _unpicklable_part(value, "fn's return value", 4)
+        kind = f"{type(culprit).__module__}.{type(culprit).__qualname__}".removeprefix("builtins.")
+        whole = "" if culprit is value else f" (a {type(value).__qualname__})"
+        raise TypeError(
+            f"fn's return value{whole} cannot be pickled to send it to the driver: {where} is "
+            f"a {kind} ({type(exc).__name__}: {exc}). Return plain data (numbers, strings, "
+            "lists, dicts, numpy arrays, a state_dict) instead."
+        ) from exc
+
+
+def _unpicklable_part(value: object, path: str, depth: int) -> tuple[str, object]:
+    """The innermost part of ``value`` (looking into containers and attributes) that fails."""
+    import cloudpickle
+
+    if depth <= 0:
+        return path, value
+    if isinstance(value, dict):
+        parts: list[tuple[str, object]] = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        parts = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif isinstance(getattr(value, "__dict__", None), dict):
+        parts = [(f"{path}.{k}", v) for k, v in vars(value).items()]
+    else:
+        return path, value
+    for part_path, part in parts:
+        try:
+            cloudpickle.dumps(part)
+        except Exception:
+            return _unpicklable_part(part, part_path, depth - 1)
+    return path, value

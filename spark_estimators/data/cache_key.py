@@ -21,7 +21,10 @@ Such plans get a fingerprint of their content instead:
   differs), and each leaf (a file relation by format, options, root paths and schemas; others
   by semantic hash: local data by content, an RDD-backed leaf by the RDD's id, so such plans are
   not reused). A plan with another opaque part (an expression the JSON cannot show, e.g. a
-  Python UDF or a subquery) keeps the semantic hash.
+  Python UDF or a subquery) keeps the semantic hash. ML stages' uids, new for every instance
+  (VectorAssembler writes its uid into the aliases of the columns it casts), are renumbered in
+  the JSON and the functions (:class:`_StageUids`), so a notebook cell that builds and fits the
+  same pipeline again hits (issue 41).
 - Spark Connect (plans with an ML transformer or a file source): the plan the client sends (its
   protobuf) without its plan ids and stage uids: a transformer's name and params, the input's
   format, paths and options, local data by content. A
@@ -111,15 +114,70 @@ def _classic_content_plan(df: DataFrame) -> dict[str, object] | None:
             return None
     jvm = df.sparkSession.sparkContext._jvm
     assert jvm is not None  # a classic session (Connect has its own path)
+    uids = _StageUids()
     functions = [
-        hashlib.sha256(bytes(jvm.org.apache.spark.util.Utils.serialize(udf.function()))).hexdigest()
+        hashlib.sha256(
+            uids.normalize_bytes(bytes(jvm.org.apache.spark.util.Utils.serialize(udf.function())))
+        ).hexdigest()
         for udf in _scala_udfs(plan)
     ]
+    plan_text = uids.normalize_text(_JVM_ID_RE.sub("", text))
     return {
-        "plan_json": hashlib.sha256(_JVM_ID_RE.sub("", text).encode()).hexdigest(),
+        "plan_json": hashlib.sha256(plan_text.encode()).hexdigest(),
         "udf_functions": functions,
         "leaves": [_leaf_fingerprint(leaf) for leaf in leaf_list],
     }
+
+
+class _StageUids:
+    """Renumbers ML stages' uids (``VectorAssembler_3f9c0a1b2c4d``) by first appearance.
+
+    A stage's uid is new for every instance, and some transformers write it into the plan:
+    VectorAssembler casts each non-double input as ``<col>_double_<uid>`` (issue 41), so the
+    same pipeline built again in a re-run notebook cell never hit. Only names of the form
+    ``<Stage>_<12 hex digits>`` where ``<Stage>`` is a loaded ML stage class (pyspark's or the
+    user's :class:`~pyspark.ml.util.Identifiable` subclasses: their uid prefix) are renumbered,
+    so a user's string literal is left alone unless it is spelled exactly like a stage's uid;
+    renumbering (not erasing) keeps two stages of one plan apart. A uid never changes what the
+    data holds, only column and field names. A fitted model's state (an indexer's labels, a
+    scaler's means) is in its function's serialization, which stays in the key.
+    """
+
+    def __init__(self) -> None:
+        # longest first: ``StringIndexerModel_<uid>`` is read whole, not as ``StringIndexer``
+        names = sorted(_stage_class_names(), key=len, reverse=True)
+        self._uid_re = re.compile(
+            "(" + "|".join(map(re.escape, names)) + r")_([0-9a-f]{12})(?![0-9A-Za-z])"
+        )
+        self._numbers: dict[str, str] = {}
+
+    def _renumber(self, match: re.Match[str]) -> str:
+        # same length as the uid: Java serialization's string lengths stay right
+        number = self._numbers.setdefault(match.group(2), f"{len(self._numbers):012x}")
+        return f"{match.group(1)}_{number}"
+
+    def normalize_text(self, text: str) -> str:
+        """``text`` with every stage uid renumbered."""
+        return self._uid_re.sub(self._renumber, text)
+
+    def normalize_bytes(self, data: bytes) -> bytes:
+        """The same for a Java serialization (uids are ASCII there; other bytes are kept)."""
+        return self.normalize_text(data.decode("latin-1")).encode("latin-1")
+
+
+def _stage_class_names() -> frozenset[str]:
+    """Names of the loaded :class:`pyspark.ml.util.Identifiable` subclasses (uid prefixes)."""
+    from pyspark.ml.util import Identifiable
+
+    seen: set[type] = set()
+    pending: list[type] = [Identifiable]
+    while pending:
+        subclasses: list[type] = pending.pop().__subclasses__()
+        for sub in subclasses:
+            if sub not in seen:
+                seen.add(sub)
+                pending.append(sub)
+    return frozenset(cls.__name__ for cls in seen)
 
 
 def _is_file_relation(leaf: JavaObject) -> bool:

@@ -213,6 +213,13 @@ def _error(svc: ElasticDriverService, job_error: BaseException | None) -> Except
             expected=svc.policy.num_proc,
         )
     reason = state.abort_reason
-    if reason is None or reason == "the Spark job ended":
+    if (reason is None or reason == "the Spark job ended") and failures:
+        # The ranks' own errors say why; the Spark error (the task that failed once too often,
+        # with the executors' traces) would only bury them, so it is left out, not chained.
+        reason = (
+            "Spark stopped retrying a failed task (spark.task.maxFailures, or F in a local[N,F] "
+            "master, attempts used up)"
+        )
+    elif reason is None or reason == "the Spark job ended":
         reason = f"the Spark job ended ({job_error})" if job_error else "the Spark job ended"
     return TrainingFailedError(f"the elastic job failed: {reason} ({summary})", failures)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NotRequired, TypedDict, Unpack
 
 from spark_estimators.driver.launch_job import positive_int, positive_seconds
@@ -51,13 +51,17 @@ class JoinMessage(TypedDict):
 
 
 class WorkerFailure(TypedDict):
-    """A worker's rank process failed (``"failure"``)."""
+    """A worker's rank process failed (``"failure"``).
+
+    Sent first by the rank process itself (the exception and its traceback, no exit code), then
+    by its Spark task once the process has exited (the exit code, the last stderr lines).
+    """
 
     worker_id: str
     host: str
     message: str
     traceback: str
-    exit_code: int | None
+    exit_code: NotRequired[int | None]
 
 
 class RendezvousMessage(TypedDict):
@@ -160,6 +164,8 @@ class ElasticState:
     settings: dict[str, RankSettings] = field(default_factory=dict)
     results: dict[int, bytes] = field(default_factory=dict)  # rank -> value, current round
     failures: list[RemoteError] = field(default_factory=list)
+    #: worker id -> its entry in ``failures`` (a worker's first report is kept).
+    failed_workers: dict[str, int] = field(default_factory=dict)
     resets: int = 0
     done: bool = False
     abort_reason: str | None = None
@@ -205,19 +211,32 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
         return {"status": "ok", "worker_id": wid, "env": self.env}
 
     def _on_failure(self, data: WorkerFailure, conn: Connection) -> dict[str, bool]:
-        """A rank process failed; the answer tells its task whether Spark should retry it."""
+        """A rank process failed; the answer tells its task whether Spark should retry it.
+
+        The rank process's own report (the user's exception and traceback) comes first and is
+        kept; its task's report after the exit only adds the exit code ("exited ... without
+        reporting a result" would hide the exception).
+        """
         wid = data["worker_id"]
         with self._cond:
             worker = self.state.workers.get(wid)
             rank = worker.rank if worker is not None and worker.rank is not None else -1
-            failure = RemoteError(
-                rank=rank,
-                host=data["host"],
-                message=data["message"],
-                traceback=data["traceback"],
-                exit_code=data["exit_code"],
-            )
-            self.state.failures.append(failure)
+            exit_code = data.get("exit_code")
+            earlier = self.state.failed_workers.get(wid)
+            if earlier is None:
+                self.state.failed_workers[wid] = len(self.state.failures)
+                self.state.failures.append(
+                    RemoteError(
+                        rank=rank,
+                        host=data["host"],
+                        message=data["message"],
+                        traceback=data["traceback"],
+                        exit_code=exit_code,
+                    )
+                )
+            elif exit_code is not None and self.state.failures[earlier].exit_code is None:
+                failures = self.state.failures
+                failures[earlier] = replace(failures[earlier], exit_code=exit_code)
             self._mark_dead(wid)
             retry = not self.state.done and self.state.abort_reason is None
         return {"retry": retry}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from spark_estimators._base.child import (
     exit_now,
     flush_streams,
+    pickle_return_value,
     read_config,
     report_failure,
     start_lifeline,
@@ -99,7 +100,7 @@ def main() -> None:
                 "worker_id": wid,
                 "round": link.round,
                 "rank": link.rank,
-                "value": cloudpickle.dumps(value),
+                "value": pickle_return_value(value),
             },
         )
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included

@@ -14,7 +14,13 @@ import sys
 import traceback
 from typing import Any
 
-from spark_estimators._base.child import exit_now, flush_streams, read_config, start_lifeline
+from spark_estimators._base.child import (
+    exit_now,
+    flush_streams,
+    pickle_return_value,
+    read_config,
+    start_lifeline,
+)
 from spark_estimators.task import context, lazy_dynamo
 
 #: How long one "has every rank reported?" long poll waits at the driver.
@@ -68,7 +74,7 @@ def main(config: dict[str, Any] | None = None) -> None:
         context.mark("fn_loaded")
         value = fn(*args, **(kwargs or {}))
         flush_streams()
-        client.call("result", {"rank": rank, "value": cloudpickle.dumps(value)})
+        client.call("result", {"rank": rank, "value": pickle_return_value(value)})
         _wait_for_other_ranks(client)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt included
         code = 1

@@ -6,11 +6,19 @@ tests/faults/test_fault_elastic.py, in its own local[2,4] session.
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from spark_estimators.collective.api import elastic
 from spark_estimators.errors import CollectiveError, ConfigurationError
+
+SCRIPTS = pathlib.Path(__file__).parent / "scripts"
 
 
 def _solo_state(cls, **kwargs):
@@ -123,3 +131,32 @@ def test_bad_arguments_fail_in_the_driver(spark, kwargs, pattern):
 
     with pytest.raises(ConfigurationError, match=pattern):
         run_elastic(lambda: None, spark=spark, **kwargs)
+
+
+@pytest.mark.spark
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_a_raising_rank_leads_the_error_with_its_exception():
+    """The user's exception type, message and hint come first, not the rank process's exit or
+    the executors' Java traces (issue 41); its own local[2,2] session, as elastic jobs need."""
+    env = dict(os.environ)
+    env.pop("SPARK_ESTIMATORS_TEST_SESSION", None)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "elastic_raise.py")],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env=env,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out["error"] == "TrainingFailedError"
+    message = out["message"]
+    first, second = message.splitlines()[:2]
+    assert first == "ValueError: learning rate 7.5 is out of range; try 0.01", message[:3000]
+    assert second.startswith("the elastic job failed: Spark stopped retrying a failed task")
+    assert "without reporting a result" not in message
+    assert "at org.apache.spark" not in message  # no executor Java traces
+    assert "thrown from the Python worker" not in message  # nor the task's own error
+    assert "in train" in message  # the rank's Python traceback is there, after the summary

@@ -10,6 +10,7 @@ so rank 0 is killed by the abort while it waits in a collective (its ``finally``
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -229,6 +230,9 @@ def test_demo_leaves_no_temp_dir(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "R^2 = " in proc.stdout
+    # issue 41: each epoch line once (the summary used to print them all again)
+    epochs = [ln for ln in proc.stdout.splitlines() if re.search(r"\bepoch \d+/6\b", ln)]
+    assert [ln.split(":")[0] for ln in epochs] == [f"epoch {i}/6" for i in range(1, 7)]
     assert listing(str(fresh)) == []
 
 

@@ -123,3 +123,84 @@ def test_a_new_driver_process_computes_the_same_fingerprint(spark, tmp_path):
     # and a changed plan on the same files is another fingerprint
     other = spark.read.parquet(source).filter("a >= 1").select("a", "b", "y")
     assert plan_fingerprint(other) != here[1]
+
+
+def feature_cell(spark, store, source, fit_source=None, with_mean=False, validation=0.0):
+    """A notebook cell: build the whole feature pipeline anew, fit it, prepare the data.
+
+    The source has int and string columns: VectorAssembler casts the ints with aliases that
+    carry its uid (``a_double_VectorAssembler_<uid>``), and the string goes through a
+    StringIndexer and a OneHotEncoder; everything is fitted again at every run, as a re-run
+    cell does.
+    """
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import OneHotEncoder, StandardScaler, StringIndexer, VectorAssembler
+
+    df = spark.read.parquet(source)
+    pipeline = Pipeline(
+        stages=[
+            StringIndexer(inputCol="cat", outputCol="cat_idx", handleInvalid="keep"),
+            OneHotEncoder(inputCol="cat_idx", outputCol="cat_vec"),
+            VectorAssembler(inputCols=["n", "b", "cat_vec"], outputCol="raw"),
+            StandardScaler(inputCol="raw", outputCol="features", withMean=with_mean),
+        ]
+    )
+    fitted = pipeline.fit(spark.read.parquet(fit_source or source))
+    return prepare_data(2, store, fitted.transform(df), ["features"], ["y"], validation=validation)
+
+
+def write_mixed_source(spark, path, n=40, cats="abc", scale=1):
+    rows = [(i * scale, float(i % 7), cats[i % len(cats)], float(i % 2)) for i in range(n)]
+    spark.createDataFrame(rows, ["n", "b", "cat", "y"]).write.mode("overwrite").parquet(path)
+
+
+def _written(store, meta):
+    """Every file of the dataset with its modification time: a second write changes them."""
+    root = meta.train_path.removeprefix("file://")
+    return sorted((f, os.stat(os.path.join(root, f)).st_mtime_ns) for f in os.listdir(root))
+
+
+def test_a_rerun_cell_reuses_its_data_and_changes_still_miss(spark, tmp_path):
+    """Issue 41: the same cell run twice hits; other data, params or fits miss."""
+    store = LocalStore(str(tmp_path / "store"))
+    source, other = str(tmp_path / "source"), str(tmp_path / "other")
+    write_mixed_source(spark, source)
+    write_mixed_source(spark, other, cats="abd", scale=3)
+
+    first = feature_cell(spark, store, source)
+    files = _written(store, first)
+    again = feature_cell(spark, store, source)  # the cell re-run: new stages, new uids
+    assert again == first
+    assert _written(store, again) == files  # nothing written again
+    assert store.list_datasets() == [first.dataset_idx]
+
+    # what must miss: the pipeline fitted on other data (other labels, other scaling)
+    refit = feature_cell(spark, store, source, fit_source=other)
+    # another stage param, another preparation param
+    centred = feature_cell(spark, store, source, with_mean=True)
+    split = feature_cell(spark, store, source, validation=0.25)
+    # other data under another path and then under the same path
+    elsewhere = feature_cell(spark, store, other)
+    write_mixed_source(spark, source, n=41)
+    rewritten = feature_cell(spark, store, source)
+    indices = [m.dataset_idx for m in (first, refit, centred, split, elsewhere, rewritten)]
+    assert len(set(indices)) == len(indices), indices
+    assert rewritten.train_rows + rewritten.val_rows == 41
+    assert _written(store, first) == files  # the first dataset is untouched
+
+
+def test_string_literals_that_look_like_ids_are_kept(spark, tmp_path):
+    """Only stage uids are renumbered: a filter on ``sess_<12 hex>`` keeps its value."""
+    source = str(tmp_path / "source")
+    write_mixed_source(spark, source)
+
+    def cell(session_id):
+        from pyspark.ml.feature import VectorAssembler
+
+        df = spark.read.parquet(source).filter(f"cat != '{session_id}'")
+        return VectorAssembler(inputCols=["n", "b"], outputCol="features").transform(df)
+
+    ids = ("sess_0123456789ab", "sess_0123456789ab", "sess_ba9876543210")
+    one, same, other = (cell(session_id) for session_id in ids)
+    assert plan_fingerprint(one) == plan_fingerprint(same)
+    assert plan_fingerprint(one) != plan_fingerprint(other)

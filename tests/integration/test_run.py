@@ -263,3 +263,31 @@ def test_rendezvous_timeout_names_who_registered(spark):
         thread.join(30)
     # The session is usable again once the slot is free.
     assert spark_estimators.run(_magic, args=(5,), num_proc=2, spark=spark) == [5, 6]
+
+
+def _return_a_lock():
+    import threading
+
+    return {"step": 3, "lock": threading.Lock()}
+
+
+def _return_a_generator():
+    return (i for i in range(3))
+
+
+@pytest.mark.parametrize(
+    ("fn", "names"),
+    [
+        (_return_a_lock, "fn's return value (a dict) cannot be pickled to send it to the driver: "
+         "fn's return value['lock'] is a _thread.lock"),
+        (_return_a_generator, "fn's return value cannot be pickled to send it to the driver: "
+         "fn's return value is a generator"),
+    ],
+)  # fmt: skip
+def test_an_unpicklable_return_value_is_named(spark, fn, names):
+    """Pickle's own "cannot pickle '_thread.lock' object" reads as if fn had failed (issue 41)."""
+    with pytest.raises(TrainingFailedError) as info:
+        spark_estimators.run(fn, num_proc=1, spark=spark)
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(f"TypeError: {names} (TypeError: cannot pickle"), first
+    assert "Return plain data" in first
