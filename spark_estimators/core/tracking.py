@@ -345,7 +345,8 @@ def _import_mlflow_pytorch() -> None:
     which fails with a WARNING (and leaves Lightning autologging off). Lightning imported first,
     the hook runs before and succeeds.
     """
-    if "mlflow.pytorch" in sys.modules or not autologging_on(("pytorch",)):
+    # mlflow.autolog() turns "pytorch" on only once Lightning is imported: pyspark.ml stands in.
+    if "mlflow.pytorch" in sys.modules or not autologging_on(("pyspark.ml", "pytorch")):
         return
     import importlib.util
 
