@@ -29,7 +29,6 @@ __all__ = [
     "check_fingerprints",
     "check_model_object",
     "check_session_active",
-    "suggest_columns",
     "cap_batch_size",
     "explain_null_vectors",
     "import_framework",
@@ -82,20 +81,6 @@ def check_session_active(df: DataFrame, estimator: str) -> None:
             "called): start a new session (SparkSession.builder.getOrCreate()) and build the "
             "DataFrame again from it"
         )
-
-
-def suggest_columns(missing: Sequence[str], columns: Sequence[str]) -> str:
-    """``" (did you mean 'features'?)"`` for the missing names close to an existing column."""
-    import difflib
-
-    hints = []
-    for name in missing:
-        lower = {c.lower(): c for c in columns}
-        close = [lower[name.lower()]] if name.lower() in lower else []
-        close = close or difflib.get_close_matches(name, list(columns), n=1, cutoff=0.6)
-        if close:
-            hints.append(f"{close[0]!r} for {name!r}" if len(missing) > 1 else repr(close[0]))
-    return f" (did you mean {', '.join(hints)}?)" if hints else ""
 
 
 def check_model_object(model: object) -> None:

@@ -29,7 +29,7 @@ from spark_estimators.core.tensors import check_shapes
 from spark_estimators.core.tracking import check_available
 from spark_estimators.data.stream import check_data_mode
 from spark_estimators.envvars import BACKEND_NAMES as COLLECTIVE_BACKENDS
-from spark_estimators.errors import ConfigurationError
+from spark_estimators.errors import ConfigurationError, did_you_mean
 from spark_estimators.store import Store
 from spark_estimators.store.local import session_local_store
 
@@ -180,7 +180,7 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
             if missing:
                 raise ConfigurationError(
                     f"column(s) {missing!r} not found in the DataFrame"
-                    f"{checks.suggest_columns(missing, columns)}; available columns: {columns!r}. "
+                    f"{did_you_mean(missing, columns)}; available columns: {columns!r}. "
                     "Check feature_cols, label_cols, sample_weight_col, validation."
                 )
         self._validate_framework()

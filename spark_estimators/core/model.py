@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 from pyspark.ml import Model
 from pyspark.ml.param.shared import HasOutputCols
 
-from spark_estimators.core import checks, tensors
+from spark_estimators.core import tensors
 from spark_estimators.core.history import History
 from spark_estimators.core.params.shared import (
     HasFeatureCols,
@@ -31,7 +31,7 @@ from spark_estimators.core.params.shared import (
     HasTransformBatchSize,
 )
 from spark_estimators.core.persistence import PersistenceMixin
-from spark_estimators.errors import ConfigurationError
+from spark_estimators.errors import ConfigurationError, did_you_mean
 
 if TYPE_CHECKING:
     import numpy as np
@@ -284,7 +284,7 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
         if missing:
             raise ConfigurationError(
                 f"transform: feature column(s) {missing!r} not in the DataFrame"
-                f"{checks.suggest_columns(missing, df.columns)}; available: {df.columns!r}"
+                f"{did_you_mean(missing, df.columns)}; available: {df.columns!r}"
             )
         outputs = self.output_cols()
         if len(outputs) != len(self._output_shapes):
