@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all test-spark35 test-petastorm test-conformance lint bench install clean wheel soak
+.PHONY: demo test test-all test-notebooks-autolog test-spark35 test-petastorm test-conformance lint bench install clean wheel soak
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,10 @@ test-all: $(STAMP)
 # One driver, 200 run() calls and 50 fits: threads, fds, sockets, children and RSS stay flat (issue 40).
 soak: $(STAMP)
 	$(PY) -m pytest tests/integration/test_driver_leaks.py -m slow -s $(PYTEST_ARGS)
+
+# Every notebook again with mlflow.autolog() turned on first, as on Databricks (issue 41).
+test-notebooks-autolog: $(STAMP)
+	SPARK_ESTIMATORS_NOTEBOOK_AUTOLOG=1 $(PY) -m pytest tests/notebooks -k top_to_bottom $(PYTEST_ARGS)
 
 # horovod's own tests, ported by changing imports (tests/conformance/README.md, docs/conformance.md).
 # Its own pytest process (horovod's tests manage Spark sessions themselves); `make test` skips the

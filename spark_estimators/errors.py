@@ -6,6 +6,8 @@ Every error that can cross a process boundary (rank child -> Spark task -> drive
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -223,3 +225,15 @@ __all__ = [
     "TrainingFailedError",
     "UnverifiedModelWarning",
 ]
+
+
+def did_you_mean(missing: Sequence[str], columns: Sequence[str]) -> str:
+    """``" (did you mean 'features'?)"`` for the missing names close to an existing column."""
+    hints = []
+    for name in missing:
+        lower = {c.lower(): c for c in columns}
+        close = [lower[name.lower()]] if name.lower() in lower else []
+        close = close or difflib.get_close_matches(name, list(columns), n=1, cutoff=0.6)
+        if close:
+            hints.append(f"{close[0]!r} for {name!r}" if len(missing) > 1 else repr(close[0]))
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""

@@ -16,6 +16,9 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # tell this test session's rank processes from other sessions' on the same machine.
 SESSION_MARKER = "SPARK_ESTIMATORS_TEST_SESSION"
 os.environ.setdefault(SESSION_MARKER, str(os.getpid()))
+# MLflow's telemetry thread (started when mlflow is imported) imports modules while MLflow's
+# autologging import hooks hold their lock: a test turning mlflow.autolog() on deadlocked in it.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 @pytest.fixture(scope="session")

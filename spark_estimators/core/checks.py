@@ -28,6 +28,7 @@ __all__ = [
     "check_dataframe",
     "check_fingerprints",
     "check_model_object",
+    "check_session_active",
     "cap_batch_size",
     "explain_null_vectors",
     "import_framework",
@@ -62,6 +63,24 @@ def check_dataframe(df: object, estimator: str) -> None:
     else:
         fix = "pass a Spark DataFrame (spark.read..., spark.createDataFrame(...))"
     raise ConfigurationError(f"{estimator}.fit got a {kind}, not a pyspark.sql.DataFrame: {fix}")
+
+
+def check_session_active(df: DataFrame, estimator: str) -> None:
+    """Refuse a DataFrame whose SparkSession was stopped (``spark.stop()``), before any job.
+
+    Spark would fail later, in the middle of preparing the data, with a JVM error about a
+    stopped SparkContext (or a ``NoneType`` error from pyspark).
+    """
+    try:
+        sc = df.sparkSession.sparkContext
+    except Exception:  # noqa: BLE001 - Spark Connect: no SparkContext, the server says
+        return
+    if getattr(sc, "_jsc", True) is None:
+        raise ConfigurationError(
+            f"{estimator}.fit got a DataFrame of a stopped SparkSession (spark.stop() was "
+            "called): start a new session (SparkSession.builder.getOrCreate()) and build the "
+            "DataFrame again from it"
+        )
 
 
 def check_model_object(model: object) -> None:

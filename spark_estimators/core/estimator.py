@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, cast, overload
 
 from pyspark.ml import Estimator
 
@@ -29,7 +29,7 @@ from spark_estimators.core.tensors import check_shapes
 from spark_estimators.core.tracking import check_available
 from spark_estimators.data.stream import check_data_mode
 from spark_estimators.envvars import BACKEND_NAMES as COLLECTIVE_BACKENDS
-from spark_estimators.errors import ConfigurationError
+from spark_estimators.errors import ConfigurationError, did_you_mean
 from spark_estimators.store import Store
 from spark_estimators.store.local import session_local_store
 
@@ -179,8 +179,9 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
             missing = [c for c in self._input_columns() if c not in columns]
             if missing:
                 raise ConfigurationError(
-                    f"column(s) {missing!r} not found in the DataFrame; available columns: "
-                    f"{columns!r}. Check feature_cols, label_cols, sample_weight_col, validation."
+                    f"column(s) {missing!r} not found in the DataFrame"
+                    f"{did_you_mean(missing, columns)}; available columns: {columns!r}. "
+                    "Check feature_cols, label_cols, sample_weight_col, validation."
                 )
         self._validate_framework()
 
@@ -217,6 +218,48 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
         """Framework-specific checks (model type, optimizer, loss)."""
 
     # -- fit: one TrainingRun (core/training_run.py) --------------------------------------------
+    @overload
+    def fit(self, dataset: DataFrame, params: ParamMap | None = ...) -> SparkModel: ...
+
+    @overload
+    def fit(
+        self, dataset: DataFrame, params: list[ParamMap] | tuple[ParamMap]
+    ) -> list[SparkModel]: ...
+
+    def fit(
+        self,
+        dataset: DataFrame,
+        params: ParamMap | list[ParamMap] | tuple[ParamMap] | None = None,
+    ) -> SparkModel | list[SparkModel]:
+        """Train on ``dataset`` and return the fitted Model (pyspark.ml's ``Estimator.fit``).
+
+        Parameters
+        ----------
+        dataset : pyspark.sql.DataFrame
+            The training data: the feature, label (and weight/validation) columns.
+        params : dict or list or tuple, optional
+            A param map applied to a copy of this estimator first; a list/tuple of them
+            fits one model per map and returns the list.
+
+        Notes
+        -----
+        The same as pyspark's ``Estimator.fit``, defined here so that MLflow's pyspark.ml
+        autologging, which patches ``Estimator.fit``, does not wrap our fit: the fit logs to
+        MLflow itself when autologging is on (see :mod:`spark_estimators.core.tracking`).
+        """
+        if params is None:
+            params = {}
+        if isinstance(params, list | tuple):
+            models: list[SparkModel | None] = [None] * len(params)
+            for index, model in self.fitMultiple(dataset, params):
+                models[index] = model
+            return cast("list[SparkModel]", models)
+        if not isinstance(params, dict):
+            raise TypeError(
+                f"params must be a param map or a list/tuple of param maps, got {type(params)}"
+            )
+        return self.copy(params)._fit(dataset) if params else self._fit(dataset)
+
     def _fit(self, df: DataFrame) -> SparkModel:
         return self._training_run().fit(df)
 

@@ -3,10 +3,11 @@
 ``transform(df)`` converts ML vector feature columns with ``vector_to_array`` (a SQL expression,
 no Python row mapping) and scores Arrow batches with a scalar-iterator ``arrow_udf`` (Spark >= 4.1:
 only the feature columns travel to Python and back comes one struct of outputs) or, on older
-Spark, ``mapInArrow`` over whole rows. Each Python worker loads the
-model **once** (cached by model key across the tasks it serves) and predicts ``transformBatchSize``
-rows at a time, on the task's GPU when there is one. Output columns are ``<label>__output`` by
-default (``setOutputCols`` renames); array outputs keep their shape.
+Spark and for a streaming DataFrame with a vector column, ``mapInArrow`` over whole rows. Each
+Python worker loads the model **once** (cached by model key across the tasks it serves) and
+predicts ``transformBatchSize`` rows at a time, on the task's GPU when there is one. Output
+columns are ``<label>__output`` by default (``setOutputCols`` renames); array outputs keep their
+shape.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from spark_estimators.core.params.shared import (
     HasTransformBatchSize,
 )
 from spark_estimators.core.persistence import PersistenceMixin
-from spark_estimators.errors import ConfigurationError
+from spark_estimators.errors import ConfigurationError, did_you_mean
 
 if TYPE_CHECKING:
     import numpy as np
@@ -94,7 +95,7 @@ def predict_batches(
     model = _cached_model(spec["key"], predictor, spec["blob"])
     keep = spec["keep"]
     for batch in batches:
-        arrays = {c: tensors.arrow_to_numpy(batch.column(t)) for c, t in spec["inputs"].items()}
+        arrays = {c: tensors.arrow_to_numpy(batch.column(t), c) for c, t in spec["inputs"].items()}
         columns = [batch.column(i) for i in keep]
         columns += _predict_columns(spec, arrays, batch.num_rows, predictor, model)
         names = [batch.schema.field(i).name for i in keep] + list(spec["output_cols"])
@@ -133,7 +134,7 @@ def _predict_arrays(
     import pyarrow as pa
 
     features = spec["feature_cols"]
-    cols = {c: tensors.arrow_to_numpy(a) for c, a in zip(features, arrays, strict=True)}
+    cols = {c: tensors.arrow_to_numpy(a, c) for c, a in zip(features, arrays, strict=True)}
     fields = _predict_columns(spec, cols, len(arrays[0]), predictor, model)
     return pa.StructArray.from_arrays(fields, names=list(spec["output_cols"]))
 
@@ -276,14 +277,14 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
         from pyspark.ml.functions import vector_to_array
         from pyspark.ml.linalg import VectorUDT
         from pyspark.sql import functions as F
-        from pyspark.sql.types import StructField, StructType
+        from pyspark.sql.types import StructField, StructType, UserDefinedType
 
         features = self.getFeatureCols()
         missing = [c for c in features if c not in df.columns]
         if missing:
             raise ConfigurationError(
-                f"transform: feature column(s) {missing!r} not in the DataFrame; available: "
-                f"{df.columns!r}"
+                f"transform: feature column(s) {missing!r} not in the DataFrame"
+                f"{did_you_mean(missing, df.columns)}; available: {df.columns!r}"
             )
         outputs = self.output_cols()
         if len(outputs) != len(self._output_shapes):
@@ -302,7 +303,10 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
         for i, col in enumerate(features):
             tmp = f"__se_in_{i}"
             if isinstance(types[col], VectorUDT):
-                extra.append(vector_to_array(F.col(col)).alias(tmp))
+                # Null vectors reach the model's batches as nulls, where the error names the
+                # column (vector_to_array fails on them with a bare JVM error).
+                array = vector_to_array(F.col(col))
+                extra.append(F.when(F.col(col).isNull(), None).otherwise(array).alias(tmp))
             else:
                 extra.append(F.col(col).alias(tmp))
             inputs[col] = tmp
@@ -333,7 +337,14 @@ class SparkModel(PersistenceMixin, Model, ModelParams):
             "batch_size": self.getTransformBatchSize(),
             "keep": keep,
         }
-        if hasattr(F, "arrow_udf"):  # Spark >= 4.1: only the feature columns go to Python
+        # A streaming input with a UDT (vector) column: Spark's Arrow UDF evaluation converts the
+        # whole input row to Arrow there and refuses the UDT (UNSUPPORTED_DATATYPE); mapInArrow
+        # takes it.
+        streaming_udt = df.isStreaming and any(
+            isinstance(f.dataType, UserDefinedType) for f in df.schema.fields
+        )
+        if hasattr(F, "arrow_udf") and not streaming_udt:
+            # Spark >= 4.1: only the feature columns go to Python
             from pyspark.sql.functions import ArrowUDFType
 
             out_type = StructType(schema.fields[len(df.columns) :])

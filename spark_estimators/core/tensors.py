@@ -144,12 +144,16 @@ def model_inputs(
     return out
 
 
-def arrow_to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    """An Arrow column (scalars or fixed-length lists of numbers) as a numpy array."""
+def arrow_to_numpy(column: pa.Array | pa.ChunkedArray, name: str | None = None) -> np.ndarray:
+    """An Arrow column (scalars or fixed-length lists of numbers) as a numpy array.
+
+    ``name``: the feature column's, for the errors (null rows, rows of different lengths).
+    """
     import pyarrow as pa
 
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
+    named = f": column {name!r}" if name else ""
     if (
         pa.types.is_list(column.type)
         or pa.types.is_large_list(column.type)
@@ -157,12 +161,16 @@ def arrow_to_numpy(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     ):
         n = len(column)
         if column.null_count:
-            raise ValueError("a feature column has null rows; drop or fill them before transform")
+            fix = f" (df.na.drop(subset=[{name!r}]))" if name else ""
+            raise ValueError(
+                "a feature column has null rows; drop or fill them before transform"
+                f"{named} has {column.null_count} null row(s) in this batch{fix}"
+            )
         flat = column.flatten().to_numpy(zero_copy_only=False)
         if n == 0:
             return flat.reshape(0, 0)
         if flat.size % n:
-            raise ValueError("a feature column has rows of different lengths")
+            raise ValueError(f"a feature column has rows of different lengths{named}")
         return flat.reshape(n, flat.size // n)
     return column.to_numpy(zero_copy_only=False)
 

@@ -9,6 +9,22 @@ When it logs (estimator param ``log_to_mlflow``):
   not installed.
 - ``False``: never.
 
+MLflow autologging (``mlflow.autolog()``, ``mlflow.pyspark.ml.autolog()``, or the framework's
+``mlflow.pytorch`` / ``mlflow.keras`` / ``mlflow.tensorflow`` autologging; Databricks turns it on
+by default): our estimators are **not** pyspark.ml autologging targets. Their ``fit`` bypasses
+the ``Estimator.fit`` that pyspark.ml autologging patches (``SparkEstimator.fit``), because that
+patch logs every Param by ``str(value)`` (the whole module's repr as ``model``; the optimizer
+and loss reprs, which differ from ours, so logging ours failed with MLflow's "Changing param
+values is not allowed"), persists the input DataFrame, logs its schema, and then warns that it
+cannot log our model. The fit does its own logging in place of autologging's: with such
+autologging on, ``None`` logs like ``True`` (a run of its own when none is active, one run per
+fit, FINISHED or FAILED by the fit); ``False`` still logs nothing. The framework autologgers
+would never see the training (it runs in the rank processes, not in the driver where they patch
+``Trainer.fit`` / ``Model.fit``), so the fit's own metrics and model stand for theirs.
+Inside a run that autologging started for another stage (a ``Pipeline`` or ``CrossValidator``
+holding the estimator), each fit logs into a nested run of that run, so params of different
+fits (a grid's) never clash.
+
 What it logs, all from the driver: the estimator's params (values of simple types as they are,
 objects such as the model or optimizer by class name), the tag ``spark_estimators.run_id``; each
 epoch's metrics as rank 0 reports them (``step`` = the history entry's 0-based ``epoch``, the
@@ -102,6 +118,39 @@ def _param_value(value: object) -> str | int | float | bool | None:
     return type(value).__name__
 
 
+#: The tag MLflow's autologging sets on a run it starts.
+_AUTOLOG_TAG = "mlflow.autologging"
+#: The MLflow autologging integrations whose being on makes a fit log (estimator class -> names).
+_FLAVORS = {
+    "TorchEstimator": ("pyspark.ml", "pytorch"),
+    "LightningEstimator": ("pyspark.ml", "pytorch"),
+    "KerasEstimator": ("pyspark.ml", "keras", "tensorflow"),
+}
+_DEFAULT_FLAVORS = ("pyspark.ml",)
+
+
+def _flavors(est: object) -> Sequence[str]:
+    for cls in type(est).__mro__:  # a user's subclass of TorchEstimator is a TorchEstimator
+        if cls.__name__ in _FLAVORS:
+            return _FLAVORS[cls.__name__]
+    return _DEFAULT_FLAVORS
+
+
+def autologging_on(integrations: Sequence[str] | None = None) -> bool:
+    """Whether one of MLflow's autologging ``integrations`` is on in this process.
+
+    ``mlflow.autolog()`` turns on each integration whose library is imported (and the others
+    when they are); ``mlflow.<flavor>.autolog(disable=True)`` turns one off.
+    """
+    if "mlflow" not in sys.modules:
+        return False
+    try:
+        from mlflow.utils.autologging_utils import autologging_is_disabled
+    except ImportError:  # an MLflow without it has no autologging we know of
+        return False
+    return any(not autologging_is_disabled(name) for name in integrations or _DEFAULT_FLAVORS)
+
+
 class MlflowTracker:
     """Logs one fit into an MLflow run; made by :meth:`for_fit` (None when not logging)."""
 
@@ -121,11 +170,15 @@ class MlflowTracker:
         import mlflow
 
         active = mlflow.active_run()
-        if active is None and not flag:
+        if active is None and not flag and not autologging_on(_flavors(est)):
             return None
-        owns = active is None
-        run = active or mlflow.start_run(run_name=run_id)
-        tracker = cls(mlflow.tracking.MlflowClient(), run.info.run_id, owns)
+        client = mlflow.tracking.MlflowClient()
+        # A Pipeline's or CrossValidator's autologging run: this fit gets a child run of it.
+        nested = active is not None and _AUTOLOG_TAG in client.get_run(active.info.run_id).data.tags
+        owns = active is None or nested
+        run = mlflow.start_run(run_name=run_id, nested=nested) if owns else active
+        assert run is not None
+        tracker = cls(client, run.info.run_id, owns)
         tracker.log_params(est, run_id)
         return tracker
 
@@ -207,6 +260,7 @@ class MlflowTracker:
         info = None
         with _in_run(mlflow, self.mlflow_run_id):
             if framework in ("torch", "lightning"):
+                _import_mlflow_pytorch()
                 import mlflow.pytorch
                 import torch
 
@@ -281,6 +335,23 @@ class _in_run:  # noqa: N801 - used like a function
         if self.started:
             # Leave the run's status alone: ending here only pops it from this thread's stack.
             self.mlflow.end_run(status=self.mlflow.get_run(self.run_id).info.status)
+
+
+def _import_mlflow_pytorch() -> None:
+    """Import ``mlflow.pytorch`` without MLflow's warning about its own circular import.
+
+    ``mlflow.pytorch`` imports pytorch_lightning when installed; with ``mlflow.autolog()`` on, that
+    import runs MLflow's Lightning autologging hook inside the half-imported ``mlflow.pytorch``,
+    which fails with a WARNING (and leaves Lightning autologging off). Lightning imported first,
+    the hook runs before and succeeds.
+    """
+    # mlflow.autolog() turns "pytorch" on only once Lightning is imported: pyspark.ml stands in.
+    if "mlflow.pytorch" in sys.modules or not autologging_on(("pyspark.ml", "pytorch")):
+        return
+    import importlib.util
+
+    if "pytorch_lightning" not in sys.modules and importlib.util.find_spec("pytorch_lightning"):
+        importlib.import_module("pytorch_lightning")
 
 
 def _as_list(out: _T | list[_T] | tuple[_T, ...]) -> list[_T]:

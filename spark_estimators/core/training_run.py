@@ -80,6 +80,7 @@ class TrainingRun:
         """Check, prepare (or stream) ``df``, train and return the Model."""
         est = self.est
         checks.check_dataframe(df, type(est).__name__)
+        checks.check_session_active(df, type(est).__name__)
         est._validate_params(list(df.columns))
         store = est._store()
         self._preflight(store)

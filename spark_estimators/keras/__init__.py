@@ -16,11 +16,13 @@ from spark_estimators.core.backend import Backend, SparkBackend  # light: import
 _lazy.require("spark_estimators.keras", ("keras", "tensorflow"), "spark-estimators[keras]")
 
 if TYPE_CHECKING:
+    from spark_estimators.core.progress import plot_history as plot_history
     from spark_estimators.keras.estimator import KerasEstimator as KerasEstimator
     from spark_estimators.keras.model import KerasModel as KerasModel
 
 #: The names that load on first use: name -> (module, attribute).
 _LAZY = {
+    "plot_history": ("spark_estimators.core.progress", "plot_history"),
     "KerasEstimator": ("spark_estimators.keras.estimator", "KerasEstimator"),
     "KerasModel": ("spark_estimators.keras.model", "KerasModel"),
 }

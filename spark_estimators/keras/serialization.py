@@ -8,7 +8,8 @@ finds them (:func:`find_custom_objects`): objects registered with
 ``keras.saving.register_keras_serializable`` (under their ``"package>name"`` key and their
 plain name), the functions, classes and objects passed as ``loss``/``metrics``, and classes or
 functions named by the model's config that are defined in a module the driver has imported
-(a notebook's ``__main__``, a script, a test file). They travel by value with the user's own
+(a notebook's ``__main__``, a script, a test file; Keras writes no module for ``__main__``
+classes, which are looked up there). They travel by value with the user's own
 ``custom_objects`` (which win on a clash); each rank registers the ``"package>name"`` ones
 again (:func:`register_shipped_objects`), so the archives it writes name them as the driver did.
 """
@@ -149,6 +150,9 @@ def _config_objects(config: object, found: dict[str, object]) -> None:
     for item in config.values():
         _config_objects(item, found)
     module, class_name = config.get("module"), config.get("class_name")
+    if module is None and isinstance(class_name, str) and "config" in config:
+        # Keras writes no module for a class defined in __main__ (a notebook, a script).
+        module = "__main__"
     if not isinstance(module, str) or not isinstance(class_name, str):
         return
     if module in ("keras", "builtins") or module.startswith("keras."):

@@ -18,6 +18,7 @@ _lazy.require(
 )
 
 if TYPE_CHECKING:
+    from spark_estimators.core.progress import plot_history as plot_history
     from spark_estimators.lightning.callbacks import TerminateOnNaN as TerminateOnNaN
     from spark_estimators.lightning.environment import (
         SparkClusterEnvironment as SparkClusterEnvironment,
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 #: The names that load on first use: name -> (module, attribute).
 _LAZY = {
+    "plot_history": ("spark_estimators.core.progress", "plot_history"),
     "MIN_PL_VERSION": ("spark_estimators.lightning.estimator", "MIN_PL_VERSION"),
     "LightningEstimator": ("spark_estimators.lightning.estimator", "LightningEstimator"),
     "LightningModel": ("spark_estimators.lightning.model", "LightningModel"),

@@ -14,6 +14,7 @@ from spark_estimators.core.backend import Backend, SparkBackend  # light: import
 _lazy.require("spark_estimators.torch", ("torch",), "spark-estimators[torch]")
 
 if TYPE_CHECKING:
+    from spark_estimators.core.progress import plot_history as plot_history
     from spark_estimators.torch.callbacks import EarlyStopping as EarlyStopping
     from spark_estimators.torch.callbacks import LearningRateScheduler as LearningRateScheduler
     from spark_estimators.torch.estimator import TorchEstimator as TorchEstimator
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 #: The names that load on first use: name -> (module, attribute).
 _LAZY = {
+    "plot_history": ("spark_estimators.core.progress", "plot_history"),
     "EarlyStopping": ("spark_estimators.torch.callbacks", "EarlyStopping"),
     "LearningRateScheduler": ("spark_estimators.torch.callbacks", "LearningRateScheduler"),
     "TorchEstimator": ("spark_estimators.torch.estimator", "TorchEstimator"),

@@ -1,4 +1,4 @@
-"""TensorBoard scalars of a ``TorchEstimator`` run (rank 0), synced to the run's ``logs/``."""
+"""TensorBoard scalars of a ``TorchEstimator`` run (rank 0), synced to ``get_logs_path(run_id)``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from spark_estimators.core.rank import light_tensorboard
+from spark_estimators.store.layout import LOGS_SUBDIR
 from spark_estimators.task.scratch import make_temp_dir
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class TensorBoardScalars:
             if key != "epoch" and isinstance(value, float):
                 self.writer.add_scalar(key, value, epoch)
         self.writer.flush()
-        self.store.sync_dir(self.local, self.run_id)
+        self.store.sync_dir(self.local, self.run_id, subdir=LOGS_SUBDIR)
 
     def close(self) -> None:
         """Close the writer and remove the local event dir."""

@@ -13,6 +13,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
+from spark_estimators.errors import ConfigurationError
+
 if TYPE_CHECKING:
     import torch
 
@@ -88,16 +90,9 @@ def compute_loss(
 
 
 def check_output_count(outputs: int, labels: int, label_cols: Sequence[str] = ()) -> None:
-    """A clear error when the model returns another number of outputs than there are labels."""
-    if outputs == labels:
-        return
-    named = f" {list(label_cols)!r}" if label_cols else ""
-    raise ValueError(
-        f"the model returns {outputs} output(s) but there are {labels} label column(s){named}: "
-        f"each output is compared with one label column by its own loss. Return {labels} "
-        f"output(s) from forward() (e.g. the first of a tuple), or list {outputs} columns in "
-        "label_cols (and as many losses)"
-    )
+    """Raise :func:`output_count_error` when the counts of outputs and labels differ."""
+    if outputs != labels:
+        raise output_count_error(outputs, labels, label_cols)
 
 
 def unreduced(loss_fn: Loss) -> Loss:
@@ -131,8 +126,14 @@ def unreduced(loss_fn: Loss) -> Loss:
 def transform_outputs(
     outputs: Outputs, labels: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Horovod's ``transform_outputs``: outputs as a list, each label shaped like its output."""
+    """Horovod's ``transform_outputs``: outputs as a list, each label shaped like its output.
+
+    A model that returns more or fewer outputs than there are label columns is refused, the
+    count mismatch first (zip would otherwise drop the extra ones or fail without saying so).
+    """
     outputs = as_list(outputs)
+    if len(outputs) != len(labels):
+        raise output_count_error(len(outputs), len(labels))
     return outputs, [match_output(lab, out) for lab, out in zip(labels, outputs)]
 
 
@@ -152,6 +153,16 @@ class LossFn:
         return compute_loss(
             self.losses, as_list(outputs), labels, self.loss_weights, sample_weights
         )
+
+
+def output_count_error(outputs: int, labels: int, label_cols: Sequence[str] = ()) -> ValueError:
+    """The error of a model whose number of outputs differs from the label columns'."""
+    named = f" {list(label_cols)!r}" if label_cols else ""
+    return ConfigurationError(
+        f"the model returns {outputs} output(s) but there are {labels} label column(s){named}: "
+        "each output is compared with one label column, in order, so return one output per "
+        "label column (a tuple for several), or list one label column per output in label_cols"
+    )
 
 
 def match_output(label: torch.Tensor, output: torch.Tensor) -> torch.Tensor:

@@ -120,11 +120,10 @@ def check_model_on_rows(
                 out = model(*inputs)
             except Exception as exc:  # noqa: BLE001 - explained, then raised with the cause
                 raise _forward_error(spec, model, inputs, exc) from exc
+            if len(loss_lib.as_list(out)) != len(labels):
+                count = len(loss_lib.as_list(out))
+                raise loss_lib.output_count_error(count, len(labels), spec.label_cols)
             outputs, matched = loss_lib.transform_outputs(out, labels)
-            try:
-                loss_lib.check_output_count(len(outputs), len(labels), spec.label_cols)
-            except ValueError as exc:
-                raise ConfigurationError(str(exc)) from None
             loss_fn = loss_lib.LossFn(
                 losses, spec.loss_weights, weighted=bool(spec.sample_weight_col)
             )
