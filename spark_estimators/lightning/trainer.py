@@ -145,7 +145,7 @@ def check_strategy(value: object) -> None:
         )
 
 
-def find_unused_parameters(trainer_args: dict[str, Any], module: object) -> bool:
+def find_unused_parameters(trainer_args: Mapping[str, object], module: object) -> bool:
     """DDP's ``find_unused_parameters``: the user's strategy name, else by the module.
 
     A module with ``automatic_optimization = False`` (manual optimization: a GAN's generator

@@ -48,7 +48,6 @@ original cause instead of hanging.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import re
@@ -65,7 +64,7 @@ from spark_estimators import envvars as ev
 from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
 from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime import settings
-from spark_estimators.collective.runtime.futures import OpFuture
+from spark_estimators.collective.runtime.futures import InFlightNames, OpFuture
 from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request
 from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
@@ -92,8 +91,7 @@ class Engine:
         self._closed = False
         self._names_lock = threading.Lock()
         self._counters: dict[str, itertools.count[int]] = {}
-        #: Names of the ops submitted on this rank and not settled yet (under _names_lock).
-        self._in_flight: set[str] = set()
+        self._in_flight = InFlightNames()
         # Held while ops run (engine thread or caller). Submitted ops wait in _backlog, in
         # submission order; only the holder of _exec_lock takes them out, from the front.
         self._exec_lock = threading.Lock()
@@ -156,9 +154,8 @@ class Engine:
                 f"{request.kind.name.lower()} {request.name!r}: the collective layer was shut "
                 "down; call init() again first"
             )
-        self._claim_name(request)
         request.future = OpFuture(self)
-        request.future.add_done_callback(functools.partial(self._release, request.name))
+        self._in_flight.claim(request)
         if blocking and not self._backlog:
             # Waiting for the lock is no worse than waiting for the engine thread to run it.
             with self._exec_lock:
@@ -170,21 +167,6 @@ class Engine:
             self._backlog.append(request)
             self._cv.notify()
         return request.future
-
-    def _claim_name(self, request: Request) -> None:
-        """Refuse a second op with the name of one still in flight here (as horovod does)."""
-        with self._names_lock:
-            if request.name in self._in_flight:
-                raise ValueError(
-                    f"{request.kind.name.lower()} {request.name!r}: an op with this name is still "
-                    "in flight on this rank; wait for it first (synchronize / wait) or give the "
-                    "new op another name"
-                )
-            self._in_flight.add(request.name)
-
-    def _release(self, name: str, _future: object = None) -> None:
-        with self._names_lock:
-            self._in_flight.discard(name)
 
     def flush(self) -> None:
         """End the current cycle wait: negotiate what is queued now."""

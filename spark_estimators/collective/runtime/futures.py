@@ -9,12 +9,16 @@ A future does not import the engine: it is handed the engine as an :class:`OpRun
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from spark_estimators.collective.runtime.requests import Request
 
 logger = logging.getLogger("spark_estimators.collective.runtime.engine")
 
@@ -201,3 +205,31 @@ class Handle:
     def __repr__(self) -> str:
         state = "done" if all(f.done() for f in self._futures) else "pending"
         return f"Handle({self.name!r}, {state})"
+
+
+class InFlightNames:
+    """The names of the ops submitted on this rank and not settled yet.
+
+    A second op with the name of one still in flight is refused, as horovod does (its
+    ``*_duplicate_name_error`` tests): the name comes free once the first op has settled.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._names: set[str] = set()
+
+    def claim(self, request: Request) -> None:
+        """Hold ``request``'s name until its future settles; ``ValueError`` if it is held."""
+        with self._lock:
+            if request.name in self._names:
+                raise ValueError(
+                    f"{request.kind.name.lower()} {request.name!r}: an op with this name is still "
+                    "in flight on this rank; wait for it first (synchronize / wait) or give the "
+                    "new op another name"
+                )
+            self._names.add(request.name)
+        request.future.add_done_callback(functools.partial(self._release, request.name))
+
+    def _release(self, name: str, _future: object = None) -> None:
+        with self._lock:
+            self._names.discard(name)
