@@ -1,0 +1,86 @@
+"""A host cut off the network in the middle of a non-elastic run.
+
+Six ranks allreduce in a loop; once every rank has made progress the host of the last rank
+loses its link (its bridge port set down). The run must fail within the collective timeout +
+10 s, name the cut-off host's ranks and host, and leave no rank process on any host.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+COLLECTIVE_TIMEOUT = 15.0
+
+
+def _rank_processes(cluster) -> list[str]:
+    """Rank processes (plain or forked by a zygote) still running in any harness host."""
+    found = []
+    for host in cluster.all_hosts:
+        for pid in cluster.processes_in(host):
+            try:
+                proc = psutil.Process(pid)
+                cmd = proc.cmdline()
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                parent = proc.parent()
+                zygote = "spark_estimators.task.spare_process"
+                forked = zygote in cmd and parent is not None and zygote in parent.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+            if "spark_estimators.task.child" in cmd or forked:
+                found.append(f"{host.name}:{pid}")
+    return found
+
+
+def _progress(cluster) -> dict[int, str]:
+    """rank -> its host's name, for the ranks that have made progress."""
+    folder = os.path.join(cluster.workdir, "progress")
+    hosts = {}
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        with open(os.path.join(folder, name)) as f:
+            text = f.read().split()
+        if len(text) == 2:
+            hosts[int(name)] = text[1]
+    return hosts
+
+
+def test_cut_off_host_fails_the_run_in_time_naming_its_ranks(cluster, agent) -> None:
+    agent.send("cut", timeout=COLLECTIVE_TIMEOUT)
+    deadline = time.monotonic() + 240
+    while len(_progress(cluster)) < 6:
+        assert time.monotonic() < deadline, f"ranks made no progress: {_progress(cluster)}"
+        time.sleep(0.5)  # watching the ranks' progress files, written by other processes
+    progress = _progress(cluster)
+    victim = next(h for h in cluster.hosts if h.hostname == progress[5])
+    cut_ranks = sorted(r for r, name in progress.items() if name == victim.hostname)
+    assert cut_ranks == [4, 5]
+    cut_at = time.time()
+    cluster.set_link(victim, up=False)
+    try:
+        answer = agent.receive(timeout=COLLECTIVE_TIMEOUT + 60)
+        assert "error" not in answer, answer.get("tb")
+        assert answer["failed_at"] is not None, "the run finished although a host was cut off"
+        took = answer["failed_at"] - cut_at
+        assert took <= COLLECTIVE_TIMEOUT + 10, (took, answer["message"])
+        message = answer["message"]
+        # The ranks the others waited for, and their host, lead the summary.
+        silent = f"rank 4, 5 on host {victim.hostname!r} ({victim.address}) sent neither"
+        assert silent in message, message
+        assert sorted(int(r) for r in answer["failures"]) == [0, 1, 2, 3]
+        left: list[str] = []
+        gone_by = time.monotonic() + COLLECTIVE_TIMEOUT + 10
+        while time.monotonic() < gone_by:
+            left = _rank_processes(cluster)
+            if not left:
+                break
+            time.sleep(0.5)  # rank processes of other hosts exiting on their own
+        assert not left, f"rank processes still running: {left}"
+    finally:
+        cluster.set_link(victim, up=True)
+    print(f"failed {took:.1f}s after the cut:\n{message}")
