@@ -39,7 +39,12 @@ from spark_estimators.driver.launch_job import (
     results_by_rank,
     task_config,
 )
-from spark_estimators.driver.service import DriverService, JobState, is_consequence
+from spark_estimators.driver.service import (
+    DriverService,
+    JobState,
+    is_consequence,
+    silent_ranks,
+)
 from spark_estimators.errors import (
     ConfigurationError,
     RendezvousTimeoutError,
@@ -323,8 +328,16 @@ class _Barrier:
             # A rank that dies makes its peers raise CollectiveError: name the cause first.
             primary = [r for r, f in state.failures.items() if not is_consequence(f.message)]
             ranks = ", ".join(str(r) for r in sorted(primary or state.failures))
+            # Only peers' timeouts: the ranks that sent nothing are the ones they waited for.
+            silent = "" if primary else silent_ranks(state)
+            lead = (
+                f"{silent} sent neither a result nor an error while the other ranks' "
+                "collectives timed out: that host may be cut off the network or down; "
+                if silent
+                else ""
+            )
             raise TrainingFailedError(
-                f"rank {ranks} failed ({len(state.failures)} of {num_proc} ranks reported "
+                f"{lead}rank {ranks} failed ({len(state.failures)} of {num_proc} ranks reported "
                 "a failure); the other ranks were stopped",
                 dict(state.failures),
             )
