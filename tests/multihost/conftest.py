@@ -10,6 +10,7 @@ one driver (a SparkSession in the driver host) serve the whole session; the faul
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,6 +50,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[netns.Cluster]:
     """Three hosts with a Worker each (Master on host1) and an empty driver host."""
+    # SIGTERM (a CI timeout) becomes KeyboardInterrupt, so the finalizers below still run.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     harness = netns.Cluster()
     try:
         harness.create_network()

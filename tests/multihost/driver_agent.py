@@ -150,6 +150,25 @@ def scenario_cut(spark: SparkSession, timeout: float) -> dict:
     return {"failed_at": None}
 
 
+def hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def scenario_unreachable(spark: SparkSession, address: str, start_timeout: float) -> dict:
+    """A run whose driver service (at ``address``) one host cannot reach."""
+    started = time.time()
+    try:
+        spark_estimators.run(
+            hostname, num_proc=6, spark=spark, driver_host=address,
+            start_timeout=start_timeout, verbose=0,
+        )  # fmt: skip
+    except Exception as exc:
+        return {"seconds": time.time() - started, "type": type(exc).__name__, "message": str(exc)}
+    return {"seconds": time.time() - started, "type": None}
+
+
 def scenario_torch_fit(spark: SparkSession, data: str) -> dict:
     import numpy as np
     import torch
@@ -190,7 +209,12 @@ def scenario_torch_fit(spark: SparkSession, data: str) -> dict:
     }
 
 
-SCENARIOS = {"layout": scenario_layout, "cut": scenario_cut, "torch_fit": scenario_torch_fit}
+SCENARIOS = {
+    "layout": scenario_layout,
+    "cut": scenario_cut,
+    "torch_fit": scenario_torch_fit,
+    "unreachable": scenario_unreachable,
+}
 
 
 def main() -> None:

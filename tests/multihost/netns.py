@@ -159,14 +159,16 @@ class Cluster:
         ]
         self.driver = Host("driver", f"{base}-driver", f"{PREFIX}-driver", f"{SUBNET}.10")
         self.master_url = f"spark://{self.hosts[0].address}:{MASTER_PORT}"
-        self.workdir = workdir or tempfile.mkdtemp(prefix=f"{base}-")
+        #: A second address of the driver host, for our driver service only (driver_host=):
+        #: a host can lose it while Spark's own traffic to the driver still flows.
+        self.service_address = f"{SUBNET}.20"
+        self.workdir = workdir or ""  # made by create_network, once the tools are there
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: list[Any] = []
         self._closed = False
         self.env = dict(
             os.environ,
             SPARK_HOME=str(SPARK_HOME),
-            SPARK_LOG_DIR=self.workdir,
             SPARK_DAEMON_MEMORY="256m",
             PYSPARK_PYTHON=sys.executable,
             PYSPARK_DRIVER_PYTHON=sys.executable,
@@ -188,6 +190,8 @@ class Cluster:
         """The bridge namespace, one namespace per host with lo, eth0 and /etc/netns hosts."""
         require_tools()
         sweep_stale()
+        self.workdir = self.workdir or tempfile.mkdtemp(prefix=f"{PREFIX}-{self.id}-")
+        self.env["SPARK_LOG_DIR"] = self.workdir
         atexit.register(self.close)
         _ip("netns", "add", self.bridge)
         _ip("-n", self.bridge, "link", "add", "br0", "type", "bridge")
@@ -209,10 +213,23 @@ class Cluster:
             _ip("-n", host.netns, "link", "set", "lo", "up")
             _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _ip("-n", host.netns, "link", "set", "eth0", "up")
+        _ip("-n", self.driver.netns, "addr", "add", f"{self.service_address}/24", "dev", "eth0")
 
     def set_link(self, host: Host, up: bool) -> None:
         """Cut ``host`` off the bridge (its bridge port down) or connect it again."""
         _ip("-n", self.bridge, "link", "set", host.name, "up" if up else "down")
+
+    def drop_traffic(self, host: Host, address: str, drop: bool) -> None:
+        """Make ``host`` lose every packet it sends to ``address`` (a silent firewall), or not.
+
+        A permanent neighbour entry sends the packets to a MAC address nobody has: connects
+        from ``host`` time out, as behind a dropping firewall; other hosts are not affected.
+        """
+        if drop:
+            _ip("-n", host.netns, "neigh", "replace", address, "lladdr", "02:00:00:00:00:01",
+                "dev", "eth0", "nud", "permanent")  # fmt: skip
+        else:
+            _ip("-n", host.netns, "neigh", "del", address, "dev", "eth0", check=False)
 
     # -- processes ------------------------------------------------------------------------
     def argv(self, host: Host, argv: list[str]) -> list[str]:

@@ -84,3 +84,33 @@ def test_cut_off_host_fails_the_run_in_time_naming_its_ranks(cluster, agent) -> 
     finally:
         cluster.set_link(victim, up=True)
     print(f"failed {took:.1f}s after the cut:\n{message}")
+
+
+# The default: cold Python workers may take tens of seconds before their tasks connect.
+START_TIMEOUT = 60.0
+
+
+def test_driver_unreachable_from_one_host_is_reported_as_that(cluster, agent) -> None:
+    """One host's packets to the driver service are dropped; Spark's own traffic still flows."""
+    victim = cluster.hosts[1]
+    cluster.drop_traffic(victim, cluster.service_address, drop=True)
+    try:
+        answer = agent.call(
+            "unreachable", timeout=START_TIMEOUT + 120,
+            address=cluster.service_address, start_timeout=START_TIMEOUT,
+        )  # fmt: skip
+    finally:
+        cluster.drop_traffic(victim, cluster.service_address, drop=False)
+    assert "error" not in answer, answer.get("tb")
+    message = answer["message"]
+    print(f"{answer['type']} after {answer['seconds']:.1f}s:\n{message[:3000]}")
+    # Not "busy or short of slots": the tasks of that host run but cannot reach the service.
+    assert answer["type"] == "DriverUnreachableError", message
+    assert f"reach the driver service at {cluster.service_address}" in message or (
+        f"never reached the driver service at {cluster.service_address}" in message
+    )
+    # Spark names the executor host by the address its Worker registered with.
+    assert victim.hostname in message or f"'{victim.address}'" in message
+    others = [h for h in cluster.hosts if h is not victim]
+    assert not any(h.hostname in message or f"'{h.address}'" in message for h in others)
+    assert answer["seconds"] <= START_TIMEOUT + 10
