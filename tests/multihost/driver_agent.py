@@ -126,6 +126,81 @@ def allreduce_until_cut(progress: str) -> int:
                 f.write(f"{step} {socket.gethostname()}\n")
 
 
+ELASTIC_N, ELASTIC_EPOCHS, ELASTIC_BATCH, HOLD_STEP = 1152, 3, 16, 5
+
+
+def elastic_train(folder: str) -> dict:
+    """Elastic linear regression; at step HOLD_STEP every rank waits for ``folder/killed``.
+
+    Every processed sample is counted in the committed state, so after the survivors recover
+    each sample must have been counted exactly ELASTIC_EPOCHS times.
+    """
+    import socket
+
+    import numpy as np
+    import torch
+
+    import spark_estimators.collective.torch as hvd
+    from spark_estimators.collective.torch import elastic
+
+    hvd.init()
+    n, batch = ELASTIC_N, ELASTIC_BATCH
+    rng = np.random.default_rng(0)
+    x = torch.from_numpy(rng.normal(size=(n, 3)).astype(np.float32))
+    y = x @ torch.tensor([1.5, -2.0, 0.5]) + 0.25
+    torch.manual_seed(hvd.rank())  # different on purpose: sync() must make them equal
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = elastic.TorchState(model, opt, epoch=0, offset=0, step=0, seen=np.zeros(n, np.int64))
+    resets: list = []
+    state.register_reset_callbacks([lambda: resets.append(hvd.size())])
+    killed = os.path.join(folder, "killed")
+
+    @elastic.run
+    def loop(state):
+        while state.epoch < ELASTIC_EPOCHS:
+            perm = np.random.default_rng(state.epoch).permutation(n)
+            while state.offset < n:
+                size, rank = hvd.size(), hvd.rank()
+                chunk = perm[state.offset : state.offset + batch * size]
+                mine = chunk[rank::size]
+                opt.zero_grad()
+                loss = ((model(x[mine]).squeeze(1) - y[mine]) ** 2).sum() / len(chunk)
+                loss.backward()
+                for i, p in enumerate(model.parameters()):
+                    hvd.allreduce_(p.grad, op=hvd.Sum, name=f"grad{i}")
+                opt.step()
+                counted = hvd.allgather(torch.from_numpy(np.ascontiguousarray(mine)), name="ids")
+                np.add.at(state.seen, counted.numpy(), 1)
+                state.offset += len(chunk)
+                state.step += 1
+                if state.step % 2 == 0:
+                    state.commit()
+                if state.step == HOLD_STEP and not os.path.exists(killed):
+                    with open(os.path.join(folder, str(rank)), "w") as f:
+                        f.write(f"{state.step} {socket.gethostname()}\n")
+                    deadline = time.monotonic() + 180
+                    while not os.path.exists(killed) and time.monotonic() < deadline:
+                        time.sleep(0.2)  # the test kills a host, then writes the file
+            state.epoch += 1
+            state.offset = 0
+            state.commit()
+        with torch.no_grad():
+            mse = float(((model(x).squeeze(1) - y) ** 2).mean())
+        return {
+            "rank": hvd.rank(),
+            "size": hvd.size(),
+            "host": socket.gethostname(),
+            "seen": sorted(set(state.seen.tolist())),
+            "steps": state.step,
+            "weights": model.weight.detach().numpy().ravel().tolist(),
+            "mse": mse,
+            "resets": resets,
+        }
+
+    return loop(state)
+
+
 # -- scenarios (driver side) ------------------------------------------------------------------
 def scenario_layout(spark: SparkSession) -> dict:
     return {"ranks": spark_estimators.run(layout_and_ops, num_proc=6, spark=spark, verbose=0)}
@@ -148,6 +223,22 @@ def scenario_cut(spark: SparkSession, timeout: float) -> dict:
             },
         }
     return {"failed_at": None}
+
+
+def scenario_elastic(spark: SparkSession) -> dict:
+    from spark_estimators.elastic import run_elastic
+
+    folder = os.path.join(CONFIG["workdir"], "elastic")
+    os.makedirs(folder, exist_ok=True)
+    started = time.time()
+    # Survivors whose ring peers went to the reset first wait for the collective timeout
+    # before they join it: elastic_timeout must exceed it (docs/clusters.md).
+    results = run_elastic(
+        elastic_train, args=(folder,), num_proc=6, min_num_proc=4, reset_limit=3,
+        start_timeout=120, elastic_timeout=60, spark=spark, verbose=0,
+        env={"SPARK_ESTIMATORS_COLLECTIVE_TIMEOUT": "20"},
+    )  # fmt: skip
+    return {"results": results, "seconds": time.time() - started}
 
 
 def hostname() -> str:
@@ -214,6 +305,7 @@ SCENARIOS = {
     "cut": scenario_cut,
     "torch_fit": scenario_torch_fit,
     "unreachable": scenario_unreachable,
+    "elastic": scenario_elastic,
 }
 
 

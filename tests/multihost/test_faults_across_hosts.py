@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import time
 
+import netns
+import numpy as np
 import psutil
 import pytest
 
@@ -114,3 +116,39 @@ def test_driver_unreachable_from_one_host_is_reported_as_that(cluster, agent) ->
     others = [h for h in cluster.hosts if h is not victim]
     assert not any(h.hostname in message or f"'{h.address}'" in message for h in others)
     assert answer["seconds"] <= START_TIMEOUT + 10
+
+
+def test_elastic_run_continues_on_the_survivors_of_a_killed_host(cluster, agent) -> None:
+    """Six elastic ranks; at step 5 one host's Worker, executor and ranks are SIGKILLed."""
+    folder = os.path.join(cluster.workdir, "elastic")
+    agent.send("elastic")
+    deadline = time.monotonic() + 300
+    held: dict[int, str] = {}
+    while len(held) < 6:
+        assert time.monotonic() < deadline, f"ranks never reached the hold step: {held}"
+        time.sleep(0.5)  # the ranks write their files at the hold step
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            with open(os.path.join(folder, name)) as f:
+                text = f.read().split()
+            if name.isdigit() and len(text) == 2:
+                held[int(name)] = text[1]
+    # Not the Master's host, not rank 0's (the elastic rendezvous there is another test).
+    victim = next(h for h in cluster.hosts[1:] if h.hostname != held[0])
+    killed = netns.kill_namespace_processes(victim.netns)
+    assert killed, "nothing ran on the victim host"
+    open(os.path.join(folder, "killed"), "w").close()  # noqa: SIM115
+    answer = agent.receive(timeout=400)
+    assert "error" not in answer, answer.get("tb")
+    results = answer["results"]
+    # The job finished on the four survivors, none on the killed host.
+    assert [r["rank"] for r in results] == [0, 1, 2, 3]
+    assert {r["size"] for r in results} == {4}
+    assert victim.hostname not in {r["host"] for r in results}
+    assert all(4 in r["resets"] for r in results)
+    # Consistent history: every sample counted exactly EPOCHS times (committed state), the
+    # same model on every survivor, and it learned the generating weights.
+    assert {tuple(r["seen"]) for r in results} == {(3,)}
+    assert len({tuple(r["weights"]) for r in results}) == 1
+    np.testing.assert_allclose(results[0]["weights"], [1.5, -2.0, 0.5], atol=0.05)
+    assert results[0]["mse"] < 0.01
+    assert not cluster.processes_in(victim)
