@@ -133,7 +133,7 @@ def delete_namespace(netns: str) -> None:
 
 
 def sweep_stale() -> list[str]:
-    """Delete harness namespaces whose pytest process is gone (an earlier run was killed)."""
+    """Delete harness namespaces and work dirs whose pytest process is gone (a killed run)."""
     swept = []
     names = set(namespaces())
     if os.path.isdir("/etc/netns"):
@@ -143,6 +143,11 @@ def sweep_stale() -> list[str]:
         if match and not _pid_alive(int(match.group(1))):
             delete_namespace(name)
             swept.append(name)
+    # Work directories (logs, store) of sessions that could not clean up after themselves.
+    for folder in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*-*"):
+        owner = folder.name.split("-")[1]
+        if folder.is_dir() and owner.isdigit() and not _pid_alive(int(owner)):
+            shutil.rmtree(folder, ignore_errors=True)
     return swept
 
 

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import netns
@@ -44,12 +45,15 @@ def test_namespaces_of_a_killed_session_are_swept(tmp_path: Path) -> None:
         for name in (stale, live):
             subprocess.run(["ip", "netns", "add", name], check=True, timeout=20)
             os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+        workdir = Path(tempfile.gettempdir(), f"{netns.PREFIX}-{dead.pid}-stale")
+        (workdir / "store").mkdir(parents=True)
         sleeper = subprocess.Popen(["ip", "netns", "exec", stale, "sleep", "300"])
         swept = netns.sweep_stale()
         assert stale in swept and live not in swept
         assert sleeper.wait(timeout=20) == -9
         assert stale not in netns.namespaces() and not os.path.exists(f"/etc/netns/{stale}")
         assert live in netns.namespaces()
+        assert not workdir.exists()
     finally:
         for name in (stale, live):
             netns.delete_namespace(name)
