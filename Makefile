@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all test-notebooks-autolog test-spark35 test-petastorm test-conformance lint bench install clean wheel soak
+.PHONY: demo test test-all test-notebooks-autolog test-spark35 test-petastorm test-conformance \
+	test-multihost lint bench install clean wheel soak
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +48,12 @@ CONFORMANCE_MARKERS ?= not slow
 test-conformance: $(STAMP)
 	$(PY) -m pytest tests/conformance -m "$(CONFORMANCE_MARKERS)" $(PYTEST_ARGS); rc=$$?; \
 		if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# Three hosts in network namespaces with a Spark standalone cluster across them (tests/multihost,
+# docs/clusters.md "Testing across hosts"). Its own pytest process; `make test` skips the directory.
+# Needs root and iproute2 (.ci/run installs it); without them the tests fail, they never skip.
+test-multihost: $(STAMP)
+	$(PY) -m pytest tests/multihost -p no:cacheprovider $(PYTEST_ARGS)
 
 # reader="petastorm" in its pinned environment (requirements-petastorm.txt: petastorm 0.13.1 needs
 # pyspark 4.0.x, pyarrow 14, numpy<2): the reader's settings and estimators fitting through it.

@@ -91,6 +91,14 @@ class RendezvousTimeoutError(_PickledWithFields, SparkEstimatorsError, TimeoutEr
         self.expected = expected
 
 
+class DriverUnreachableError(RendezvousTimeoutError, ConnectionError):
+    """Spark tasks run but cannot connect to the driver service (a firewall, a route, an address).
+
+    A :class:`RendezvousTimeoutError` whose cause is known: the message names the tasks' hosts
+    and the driver service's address.
+    """
+
+
 @dataclass(frozen=True)
 class RemoteError:
     """What one failed rank reported: where it ran and the traceback it raised."""
@@ -213,6 +221,7 @@ def _indent(text: str, prefix: str = "    ") -> str:
 __all__ = [
     "CollectiveError",
     "ConfigurationError",
+    "DriverUnreachableError",
     "ElasticResetLimitError",
     "ModelIntegrityError",
     "NoModelKeyWarning",

@@ -27,7 +27,7 @@ from typing import IO, TYPE_CHECKING, Protocol, TypeVar, cast
 from spark_estimators import envvars as ev
 from spark_estimators import run_options
 from spark_estimators._base.console_bar import SPARK_CONSOLE_BAR
-from spark_estimators._base.session import driver_service_host, get_spark
+from spark_estimators._base.session import driver_service_host, get_spark, running_tasks
 from spark_estimators.driver.launch_job import (
     ADMISSION_WAIT_S,
     EventCallback,
@@ -39,9 +39,15 @@ from spark_estimators.driver.launch_job import (
     results_by_rank,
     task_config,
 )
-from spark_estimators.driver.service import DriverService, JobState, is_consequence
+from spark_estimators.driver.service import (
+    DriverService,
+    JobState,
+    is_consequence,
+    silent_ranks,
+)
 from spark_estimators.errors import (
     ConfigurationError,
+    DriverUnreachableError,
     RendezvousTimeoutError,
     TrainingFailedError,
 )
@@ -295,6 +301,7 @@ class _Barrier:
         if not self.job.wait(registered_or_over, timeout=timeout):
             registered = sorted(self.svc.state.registrations)
             host, port = self.svc.address
+            self._raise_if_unreachable(registered, timeout)
             refused = self.svc.server.refusals.describe()
             if refused:
                 # Connections were turned away: busy slots or a bad driver_host are not the cause.
@@ -317,18 +324,61 @@ class _Barrier:
                 expected=self.options.ranks,
             )
 
+    def _raise_if_unreachable(self, registered: list[int], timeout: float) -> None:
+        """Tasks that Spark runs but that never registered: their hosts cannot reach us."""
+        if not registered:
+            return  # nothing reached us: a bad driver_host or a slow start, as the hint says
+        running = running_tasks(self.job.spark, self.job.job_id)
+        silent: dict[str, list[int]] = {}
+        for index, task_host in sorted(running.items()):
+            if index not in registered:
+                silent.setdefault(task_host, []).append(index)
+        if not silent:
+            return
+        host, port = self.svc.address
+        where = "; ".join(
+            f"task {', '.join(map(str, tasks))} on host {h!r}" for h, tasks in silent.items()
+        )
+        raise DriverUnreachableError(
+            f"only {len(registered)} of {self.options.ranks} Spark tasks registered within "
+            f"start_timeout={timeout:g}s; {where} run but never reached the driver service at "
+            f"{host}:{port}: those hosts cannot reach the driver's address (a firewall or a "
+            "route) or their tasks are stuck before connecting; make the address reachable from "
+            f"every executor host, or pass driver_host= (or set {ev.DRIVER_HOST}) to one they "
+            "can reach",
+            registered=registered,
+            expected=self.options.ranks,
+        )
+
     def _collect_results(self) -> list[object]:
         state, num_proc = self.svc.state, self.options.ranks
         if state.failures:
             # A rank that dies makes its peers raise CollectiveError: name the cause first.
             primary = [r for r, f in state.failures.items() if not is_consequence(f.message)]
             ranks = ", ".join(str(r) for r in sorted(primary or state.failures))
+            # Only peers' timeouts: the ranks that sent nothing are the ones they waited for.
+            silent = "" if primary else silent_ranks(state)
+            lead = (
+                f"{silent} sent neither a result nor an error while the other ranks' "
+                "collectives timed out: that host may be cut off the network or down; "
+                if silent
+                else ""
+            )
             raise TrainingFailedError(
-                f"rank {ranks} failed ({len(state.failures)} of {num_proc} ranks reported "
+                f"{lead}rank {ranks} failed ({len(state.failures)} of {num_proc} ranks reported "
                 "a failure); the other ranks were stopped",
                 dict(state.failures),
             )
         if self.job.error is not None:
+            # A task that gave up connecting to us failed the barrier stage: say that first.
+            marker = f"{DriverUnreachableError.__name__}: "
+            lines = [ln for ln in str(self.job.error).splitlines() if marker in ln]
+            if lines:
+                raise DriverUnreachableError(
+                    lines[0].split(marker, 1)[1],
+                    registered=sorted(state.registrations),
+                    expected=num_proc,
+                ) from self.job.error
             raise TrainingFailedError(
                 f"the Spark barrier job failed: {self.job.error}"
             ) from self.job.error

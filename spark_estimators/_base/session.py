@@ -221,6 +221,37 @@ def cancel_job_group(spark: SparkSession, job_id: str) -> None:
         spark.sparkContext.cancelJobGroup(job_id)
 
 
+def running_tasks(spark: SparkSession, job_id: str) -> dict[int, str]:
+    """Partition index -> executor host of the running tasks of job group ``job_id``.
+
+    Read from the driver's status store (classic sessions only; ``{}`` for Spark Connect or
+    when Spark cannot tell). Used to name the hosts whose tasks run but never reached the
+    driver service.
+    """
+    if is_connect(spark):
+        return {}
+    try:
+        sc = spark.sparkContext
+        tracker = sc.statusTracker()
+        store = sc._jsc.sc().statusStore()
+        out: dict[int, str] = {}
+        for job in tracker.getJobIdsForGroup(job_id):
+            info = tracker.getJobInfo(job)
+            for stage in info.stageIds if info is not None else ():
+                stage_info = tracker.getStageInfo(stage)
+                if stage_info is None:
+                    continue
+                tasks = store.taskList(stage, stage_info.currentAttemptId, 10_000).iterator()
+                while tasks.hasNext():
+                    task = tasks.next()
+                    if task.status() == "RUNNING":
+                        out[int(task.index())] = str(task.host())
+        return out
+    except Exception as exc:  # Py4J / status store differences across Spark versions
+        logger.debug("cannot list the running tasks of %s: %s", job_id, exc)
+        return {}
+
+
 def driver_service_host(spark: SparkSession, override: str | None = None) -> str:
     """The address executors use to reach this process's driver service.
 

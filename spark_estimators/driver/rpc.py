@@ -344,14 +344,17 @@ def _poke(address: tuple[str, int]) -> None:
         pass
 
 
-def _open(address: tuple[str, int], timeout: float | None) -> tuple[socket.socket, bytes]:
+def _open(
+    address: tuple[str, int], timeout: float | None, connect_timeout: float | None = None
+) -> tuple[socket.socket, bytes]:
     """Connect and read the server's hello; retry with backoff while the server is busy."""
     wait = timeout if timeout is not None else CONNECT_RETRY_S
     deadline = time.monotonic() + wait
     delay = 0.02
     while True:
-        sock = socket.create_connection(address, timeout=wait)
+        sock = socket.create_connection(address, timeout=connect_timeout or wait)
         try:
+            sock.settimeout(wait)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = _recv_exact(sock, HELLO_BYTES)
         except (ConnectionClosed, ConnectionResetError) as exc:
@@ -382,11 +385,18 @@ def _open(address: tuple[str, int], timeout: float | None) -> tuple[socket.socke
 class RpcClient:
     """A client connection to an :class:`RpcServer`; :meth:`call` is thread-safe."""
 
-    def __init__(self, address: tuple[str, int], secret: bytes, timeout: float | None = 30.0):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        secret: bytes,
+        timeout: float | None = 30.0,
+        connect_timeout: float | None = None,
+    ):
         self.address = address
         self._secret = secret
         self._timeout = timeout
-        self._sock, ns = _open(address, timeout)
+        # connect_timeout bounds the TCP connect alone (a host that drops the packets).
+        self._sock, ns = _open(address, timeout, connect_timeout)
         nc = os.urandom(NONCE_BYTES)
         try:
             self._codec = FrameCodec(secret, session_id(secret, ns, nc), TO_SERVER, TO_CLIENT)

@@ -462,6 +462,25 @@ class DriverService(JobServiceBase[JobState]):
         self.server.close()
 
 
+def silent_ranks(state: JobState) -> str:
+    """The ranks that sent neither a result nor a failure, by host ("" when every rank did).
+
+    When every reported failure is only a peer's timeout (:func:`is_consequence`), these are the
+    ranks the others were waiting for: a host cut off the network, or one that went down, sends
+    nothing at all (``rank 4, 5 on host 'node3' (10.0.0.13)``).
+    """
+    by_host: dict[str, list[int]] = {}
+    for index, settings in sorted(state.settings.items(), key=lambda item: item[1].rank):
+        if settings.rank in state.results or settings.rank in state.failures:
+            continue
+        reg = state.registrations.get(index)
+        where = f"{reg.host!r} ({reg.address})" if reg is not None else "an unknown host"
+        by_host.setdefault(where, []).append(settings.rank)
+    return "; ".join(
+        f"rank {', '.join(map(str, ranks))} on host {where}" for where, ranks in by_host.items()
+    )
+
+
 def wait_until(deadline: float) -> float:
     """Seconds left until ``deadline`` (monotonic), never negative."""
     return max(0.0, deadline - time.monotonic())

@@ -20,6 +20,7 @@ from spark_estimators.errors import SparkEstimatorsError
 from spark_estimators.task.scratch import create_scratch, remove_scratch
 from spark_estimators.task.spark_task import (
     TaskConfig,
+    connect_driver,
     describe_exit,
     host_hash,
     supervise_child,
@@ -66,7 +67,7 @@ def _run_child(
 
 def run_worker(config: TaskConfig, index: int, attempt: int, gpus: tuple[str, ...]) -> str:
     """Join the driver, run one rank process to its end; raise when Spark should retry."""
-    client = RpcClient(config.driver_address, config.secret, timeout=config.start_timeout + 30)
+    client = connect_driver(config, index)
     try:
         hostname = socket.gethostname()
         reply = client.call(

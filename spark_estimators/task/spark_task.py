@@ -35,7 +35,7 @@ from spark_estimators._base.processes import (
     start_rank_process,
 )
 from spark_estimators.driver.rpc import RpcClient
-from spark_estimators.errors import RemoteError
+from spark_estimators.errors import DriverUnreachableError, RemoteError
 from spark_estimators.task import spare
 from spark_estimators.task.scratch import create_scratch, remove_scratch
 
@@ -77,6 +77,30 @@ def host_hash(executor_address: str = "") -> str:
     if not salt:
         return name
     return name + "-" + hashlib.sha1(salt.encode()).hexdigest()[:8]
+
+
+def connect_driver(config: TaskConfig, index: int) -> RpcClient:
+    """Connect this task to the driver service, or raise an error naming this host and address.
+
+    The connect alone may take half the start timeout (at least 5 s): a host whose packets to
+    the driver are dropped then fails its Spark task, and the driver reports that error, before
+    the driver's own ``start_timeout`` would call it a rendezvous timeout.
+    """
+    host, port = config.driver_address
+    try:
+        return RpcClient(
+            config.driver_address,
+            config.secret,
+            timeout=config.start_timeout + 30,
+            connect_timeout=max(5.0, config.start_timeout / 2),
+        )
+    except OSError as exc:
+        raise DriverUnreachableError(
+            f"task {index} on host {socket.gethostname()!r} cannot reach the driver service at "
+            f"{host}:{port} ({exc}): every executor host must reach the driver's address; check "
+            f"firewalls and routes, or pass driver_host= (or set {ev.DRIVER_HOST}) to an "
+            "address this host can reach"
+        ) from exc
 
 
 def rank_environment(settings: Any, gpus: tuple[str, ...], backend: str) -> dict[str, str]:
@@ -267,7 +291,7 @@ def run_rank(
     driver advertises rank 0's as ``MASTER_PORT``. Rank 0's task keeps holding it until its rank
     process has exited, so no other process can take the port before the rank's store binds it.
     """
-    client = RpcClient(config.driver_address, config.secret, timeout=config.start_timeout + 30)
+    client = connect_driver(config, index)
     scratch: str | None = None
     reservation = reserve_port()
     try:

@@ -43,3 +43,25 @@ def test_the_message_survives_pickling():
 def test_only_collective_errors_lead_with_the_first():
     exc = TrainingFailedError("s", {0: RemoteError(0, "h", "CollectiveError: timeout", "")})
     assert str(exc).splitlines()[0] == "CollectiveError: timeout"
+
+
+def test_silent_ranks_names_the_ranks_that_sent_nothing_by_host():
+    """Issue 42: a host cut off the network sends nothing; its ranks and host are named."""
+    from spark_estimators.driver.service import JobState, RankSettings, Registration, silent_ranks
+
+    hosts = ["node1", "node1", "node2", "node2", "node3", "node3"]
+    state = JobState(num_proc=6)
+    for index in range(6):
+        host = hosts[index]
+        address = f"10.0.0.{1 + index // 2}"
+        state.registrations[index] = Registration(index, host, host, 100 + index, address, 0)
+        # task index != rank: the names must follow the rank.
+        rank = (index + 2) % 6
+        state.settings[index] = RankSettings(rank, 6, rank % 2, 2, rank // 2, 3, "", 0, host)
+    for rank in (2, 3, 4, 5):  # the tasks of node1 and node2 reported their peers' timeouts
+        state.failures[rank] = RemoteError(rank, "x", "CollectiveError: timed out")
+    assert silent_ranks(state) == "rank 0, 1 on host 'node3' (10.0.0.3)"
+    state.results[0] = b""
+    assert silent_ranks(state) == "rank 1 on host 'node3' (10.0.0.3)"
+    state.failures[1] = RemoteError(1, "node3", "CollectiveError: timed out")
+    assert silent_ranks(state) == ""
