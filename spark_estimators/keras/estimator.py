@@ -73,7 +73,11 @@ from spark_estimators.keras.model import (
     load_keras_model,
     warn_uncompiled,
 )
-from spark_estimators.keras.outputs import check_named_outputs, vector_outputs
+from spark_estimators.keras.outputs import (
+    check_named_outputs,
+    check_output_widths,
+    vector_outputs,
+)
 
 if TYPE_CHECKING:
     import keras
@@ -357,6 +361,8 @@ class KerasFramework(FrameworkBase["KerasEstimator"]):
         outputs = list(getattr(self.est.getModel(), "outputs", None) or [])
         labels = self.est.getLabelCols()
         loss = self.est.getLoss()
+        columns = dict(data.columns)
+        check_output_widths(self.est.getModel(), labels, loss, columns, _SAME_WIDTH_LOSSES)
         if len(outputs) != 1 or len(labels) != 1 or isinstance(loss, list | tuple | dict):
             return
         name = loss if isinstance(loss, str) else getattr(loss, "name", None)
@@ -364,7 +370,7 @@ class KerasFramework(FrameworkBase["KerasEstimator"]):
         if str(name).lower() not in _SAME_WIDTH_LOSSES:
             return
         dims = list(outputs[0].shape[1:])
-        info = dict(data.columns).get(labels[0])
+        info = columns.get(labels[0])
         if info is None or any(d is None for d in dims):
             return
         width, label_width = math.prod(dims), math.prod(info.shape)

@@ -15,7 +15,8 @@ also for a sparse label: predictions are dense); other outputs stay doubles or a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from spark_estimators.errors import ConfigurationError
@@ -67,6 +68,46 @@ def check_named_outputs(
             raise ConfigurationError(
                 f"{keyword} has key(s) {unknown!r} that are not outputs of the model: its "
                 f"outputs are {names!r} (model.output_names); key {keyword} by those names"
+            )
+
+
+def check_output_widths(
+    model: keras.Model,
+    label_cols: Sequence[str],
+    loss: object,
+    columns: Mapping[str, ColumnInfo],
+    same_width_losses: Collection[str],
+) -> None:
+    """Several outputs: compare each output's width with its label's where its loss needs both.
+
+    Catches ``label_cols`` written in a dict's own order rather than Keras's sorted one, which
+    would otherwise train each output on the other's label (``mse`` broadcasts a 1-wide label).
+    """
+    outputs = list(getattr(model, "outputs", None) or [])
+    names = output_names(model)
+    if len(outputs) < 2 or names is None or not len(names) == len(outputs) == len(label_cols):
+        return
+    for i, (tensor, label, name) in enumerate(zip(outputs, label_cols, names, strict=True)):
+        if isinstance(loss, Mapping):
+            loss_i = loss.get(name)
+        elif isinstance(loss, list | tuple):
+            loss_i = loss[i] if len(loss) == len(outputs) else loss[0]
+        else:
+            loss_i = loss
+        loss_name = loss_i if isinstance(loss_i, str) else getattr(loss_i, "name", None)
+        loss_name = str(loss_name or getattr(loss_i, "__name__", ""))
+        dims = list(tensor.shape[1:])
+        info = columns.get(label)
+        if loss_name.lower() not in same_width_losses or info is None or None in dims:
+            continue
+        width, label_width = math.prod(dims), math.prod(info.shape)
+        if width != label_width:
+            raise ConfigurationError(
+                f"output {name!r} (model.output_names[{i}]) gives {width} value(s) per row but "
+                f"its label column {label!r} (label_cols[{i}]) holds {label_width}, and loss "
+                f"{loss_name!r} needs both the same width: label_cols[i] is the label of "
+                f"model.output_names[i] = {names!r} (a dict of outputs is ordered by its sorted "
+                "keys); reorder label_cols"
             )
 
 

@@ -162,6 +162,12 @@ def test_label_count_must_match_the_named_outputs(df, store):
         named_estimator(store, label_cols=["ya"], loss_weights=None).fit(df)
 
 
+def test_labels_in_the_dicts_written_order_are_refused_before_training(df, store):
+    # The dict was written {"b": ..., "a": ...}, but Keras orders the outputs ["a", "b"].
+    with pytest.raises(ConfigurationError, match=r"output 'a' .* 1 value.*'yb'.* holds 2"):
+        named_estimator(store, label_cols=["yb", "ya"]).fit(df)
+
+
 def test_vector_label_gives_a_vector_output(df, store, tmp_path):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
