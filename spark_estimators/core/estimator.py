@@ -164,7 +164,9 @@ class SparkEstimator(PersistenceMixin, Estimator, ElasticRelaunch, KeywordParams
             if not 0 <= float(validation) < 1:
                 raise _bad("validation", validation, "a float in [0, 1) or a column name")
         weights = self.getOrDefault("lossWeights") if self.hasParam("lossWeights") else None
-        if weights is not None and len(weights) != len(labels):
+        # A dict (Keras's named outputs) is checked against the model's output names by the
+        # framework's _validate_framework.
+        if isinstance(weights, list) and len(weights) != len(labels):
             raise ConfigurationError(
                 f"loss_weights has {len(weights)} entries but there are {len(labels)} label "
                 f"columns {labels!r}: give one weight per label"

@@ -73,6 +73,11 @@ from spark_estimators.keras.model import (
     load_keras_model,
     warn_uncompiled,
 )
+from spark_estimators.keras.outputs import (
+    check_named_outputs,
+    check_output_widths,
+    vector_outputs,
+)
 
 if TYPE_CHECKING:
     import keras
@@ -227,6 +232,8 @@ class KerasEstimator(SparkEstimator, SupervisedParams):
                 f"{len(losses)} losses for {len(self.getLabelCols())} label columns: give one "
                 "loss, or one per label column"
             )
+        named = {"loss": losses, "loss_weights": self.getLossWeights()}
+        check_named_outputs(model, self.getLabelCols(), {**named, "metrics": self.getMetrics()})
         if self.getBackwardPassesPerStep() != 1:
             raise ConfigurationError(
                 f"backward_passes_per_step={self.getBackwardPassesPerStep()!r} is not supported "
@@ -280,6 +287,8 @@ class KerasFramework(FrameworkBase["KerasEstimator"]):
     """What a Keras fit adds to its TrainingRun (see :mod:`spark_estimators.core.framework`)."""
 
     name = "keras"
+    #: Per label (so per output): was it an ML vector column? Set from the data by build_spec.
+    vector_outputs: tuple[bool, ...] = ()
 
     def trainer(self) -> Callable[[KerasTrainSpec], RankResult]:
         """The rank entry point: :func:`spark_estimators.keras.remote.train` (imports keras)."""
@@ -318,6 +327,7 @@ class KerasFramework(FrameworkBase["KerasEstimator"]):
         from spark_estimators.keras.remote import KerasTrainSpec, model_to_bytes
 
         est = self.est
+        self.vector_outputs = tuple(vector_outputs(est.getLabelCols(), dict(data.columns)))
         try:
             # Without its compile state: the ranks compile with loss= and metrics=.
             model_bytes = model_to_bytes(est.getModel(), compile_state=False)
@@ -351,6 +361,8 @@ class KerasFramework(FrameworkBase["KerasEstimator"]):
         outputs = list(getattr(self.est.getModel(), "outputs", None) or [])
         labels = self.est.getLabelCols()
         loss = self.est.getLoss()
+        columns = dict(data.columns)
+        check_output_widths(self.est.getModel(), labels, loss, columns, _SAME_WIDTH_LOSSES)
         if len(outputs) != 1 or len(labels) != 1 or isinstance(loss, list | tuple | dict):
             return
         name = loss if isinstance(loss, str) else getattr(loss, "name", None)
@@ -358,7 +370,7 @@ class KerasFramework(FrameworkBase["KerasEstimator"]):
         if str(name).lower() not in _SAME_WIDTH_LOSSES:
             return
         dims = list(outputs[0].shape[1:])
-        info = dict(data.columns).get(labels[0])
+        info = columns.get(labels[0])
         if info is None or any(d is None for d in dims):
             return
         width, label_width = math.prod(dims), math.prod(info.shape)
@@ -381,7 +393,13 @@ class KerasFramework(FrameworkBase["KerasEstimator"]):
         # cannot be loaded.
         model = load_keras_model(results[0]["model"], custom)
         keras_model = wrap_model(
-            self.est, KerasModel, model, results, run_id, custom_objects=custom
+            self.est,
+            KerasModel,
+            model,
+            results,
+            run_id,
+            custom_objects=custom,
+            vector_outputs=list(self.vector_outputs),
         )
         keras_model._rank_fingerprints = fingerprints
         return keras_model

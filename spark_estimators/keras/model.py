@@ -15,7 +15,7 @@ import os
 import pickle
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import cloudpickle
 
@@ -24,6 +24,7 @@ from spark_estimators.core.model import Predictor, SparkModel
 if TYPE_CHECKING:
     import keras
     import numpy as np
+    from pyspark.sql import DataFrame
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,18 @@ def warn_uncompiled(reason: str) -> None:
     )
 
 
+def flat_outputs(out: object) -> list[object]:
+    """A prediction (one array, a list, or a dict of named outputs) as a list of arrays.
+
+    Keras's own order (``keras.tree.flatten``: a dict's keys sorted, which is also the order of
+    ``model.output_names`` and the one a tuple of labels is matched to), so output ``i`` is
+    ``label_cols[i]``'s and goes to ``outputCols[i]``.
+    """
+    import keras
+
+    return list(keras.tree.flatten(out))
+
+
 class KerasPredictor(Predictor):
     """Loads the Keras model once per Python worker and predicts numpy batches."""
 
@@ -88,8 +101,7 @@ class KerasPredictor(Predictor):
         import numpy as np
 
         out = model.predict_on_batch(inputs[0] if len(inputs) == 1 else inputs)
-        outs = list(out) if isinstance(out, list | tuple) else [out]
-        return [np.asarray(o, dtype=np.float64) for o in outs]
+        return [np.asarray(o, dtype=np.float64) for o in flat_outputs(out)]
 
 
 class KerasModel(SparkModel):
@@ -105,11 +117,21 @@ class KerasModel(SparkModel):
     """
 
     def __init__(
-        self, *, custom_objects: Mapping[str, object] | None = None, **kwargs: Any
+        self,
+        *,
+        custom_objects: Mapping[str, object] | None = None,
+        vector_outputs: list[bool] | None = None,
+        **kwargs: Any,
     ) -> None:
-        """``custom_objects`` to load the model with; the other keywords as for SparkModel."""
+        """``custom_objects`` to load the model with; the other keywords as for SparkModel.
+
+        ``vector_outputs[i]``: output ``i``'s label was an ML vector column, so ``transform``
+        writes that output as a ``VectorUDT`` column, as horovod did
+        (:mod:`spark_estimators.keras.outputs`).
+        """
         super().__init__(**kwargs)
         self._custom_objects = dict(custom_objects or {})
+        self._vector_outputs = [bool(v) for v in (vector_outputs or [])]
         self._rank_fingerprints: list[str] = []
 
     def getCustomObjects(self) -> dict[str, object]:
@@ -133,3 +155,19 @@ class KerasModel(SparkModel):
 
     def _predictor(self) -> Predictor:
         return KerasPredictor()
+
+    def _extra_state(self) -> dict[str, object]:
+        return {**super()._extra_state(), "vector_outputs": self._vector_outputs}
+
+    def _restore_extra_state(self, state: dict[str, object]) -> None:
+        super()._restore_extra_state(state)
+        # Models saved before vector outputs existed wrote arrays: keep doing so.
+        self._vector_outputs = list(cast("list[bool]", state.get("vector_outputs") or []))
+
+    def _transform(self, df: DataFrame) -> DataFrame:
+        from spark_estimators.keras.outputs import with_vector_outputs
+
+        scored = super()._transform(df)
+        return with_vector_outputs(
+            scored, self.output_cols(), self._output_shapes, self._vector_outputs
+        )

@@ -86,7 +86,7 @@ class KerasTrainSpec(TrainSpec):
 
     model_bytes: bytes
     custom_objects_blob: bytes
-    loss_weights: list[float] | None
+    loss_weights: list[float] | dict[str, float] | None
     compression: str
     scale_lr: bool
     verbose: int
@@ -272,4 +272,5 @@ def _output_shapes(
     batch = feed.peek()
     inputs = [batch[c] for c in spec.feature_cols]
     outputs = model.predict_on_batch(inputs[0] if len(inputs) == 1 else inputs)
-    return protocol.row_shapes(outputs)
+    # A dict of named outputs is one output per name, in Keras's order (model.output_names).
+    return protocol.row_shapes(keras.tree.flatten(outputs))

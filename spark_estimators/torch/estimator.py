@@ -113,6 +113,11 @@ class TorchEstimator(SparkEstimator, SupervisedParams, HasLossConstructors, HasT
                 f"{len(losses)} losses for {len(self.getLabelCols())} label columns: give one "
                 "loss, or one per label column"
             )
+        if isinstance(self.getLossWeights(), dict):
+            raise ConfigurationError(
+                f"loss_weights={self.getLossWeights()!r} is a dict: name-keyed weights are for "
+                "KerasEstimator's named outputs; give a list, one weight per label column"
+            )
         n_labels = len(self.getLabelCols())
         for entry in listify(self.getMetrics()):
             group = listify(entry)

@@ -306,6 +306,7 @@ def test_early_stopping_stops_all_ranks(df, store):
         ({"loss": None}, "loss is required"),
         ({"reader": "csv"}, "reader='csv' is invalid"),
         ({"loss_weights": [1.0, 2.0]}, "loss_weights has 2 entries"),
+        ({"loss_weights": {"y": 1.0}}, r"loss_weights=\{'y': 1.0\} is a dict.*give a list"),
         ({"store": "/tmp/x"}, "store='/tmp/x' is invalid.*Store.create"),
         ({"collective_backend": "tcp"}, "collective_backend='tcp' is invalid"),
         ({"elastic": True, "reset_limit": -1}, "reset_limit=-1 is invalid.*>= 0"),

@@ -18,7 +18,7 @@ import inspect
 import re
 import textwrap
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar, Generic, TypeVar, overload
 
 import pyspark
@@ -130,6 +130,21 @@ def to_list_or_none(value: object) -> list[object] | None:
     return None if value is None else TypeConverters.toList(value)
 
 
+def to_loss_weights(value: object) -> list[object] | dict[str, float] | None:
+    """None, a list (one weight per label column) or a dict of output name -> weight.
+
+    The dict form is Keras's, for models with named outputs; the estimator checks its keys.
+    """
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"loss_weights keys must be output names (str), got {bad!r}")
+        return {k: TypeConverters.toFloat(v) for k, v in value.items()}
+    return TypeConverters.toList(value)
+
+
 def to_str_list(value: object) -> list[str]:
     """A list of strings; a single string becomes a one-element list."""
     if isinstance(value, str):
@@ -150,6 +165,7 @@ _TYPE_TEXT: dict[Callable[[object], object], str] = {
     TypeConverters.toString: "str",
     to_int_or_none: "int or None",
     to_list_or_none: "list or None",
+    to_loss_weights: "list, dict or None",
     to_str_list: "list of str",
     to_str_or_none: "str or None",
     TypeConverters.toListString: "list of str",

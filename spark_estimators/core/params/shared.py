@@ -15,7 +15,7 @@ from pyspark.ml.param import TypeConverters
 from spark_estimators.core.params.base import (
     DeclaredParams,
     ParamGetter,
-    to_list_or_none,
+    to_loss_weights,
     to_str_list,
 )
 
@@ -87,7 +87,10 @@ class SupervisedParams(DeclaredParams):
     getLoss: ParamGetter[object] = ParamGetter(
         "loss function, or a list of them, one per label column"
     )
-    getLossWeights = ParamGetter("weights of each label's loss", to_list_or_none)
+    getLossWeights = ParamGetter(
+        "weights of each label's loss: a list, or (Keras) a dict of output name -> weight",
+        to_loss_weights,
+    )
     getMetrics: ParamGetter[object] = ParamGetter("metric functions metric(output, label) -> value")
     getGradientCompression: ParamGetter[object] = ParamGetter(
         "Compression.none or Compression.fp16 for the gradients' allreduce"

@@ -139,7 +139,6 @@ class SparkKerasTests(tf.test.TestCase):
                 assert pred.dtype == np.float32
 
     @pytest.mark.slow  # conformance: 2 then 5 Keras ranks (TOTAL_BUFFER_MEMORY_CAP_GIB + 1) on one machine
-    @pytest.mark.xfail(strict=True, reason="reported (beyond issue 25 items 1-13): transform writes a vector label's output column as array<float>; horovod wrote a VectorUDT (DenseVector), so row.label_prob.toArray() fails")
     def test_fit_model_multiclass(self):
         model = create_mnist_model()
         optimizer = tf.keras.optimizers.Adadelta(1.0)
