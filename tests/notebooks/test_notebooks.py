@@ -97,9 +97,7 @@ def autolog_cell(tracking_uri: str, source: str):
         "import os\n"
         'os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"\n'
         'os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"\n'
-        "import pyspark.ml\n"
-        + "".join(f"import {m}\n" for m in frameworks)
-        + "import mlflow\n"
+        "import pyspark.ml\n" + "".join(f"import {m}\n" for m in frameworks) + "import mlflow\n"
         f"mlflow.set_tracking_uri({tracking_uri!r})\n"
         # MLflow's Spark datasource autologging needs its JVM jar, which this project does not
         # ship (Databricks has it): it would warn at every session start, so it stays off.
@@ -285,3 +283,50 @@ def test_fit_output_in_a_kernel_is_one_display_without_warnings():
     assert hello == [f"[{r}]Hello, rank = {r}, magic_number = 42" for r in (0, 1)], ran.outputs
     assert "[Stage" not in _stream_text(ran, "stderr"), _stream_text(ran, "stderr")
     assert not output_problems(nb, stage_bar_on=True), output_problems(nb, stage_bar_on=True)
+
+
+@pytest.mark.timeout(1800)
+def test_the_readme_quickstart_runs_in_a_kernel_with_mlflow_autolog_on(tmp_path, monkeypatch):
+    """Issue 41: the README's Python blocks, as cells of one notebook, under ``mlflow.autolog()``.
+
+    The blocks are the ones tests/docs runs (README.md, in order); the last cell checks their
+    results. Only errors count here: the README starts Spark with the plain builder, whose
+    start-up lines the notebooks' noise check would flag.
+    """
+    import sys
+
+    mlflow = pytest.importorskip("mlflow")
+    sys.path.insert(0, str(REPO / "tests" / "docs"))
+    try:
+        from doc_blocks import blocks
+    finally:
+        sys.path.remove(str(REPO / "tests" / "docs"))
+    code = [b.code for b in blocks(REPO / "README.md") if b.status == "run"]
+    assert len(code) >= 3, "the README's quickstart blocks moved: update this test"
+    check = (
+        "assert results == [(0, 42), (1, 42)], results\n"
+        'assert len(fitted.getHistory()["loss"]) == 5\n'
+        "assert fitted.transform(test_df).count() == test_df.count()\n"
+    )
+    uri = (tmp_path / "mlruns").as_uri()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        autolog_cell(uri, "\n".join(code)),
+        *(nbformat.v4.new_code_cell(c) for c in code),
+        nbformat.v4.new_code_cell(check),
+    ]
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=CELL_TIMEOUT_S,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(REPO)}},
+    )
+    try:
+        client.execute(env=KERNEL_ENV)
+    except nbclient.exceptions.CellExecutionError as exc:
+        pytest.fail(f"README quickstart failed with autologging on:\n{exc}")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    runs = mlflow.tracking.MlflowClient(uri).search_runs(
+        [e.experiment_id for e in mlflow.tracking.MlflowClient(uri).search_experiments()]
+    )
+    assert len(runs) == 1, [r.info.run_name for r in runs]  # the one fit: one run
