@@ -39,7 +39,8 @@ soak: $(STAMP)
 
 # Every notebook again with mlflow.autolog() turned on first, as on Databricks (issue 41).
 test-notebooks-autolog: $(STAMP)
-	SPARK_ESTIMATORS_NOTEBOOK_AUTOLOG=1 $(PY) -m pytest tests/notebooks -k top_to_bottom $(PYTEST_ARGS)
+	SPARK_ESTIMATORS_NOTEBOOK_AUTOLOG=1 $(PY) -m pytest tests/notebooks -k "top_to_bottom or readme" \
+		$(PYTEST_ARGS)
 
 # horovod's own tests, ported by changing imports (tests/conformance/README.md, docs/conformance.md).
 # Its own pytest process (horovod's tests manage Spark sessions themselves); `make test` skips the
