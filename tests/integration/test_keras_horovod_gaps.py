@@ -79,7 +79,14 @@ def _fit(kind: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("kind", ["sequential", "subclassed", "own_train_step"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "sequential",
+        pytest.param("subclassed", marks=pytest.mark.slow),
+        pytest.param("own_train_step", marks=pytest.mark.slow),
+    ],
+)
 def test_models_built_in_their_first_step_end_equal_on_every_rank(kind: str) -> None:
     results = run_local(_fit, num_proc=2, args=(kind,), backend="gloo")
     zero, one = results

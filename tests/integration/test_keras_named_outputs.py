@@ -107,6 +107,7 @@ def test_named_outputs_fit_and_transform_equals_predict(fitted, df):
     np.testing.assert_allclose(got_b, want["b"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # make test keeps the fit/transform and the driver checks
 def test_named_outputs_pipeline_save_load(fitted, df, tmp_path):
     fitted.setOutputCols(["pa", "pb"])
     try:
@@ -125,6 +126,7 @@ def test_named_outputs_pipeline_save_load(fitted, df, tmp_path):
     np.testing.assert_allclose([r["pb"] for r in rows], want["b"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # make test keeps the fit/transform and the driver checks
 def test_dict_loss_weights_are_accepted_and_survive_a_pipeline(store, tmp_path):
     est = named_estimator(store)
     assert est.getLossWeights() == {"a": 1.0, "b": 0.5}
