@@ -77,18 +77,24 @@ def private_dir(parent: str, name: str) -> str | None:
     return path if is_private_dir(path) else None
 
 
-def peer_uid(sock: socket.socket) -> int | None:
-    """The user id of the process at the other end of Unix socket ``sock`` (None if unknown)."""
+def peer_credentials(sock: socket.socket) -> tuple[int, int] | None:
+    """``(pid, uid)`` of the process at the other end of Unix socket ``sock`` (None if unknown)."""
     option = getattr(socket, "SO_PEERCRED", None)
     if option is None:
         return None
     try:
-        _pid, uid, _gid = _PEERCRED.unpack(
+        pid, uid, _gid = _PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, option, _PEERCRED.size)
         )
     except OSError:
         return None
-    return uid
+    return pid, uid
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user id of the process at the other end of Unix socket ``sock`` (None if unknown)."""
+    creds = peer_credentials(sock)
+    return None if creds is None else creds[1]
 
 
 def same_user_peer(sock: socket.socket) -> bool:

@@ -273,8 +273,9 @@ def ensure(preimport: tuple[str, ...]) -> None:
         key = zygote_key()
         if key is None:
             return
-        listener = zygote.listen(address(preimport, env, key))
-        if listener is None and _held_by_stranger(address(preimport, env, key)):
+        addr = address(preimport, env, key)
+        listener = zygote.listen(addr)
+        if listener is None and _held_by_stranger(addr):
             logger.warning("another user holds this executor's zygote address: moving it")
             key = zygote_key(renew=True)
             listener = zygote.listen(address(preimport, env, key)) if key else None

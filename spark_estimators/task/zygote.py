@@ -53,7 +53,7 @@ from typing import IO, NoReturn
 
 from spark_estimators._base.child import EXIT_CODE as _CODE
 from spark_estimators._base.child import report_exit_code_to
-from spark_estimators._base.owned import peer_uid, same_user_peer
+from spark_estimators._base.owned import peer_credentials, peer_uid, same_user_peer
 
 logger = logging.getLogger(__name__)
 
@@ -154,13 +154,6 @@ class ForkedRank:
             pass
 
 
-def _peer_pid(sock: socket.socket) -> int:
-    option = getattr(socket, "SO_PEERCRED", None)
-    if option is None:
-        return 0
-    return int(struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, option, 12))[0])
-
-
 def request_fork(address: str, key: bytes, timeout: float = REPLY_TIMEOUT_S) -> ForkedRank:
     """Ask the zygote listening at ``address`` for a child; :class:`ZygoteGone` if it cannot.
 
@@ -184,7 +177,8 @@ def request_fork(address: str, key: bytes, timeout: float = REPLY_TIMEOUT_S) -> 
                     peer_uid(sock),
                 )
                 raise ZygoteGone(f"the zygote address is held by user {peer_uid(sock)}")
-            zygote_pid = _peer_pid(sock)
+            creds = peer_credentials(sock)
+            zygote_pid = 0 if creds is None else creds[0]
             socket.send_fds(sock, [_FORK + key], theirs)
             reply = b""
             while len(reply) < _PID.size:
