@@ -14,11 +14,14 @@ import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from spark_estimators.collective.backends.base import ReduceOp
+
+if TYPE_CHECKING:
+    from spark_estimators.collective.runtime.engine import Engine
 
 
 class Kind(enum.IntEnum):
@@ -34,6 +37,16 @@ class Kind(enum.IntEnum):
     ALLGATHER_OBJECT = 8
     BROADCAST_OBJECT = 9
     PROCESS_SET = 10
+
+
+class Tuner(Protocol):
+    """What the engine calls around each negotiation round (see :mod:`.autotune`)."""
+
+    def stamp(self, vector: np.ndarray) -> np.ndarray:
+        """The rank's vector with what it publishes (rank 0: the current settings)."""
+
+    def settle(self, engine: Engine, vectors: np.ndarray) -> None:
+        """After the round's gather (every rank, same vectors): apply, measure, decide."""
 
 
 # Ops a joined rank can take part in (it contributes zeros / nothing).
