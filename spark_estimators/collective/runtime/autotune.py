@@ -34,6 +34,7 @@ import csv
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,6 +115,8 @@ class Autotune:
 
     def __init__(self, rank: int, start: Setting, tuned: tuple[str, ...], params: Params) -> None:
         self.rank, self.params, self.tuned = rank, params, tuned
+        #: Seconds of a monotonic clock (tests give a synthetic one).
+        self.clock: Callable[[], float] = time.perf_counter
         self.current = start
         self.start_setting = start
         self.rows: list[dict[str, object]] = []
@@ -121,7 +124,7 @@ class Autotune:
         self._version = self._applied = 0
         self._final = False
         self._measuring = rank == 0  # rank 0 measures the starting settings right away
-        self._t0 = time.perf_counter()
+        self._t0 = self.clock()
         self._bytes = self._steps = 0
         self._emptied = False
         self._next: Setting | None = None
@@ -159,28 +162,28 @@ class Autotune:
                 self.done = True
                 return
             if self.rank == 0:
-                self._measuring, self._t0 = True, time.perf_counter()
+                self._measuring, self._t0 = True, self.clock()
                 self._bytes = self._steps = 0
                 self._emptied = False
         if self.rank != 0 or not self._measuring:
             return
         active = [r for r in range(vectors.shape[0]) if vectors[r, neg.JOINED] < 0]
-        count = 0
+        count = nbytes = 0
         if active and int(vectors[active[0], neg.KIND]) == int(Kind.ALLREDUCE):
             plan = engine._negotiation.plan(vectors, active)  # the same plan the engine runs
             dtype = DTYPES[int(vectors[active[0], neg.DTYPE])]
-            self._bytes += plan.numel * neg.itemsize(dtype)
-            count = plan.count
-        if self._emptied:
+            nbytes, count = plan.numel * neg.itemsize(dtype), plan.count
+        if self._emptied:  # this round starts a step
             self._steps += 1
             if self._steps >= self.params.steps_per_sample:
                 self._close_sample()
                 return
+        self._bytes += nbytes
         self._emptied = len(engine._backlog) <= max(count, 1)  # this round empties the queue
 
     # -- rank 0's decisions ------------------------------------------------------------------------
     def _close_sample(self) -> None:
-        seconds = max(time.perf_counter() - self._t0, 1e-9)
+        seconds = max(self.clock() - self._t0, 1e-9)
         score = self._bytes / seconds
         warmup = len(self.rows) < self.params.warmup_samples
         s = self.current
