@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -130,7 +129,7 @@ class HierarchicalBackend(Backend):
         # Hosts are ordered by their first rank: host blocks are rank order iff each is a range.
         self._contiguous = all(g == list(range(g[0], g[0] + len(g))) for g in layout.local_groups)
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         # Only for attributes the wrapper lacks (device, group, _mesh, ranks_of, ...).
         if name == "inner":
             raise AttributeError(name)
