@@ -142,8 +142,9 @@ class Autotune:
             vector[neg.TUNE_FLAGS] = flags
         return vector
 
-    def settle(self, engine: Engine, vectors: np.ndarray) -> None:
+    def settle(self, engine: object, vectors: np.ndarray) -> None:
         """Apply a newly published setting (every rank); measure and decide (rank 0)."""
+        assert isinstance(engine, Engine)
         row = vectors[0]
         version = int(row[neg.TUNE])
         if version > self._applied:

@@ -14,14 +14,11 @@ import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from spark_estimators.collective.backends.base import ReduceOp
-
-if TYPE_CHECKING:
-    from spark_estimators.collective.runtime.engine import Engine
 
 
 class Kind(enum.IntEnum):
@@ -45,8 +42,11 @@ class Tuner(Protocol):
     def stamp(self, vector: np.ndarray) -> np.ndarray:
         """The rank's vector with what it publishes (rank 0: the current settings)."""
 
-    def settle(self, engine: Engine, vectors: np.ndarray) -> None:
-        """After the round's gather (every rank, same vectors): apply, measure, decide."""
+    def settle(self, engine: object, vectors: np.ndarray) -> None:
+        """After the round's gather (every rank, same vectors): apply, measure, decide.
+
+        ``engine`` is the :class:`~.engine.Engine` (typed ``object``: no import cycle).
+        """
 
 
 # Ops a joined rank can take part in (it contributes zeros / nothing).
