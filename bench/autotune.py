@@ -11,13 +11,15 @@ Workloads (one training "step" = submit every tensor with ``allreduce_async_``, 
 * ``few-large``: 4 tensors of 8 MiB (32 MiB a step): fusing copies them into and out of the
   fusion buffer for no saved round worth it, so a threshold below 8 MiB (no fusion) is best.
 
-For each workload, in one ``run_local`` job per contender (N ranks on 127.0.0.1, gloo): every
-grid threshold (``SPARK_ESTIMATORS_FUSION_THRESHOLD`` fixed) runs ``--steps`` timed steps after
-a warm-up; the autotune job (``HOROVOD_AUTOTUNE=1``, cycle time held at 1 ms) trains until the
-tuner is done (the tuning phase, timed), then the same ``--steps`` timed steps with the setting
-it kept. Rounds alternate the contenders; medians over rounds. Prints the tuned throughput
-against the best grid point (target >= 0.95x) and the tuning phase's cost: its time, and the
-time the same number of steps take at the best grid point.
+For each workload, one ``run_local`` job (N ranks on 127.0.0.1, gloo, cycle time held at 1 ms)
+first trains with ``HOROVOD_AUTOTUNE=1`` until the tuner is done (the tuning phase, timed, its
+steps counted), then runs ``--rounds`` rounds; each round times ``--steps`` steps at every grid
+threshold and at the setting autotune kept, in a shuffled order (the same on every rank; the
+threshold is set on every rank after a barrier, when nothing is in flight). Medians over rounds,
+and the median of the per-round ratios (both ran in the same round, which cancels most of the
+drift of a shared machine's load). Prints the tuned throughput against the best grid point
+(target >= 0.95x) and the tuning phase's cost: its time, and the time the same number of steps
+take at the best grid point.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ WORKLOADS = {"many-small": (256, 1024), "few-large": (4, 2 * 1024 * 1024)}  # co
 GRID = (0, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024, 64 * 1024 * 1024)
 
 
-def _job(workload: str, steps: int, tune: bool) -> dict:
+def _job(workload: str, steps: int, rounds: int) -> dict:
+    import random
+
     import torch
 
     import spark_estimators.collective.torch as hvd
@@ -45,22 +49,29 @@ def _job(workload: str, steps: int, tune: bool) -> dict:
         for h in [hvd.allreduce_async_(g, op=hvd.Sum) for g in grads]:
             hvd.synchronize(h)
 
-    out: dict = {}
-    if tune:
-        started, n = time.perf_counter(), 0
-        while engine.tuner is not None and n < 2000:
-            step()
-            n += 1
-        out["tuning_s"], out["tuning_steps"] = time.perf_counter() - started, n
-        out["threshold"] = engine.fusion_threshold
-    else:
-        for _ in range(5):
-            step()
-    hvd.barrier()
-    started = time.perf_counter()
-    for _ in range(steps):
+    started, n = time.perf_counter(), 0
+    while engine.tuner is not None and n < 2000:
         step()
-    out["step_s"] = (time.perf_counter() - started) / steps
+        n += 1
+    out: dict = {"tuning_s": time.perf_counter() - started, "tuning_steps": n}
+    kept = out["threshold"] = engine.fusion_threshold
+    contenders: list[int | str] = [*GRID, "tuned"]
+    times: dict[str, list[float]] = {str(c): [] for c in contenders}
+    order = random.Random(0)
+    for r in range(rounds + 1):  # round 0 warms up
+        if r:
+            order.shuffle(contenders)
+        for c in contenders:
+            hvd.barrier()
+            engine.fusion_threshold = kept if c == "tuned" else int(c)
+            step()
+            hvd.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            if r:
+                times[str(c)].append((time.perf_counter() - t0) / steps)
+    out["times"] = times
     hvd.shutdown()
     return out
 
@@ -71,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-samples", type=int, default=12)
     parser.add_argument("--steps-per-sample", type=int, default=5)
     args = parser.parse_args()
@@ -86,34 +97,24 @@ def main() -> None:
           f"{args.rounds} rounds; autotune: {args.max_samples} samples x "
           f"{args.steps_per_sample} steps (+1 warm-up sample), cycle time held")  # fmt: skip
     for workload, (count, numel) in WORKLOADS.items():
-        grid: dict[int, list[float]] = {t: [] for t in GRID}
-        tuned: list[dict] = []
-        for _ in range(args.rounds):
-            for t in GRID:
-                env = {"SPARK_ESTIMATORS_FUSION_THRESHOLD": str(t), "HOROVOD_CYCLE_TIME": "1"}
-                r = run_local(_job, num_proc=args.num_proc, args=(workload, args.steps, False),
-                              env=env, backend="gloo")[0]  # fmt: skip
-                grid[t].append(r["step_s"])
-            tuned.append(run_local(_job, num_proc=args.num_proc,
-                                   args=(workload, args.steps, True), env=tune_env,
-                                   backend="gloo")[0])  # fmt: skip
+        r = run_local(_job, num_proc=args.num_proc, args=(workload, args.steps, args.rounds),
+                      env=tune_env, backend="gloo")[0]  # fmt: skip
+        times = r["times"]
         mib = count * numel * 4 / 2**20
         print(f"\n{workload}: {count} x {numel * 4 // 1024} KiB = {mib:g} MiB a step")
-        med = {t: statistics.median(v) for t, v in grid.items()}
-        for t, s in med.items():
-            print(f"  grid threshold {t / 2**20:8.3f} MiB: {s * 1e3:8.2f} ms/step "
-                  f"({mib / s:8.1f} MiB/s)")  # fmt: skip
-        best_t = min(med, key=lambda t: med[t])
-        tuned_s = statistics.median(r["step_s"] for r in tuned)
-        chosen = [round(r["threshold"] / 2**20, 3) for r in tuned]
-        tuning_s = statistics.median(r["tuning_s"] for r in tuned)
-        tuning_steps = statistics.median(r["tuning_steps"] for r in tuned)
-        print(f"  autotune kept {chosen} MiB (per round): {tuned_s * 1e3:8.2f} ms/step")
-        print(f"  tuned / best grid ({best_t / 2**20:g} MiB) throughput: "
-              f"{med[best_t] / tuned_s:5.3f}x (target >= 0.95x)")  # fmt: skip
-        print(f"  tuning phase: {tuning_steps:g} steps in {tuning_s:6.2f} s; at the best grid "
-              f"point they take {tuning_steps * med[best_t]:6.2f} s (cost "
-              f"{tuning_s - tuning_steps * med[best_t]:+.2f} s)")  # fmt: skip
+        med = {c: statistics.median(v) for c, v in times.items()}
+        for c, s in med.items():
+            label = f"tuned ({r['threshold'] / 2**20:.3f} MiB)" if c == "tuned" else (
+                f"grid {int(c) / 2**20:.3f} MiB")  # fmt: skip
+            print(f"  {label:22s}: {s * 1e3:8.2f} ms/step ({mib / s:8.1f} MiB/s)")
+        best = min((c for c in med if c != "tuned"), key=lambda c: med[c])
+        paired = statistics.median(b / t for b, t in zip(times[best], times["tuned"], strict=True))
+        print(f"  tuned / best grid ({int(best) / 2**20:g} MiB) throughput: {paired:5.3f}x "
+              f"paired, {med[best] / med['tuned']:5.3f}x medians (target >= 0.95x)")  # fmt: skip
+        cost = r["tuning_s"] - r["tuning_steps"] * med[best]
+        print(f"  tuning phase: {r['tuning_steps']} steps in {r['tuning_s']:6.2f} s; at the best "
+              f"grid point they take {r['tuning_steps'] * med[best]:6.2f} s "
+              f"(cost {cost:+.2f} s)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ learns every rank's host (the host hash, ``SPARK_ESTIMATORS_HOSTNAME``) in one
   of every host (Horovod's ``cross_rank`` groups); otherwise one cross group of the first rank of
   each host (the host's *root*).
 
-Allreduce, homogeneous hosts: the buffer (padded to a multiple of ``L`` elements) is
-reduce-scattered inside the host, each local rank allreduces its ``1/L`` share with its cross
+Allreduce on NCCL, homogeneous hosts, Sum: the buffer (padded to a multiple of ``L`` elements)
+is reduce-scattered inside the host, each local rank allreduces its ``1/L`` share with its cross
 group (all ``L`` cross groups at once, so every rank's link carries ``1/L`` of the data), and the
-shares are allgathered inside the host. Other layouts: allreduce inside the host, the roots
-allreduce across hosts, the root broadcasts inside the host.
+shares are allgathered inside the host (:attr:`HierarchicalBackend.scatter`). Otherwise (gloo
+and mpi, whose reduce-scatter and allgather are slower than their allreduce; other layouts or
+ops): allreduce inside the host, the roots allreduce across hosts, the root broadcasts inside
+the host.
 
 Allgather: allgather inside the host, the roots allgather the hosts' blocks across hosts, each
 root broadcasts the whole result inside its host; rows are put back in rank order when hosts do
@@ -124,6 +126,10 @@ class HierarchicalBackend(Backend):
         self.name = inner.name  # type: ignore[misc]  # the instance's own name shadows the class's
         #: Whether allreduce / allgather currently take the hierarchical path.
         self.allreduce_on, self.allgather_on = allreduce_on, allgather_on
+        #: Allreduce by reduce-scatter / cross allreduce / allgather (homogeneous hosts, Sum):
+        #: NCCL only. Gloo's reduce-scatter and allgather of 64 MiB took 1.7x and 1.2x its whole
+        #: allreduce here (bench/RESULTS.md, issue 46), so gloo and mpi take the roots' path.
+        self.scatter = inner.name == "nccl"
         me = inner.rank
         self._host = next(i for i, g in enumerate(layout.local_groups) if me in g)
         # Hosts are ordered by their first rank: host blocks are rank order iff each is a range.
@@ -170,7 +176,8 @@ class HierarchicalBackend(Backend):
         if n == 0:
             return
         if (
-            self.layout.homogeneous
+            self.scatter
+            and self.layout.homogeneous
             and per_host > 1
             and op is ReduceOp.SUM
             and _dtype_name(flat) in _SCATTER_DTYPES
