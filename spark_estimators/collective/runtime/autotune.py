@@ -14,8 +14,10 @@ included, so it scores training throughput. The first ``HOROVOD_AUTOTUNE_WARMUP_
 samples (default 3) run the starting settings and are discarded. Then the starting settings are
 scored, and each next setting comes from a Bayesian optimiser (:mod:`.bayes`, noise
 ``HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE``, default 0.8) until
-``HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`` (default 20) settings were scored; the best one is
-kept for the rest of the job and the tuner detaches.
+``HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES`` (default 20) settings were scored; the best one, as
+it ran, is kept for the rest of the job and the tuner detaches. (The optimiser sees each knob
+scaled to ``[0, 1]`` over its range; a starting value outside it, such as the default 128 MiB
+threshold, counts as the nearest end.)
 
 All ranks switch at the same op: rank 0 writes the settings it decided into its negotiation
 vector (header fields ``TUNE*`` of :mod:`.negotiation`), every rank reads them from the same
@@ -120,11 +122,12 @@ class Autotune:
         self.current = start
         self.start_setting = start
         self.rows: list[dict[str, object]] = []
+        self._scored: list[tuple[float, Setting]] = []
         self._optimizer = BayesianOptimizer(max(len(tuned), 1), noise=params.noise)
         self._version = self._applied = 0
         self._final = False
         self._measuring = rank == 0  # rank 0 measures the starting settings right away
-        self._t0 = self.clock()
+        self._t0: float | None = None  # set by the first round measured
         self._bytes = self._steps = 0
         self._emptied = False
         self._next: Setting | None = None
@@ -168,6 +171,8 @@ class Autotune:
                 self._emptied = False
         if self.rank != 0 or not self._measuring:
             return
+        if self._t0 is None:
+            self._t0 = self.clock()
         active = [r for r in range(vectors.shape[0]) if vectors[r, neg.JOINED] < 0]
         count = nbytes = 0
         if active and int(vectors[active[0], neg.KIND]) == int(Kind.ALLREDUCE):
@@ -184,7 +189,7 @@ class Autotune:
 
     # -- rank 0's decisions ------------------------------------------------------------------------
     def _close_sample(self) -> None:
-        seconds = max(self.clock() - self._t0, 1e-9)
+        seconds = max(self.clock() - (self._t0 or 0.0), 1e-9)
         score = self._bytes / seconds
         warmup = len(self.rows) < self.params.warmup_samples
         s = self.current
@@ -205,9 +210,11 @@ class Autotune:
                 r["best"] = int(r is best)
         self._write_log()
         self._measuring = False
+        if not warmup:
+            self._scored.append((score, s))
         if len(scored) >= self.params.max_samples:
-            point, _ = self._optimizer.best()
-            self._next, self._final = self._decode(point), True
+            # The best setting as it ran (not decoded from the optimiser's clipped point).
+            self._next, self._final = max(self._scored, key=lambda pair: pair[0])[1], True
             logger.info("autotune done after %d samples: %s", len(self.rows), self._next)
         elif warmup and len(self.rows) < self.params.warmup_samples:
             self._next = s
