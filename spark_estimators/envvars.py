@@ -92,15 +92,21 @@ HOROVOD_START_TIMEOUT = "HOROVOD_START_TIMEOUT"
 HOROVOD_SPARK_START_TIMEOUT = "HOROVOD_SPARK_START_TIMEOUT"
 HOROVOD_HOSTNAME = "HOROVOD_HOSTNAME"
 HOROVOD_DYNAMIC_PROCESS_SETS = "HOROVOD_DYNAMIC_PROCESS_SETS"
+#: Hierarchical collectives (collective/backends/hierarchical.py): "1" turns them on.
+HOROVOD_HIERARCHICAL_ALLREDUCE = "HOROVOD_HIERARCHICAL_ALLREDUCE"
+HOROVOD_HIERARCHICAL_ALLGATHER = "HOROVOD_HIERARCHICAL_ALLGATHER"
+#: Autotune (collective/runtime/autotune.py) and its parameters, with Horovod's defaults.
+HOROVOD_AUTOTUNE = "HOROVOD_AUTOTUNE"
+HOROVOD_AUTOTUNE_LOG = "HOROVOD_AUTOTUNE_LOG"
+HOROVOD_AUTOTUNE_WARMUP_SAMPLES = "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"
+HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE = "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"
+HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES = "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"
+HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE = "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"
 #: Horovod variables read nowhere here, with what to do instead (a warning names them).
 IGNORED_HOROVOD: dict[str, str] = {
     "HOROVOD_TIMELINE_MARK_CYCLES": "cycles are not marked in the timeline (each op's "
     "QUEUE and NEGOTIATE events show its wait)",
-    "HOROVOD_AUTOTUNE": "autotuning is not provided; set the fusion threshold and cycle time",
-    "HOROVOD_AUTOTUNE_LOG": "autotuning is not provided",
     "HOROVOD_CACHE_CAPACITY": "there is no response cache (negotiation is one allgather)",
-    "HOROVOD_HIERARCHICAL_ALLREDUCE": "reductions are flat (the backend's own algorithm)",
-    "HOROVOD_HIERARCHICAL_ALLGATHER": "allgathers are flat (the backend's own algorithm)",
     "HOROVOD_CPU_OPERATIONS": "choose the backend with backend='gloo'|'mpi' in run()/launch",
     "HOROVOD_CONTROLLER": "choose the backend with backend='gloo'|'mpi' in run()/launch",
     "HOROVOD_LOG_LEVEL": "configure logging.getLogger('spark_estimators') instead",

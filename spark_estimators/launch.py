@@ -218,6 +218,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="accepted for horovodrun compatibility (no cycles to mark)")  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="accepted (horovodrun's flag)")
     run_options.add_unsupported_launcher_flags(p)
+    run_options.add_tuning_launcher_flags(p)
     p.add_argument("--start-timeout", type=float, help=f"seconds, sets {ev.START_TIMEOUT}")
     p.add_argument(
         "--collective-timeout", type=float, help=f"seconds, sets {ev.COLLECTIVE_TIMEOUT}"
@@ -309,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     opts = parser.parse_args(own)
     if not target or target == ["-m"]:
         parser.error("give a script (train.py ...) or -m module")
-    extra: dict[str, str] = {}
+    extra = run_options.tuning_env(opts)
     if opts.start_timeout is not None:
         extra[ev.START_TIMEOUT] = str(opts.start_timeout)
     if opts.collective_timeout is not None:

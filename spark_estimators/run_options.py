@@ -46,13 +46,7 @@ UNSUPPORTED: dict[str, str] = {
         "run_elastic relies on Spark's task retries instead of host discovery (min_num_proc / "
         "max_num_proc bound the number of ranks)"
     ),
-    "autotune": (
-        "autotuning is not provided; set the fusion threshold with --fusion-threshold-mb "
-        "(SPARK_ESTIMATORS_FUSION_THRESHOLD) and the cycle time with --cycle-time-ms "
-        "(SPARK_ESTIMATORS_CYCLE_TIME), and look at the timeline"
-    ),
     "cache_capacity": "there is no response cache (negotiation is one small allgather)",
-    "hierarchical_allreduce": "reductions use the backend's own algorithm",
     "min_np": "elastic training is spark_estimators.run_elastic(fn, min_np=..., max_np=...)",
     "prefix_output_with_timestamp": (
         "run_elastic prefixes its ranks' lines with [rank] only; put a timestamp in your log "
@@ -169,10 +163,7 @@ _UNSUPPORTED_FLAGS = {
     ("--host-discovery-script",): "host_discovery_script",
     ("--cache-capacity",): "cache_capacity",
 }
-_UNSUPPORTED_SWITCHES = {
-    ("--autotune",): "autotune",
-    ("--hierarchical-allreduce",): "hierarchical_allreduce",
-}
+_UNSUPPORTED_SWITCHES: dict[tuple[str, ...], str] = {}
 
 
 class _Unsupported(argparse.Action):
@@ -196,11 +187,57 @@ def add_unsupported_launcher_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(*flags, dest=key, nargs=0, action=_Unsupported, help=argparse.SUPPRESS)
 
 
+#: horovodrun's tuning flags that take a value -> (type, the variable they set).
+_TUNING_VALUES: dict[str, tuple[type, str]] = {
+    "--autotune-log-file": (str, ev.HOROVOD_AUTOTUNE_LOG),
+    "--autotune-warmup-samples": (int, ev.HOROVOD_AUTOTUNE_WARMUP_SAMPLES),
+    "--autotune-steps-per-sample": (int, ev.HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE),
+    "--autotune-bayes-opt-max-samples": (int, ev.HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES),
+    "--autotune-gaussian-process-noise": (float, ev.HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE),
+}
+#: horovodrun's on/off tuning flags (``--no-...`` sets 0, a constant that autotune keeps).
+_TUNING_SWITCHES = {
+    "autotune": ev.HOROVOD_AUTOTUNE,
+    "hierarchical-allreduce": ev.HOROVOD_HIERARCHICAL_ALLREDUCE,
+    "hierarchical-allgather": ev.HOROVOD_HIERARCHICAL_ALLGATHER,
+}
+
+
+def add_tuning_launcher_flags(parser: argparse.ArgumentParser) -> None:
+    """Add horovodrun's autotune and hierarchical flags (:func:`tuning_env` reads them)."""
+    for name, variable in _TUNING_SWITCHES.items():
+        dest = "tune_" + name.replace("-", "_")
+        parser.add_argument(f"--{name}", dest=dest, action="store_const", const="1",
+                            help=f"sets {variable}=1")  # fmt: skip
+        if name != "autotune":
+            parser.add_argument(f"--no-{name}", dest=dest, action="store_const", const="0",
+                                help=f"sets {variable}=0 (autotune keeps it off)")  # fmt: skip
+    for flag, (kind, variable) in _TUNING_VALUES.items():
+        dest = "tune_" + flag[2:].replace("-", "_")
+        parser.add_argument(flag, dest=dest, type=kind, help=f"sets {variable}")
+
+
+def tuning_env(opts: argparse.Namespace) -> dict[str, str]:
+    """The rank variables for the flags of :func:`add_tuning_launcher_flags` that were given."""
+    env: dict[str, str] = {}
+    for name, variable in _TUNING_SWITCHES.items():
+        value = getattr(opts, "tune_" + name.replace("-", "_"), None)
+        if value is not None:
+            env[variable] = value
+    for flag, (_, variable) in _TUNING_VALUES.items():
+        value = getattr(opts, "tune_" + flag[2:].replace("-", "_"), None)
+        if value is not None:
+            env[variable] = str(value)
+    return env
+
+
 __all__ = [
     "UNSUPPORTED",
+    "add_tuning_launcher_flags",
     "add_unsupported_launcher_flags",
     "check_unsupported",
     "elastic_arguments",
     "nics_env",
     "rank_env",
+    "tuning_env",
 ]

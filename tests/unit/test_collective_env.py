@@ -17,7 +17,8 @@ HOROVOD_VARS = [
     ev.HOROVOD_TIMELINE, ev.HOROVOD_FUSION_THRESHOLD, ev.HOROVOD_GLOO_TIMEOUT_SECONDS,
     ev.HOROVOD_START_TIMEOUT, ev.HOROVOD_SPARK_START_TIMEOUT, ev.HOROVOD_HOSTNAME,
     ev.TIMELINE, ev.FUSION_THRESHOLD, ev.COLLECTIVE_TIMEOUT, ev.START_TIMEOUT, ev.SE_HOSTNAME,
-    ev.HOROVOD_CYCLE_TIME, ev.CYCLE_TIME, *ev.IGNORED_HOROVOD,
+    ev.HOROVOD_CYCLE_TIME, ev.CYCLE_TIME, *ev.IGNORED_HOROVOD, ev.HOROVOD_AUTOTUNE,
+    ev.HOROVOD_AUTOTUNE_LOG, ev.HOROVOD_HIERARCHICAL_ALLREDUCE, ev.HOROVOD_HIERARCHICAL_ALLGATHER,
 ]  # fmt: skip
 
 
@@ -71,11 +72,28 @@ def test_bad_horovod_values_name_the_variable(env):
 def test_ignored_horovod_variables_come_with_a_reason(env):
     assert settings.ignored_horovod_variables() == {}
     env.setenv("HOROVOD_CACHE_CAPACITY", "1024")
-    env.setenv("HOROVOD_AUTOTUNE", "1")
     env.setenv("HOROVOD_CYCLE_TIME", "3.5")  # honoured since issue 25: not listed
+    for name in (
+        "HOROVOD_AUTOTUNE",
+        "HOROVOD_AUTOTUNE_LOG",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE",
+        "HOROVOD_HIERARCHICAL_ALLGATHER",
+    ):  # honoured since issue 46: not listed
+        env.setenv(name, "1")
     ignored = settings.ignored_horovod_variables()
-    assert sorted(ignored) == ["HOROVOD_AUTOTUNE", "HOROVOD_CACHE_CAPACITY"]
-    assert "autotuning is not provided" in ignored["HOROVOD_AUTOTUNE"]
+    assert sorted(ignored) == ["HOROVOD_CACHE_CAPACITY"]
+    assert "no response cache" in ignored["HOROVOD_CACHE_CAPACITY"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"), [("1", True), ("TRUE", True), (" on ", True), ("0", False), ("no", False)]
+)
+def test_horovod_switches(env, raw, value):
+    env.setenv("HOROVOD_HIERARCHICAL_ALLGATHER", raw)
+    assert settings.hierarchical() == (None, value)
+    env.setenv("HOROVOD_HIERARCHICAL_ALLREDUCE", "maybe")
+    with pytest.raises(ConfigurationError, match="HOROVOD_HIERARCHICAL_ALLREDUCE='maybe' must be"):
+        settings.hierarchical()
 
 
 def test_adasum_tree_matches_the_formula():

@@ -140,7 +140,6 @@ def test_cli_takes_horovodruns_flags(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--autotune"], "--autotune is not supported: autotuning is not provided"),
         (["--min-np", "1"], "--min-np is not supported: elastic training is "),
         (["-H", "a:2,b:2"], "-H is not supported: Spark places the ranks"),
         (["--mpi-args=-x A"], "--mpi-args is not supported: there is no mpirun"),
@@ -154,6 +153,32 @@ def test_cli_refuses_horovodrun_flags_without_an_equivalent(flags, message):
         main(["-np", "2", *flags, "train.py"])
     assert exc.value.code == 2
     assert message in err.getvalue()
+
+
+def test_cli_tuning_flags_become_horovod_variables():
+    from spark_estimators import run_options
+    from spark_estimators.launch import _parser, split_command
+
+    argv = [
+        "-np", "2", "--autotune", "--autotune-log-file", "/tmp/at.csv",
+        "--autotune-warmup-samples", "5", "--autotune-steps-per-sample", "20",
+        "--autotune-bayes-opt-max-samples", "40", "--autotune-gaussian-process-noise", "0.75",
+        "--hierarchical-allreduce", "--no-hierarchical-allgather", "train.py", "--autotune",
+    ]  # fmt: skip
+    parser = _parser()
+    own, command = split_command(parser, argv)
+    assert command == ["train.py", "--autotune"]  # the script's own flags stay its own
+    assert run_options.tuning_env(parser.parse_args(own)) == {
+        "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "0",
+        "HOROVOD_AUTOTUNE_LOG": "/tmp/at.csv",
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "5",
+        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "20",
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "40",
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.75",
+    }
+    assert run_options.tuning_env(parser.parse_args(["-np", "2"])) == {}
 
 
 def test_cli_fails_fast_naming_the_rank_and_kills_the_others(tmp_path):

@@ -18,6 +18,7 @@ from spark_estimators.collective.backends.base import Topology, backend_class
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import process_sets as _process_sets
 from spark_estimators.collective.runtime import settings as _settings
+from spark_estimators.collective.runtime import tuning as _tuning
 from spark_estimators.collective.runtime.forms import named
 from spark_estimators.collective.runtime.process_sets import ProcessSet, add_process_set
 from spark_estimators.errors import ConfigurationError
@@ -107,10 +108,12 @@ def init(
             **extra,
         )
         impl.start()
+        impl = _tuning.hierarchical_backend(impl)
         engine = _engine.Engine(impl)
         path = _settings.timeline_path(timeline)
         if path:
             engine.timeline = _timeline.Timeline(path, impl.topology.rank)
+        _tuning.start_autotune(engine)
         engine.start()
         _engine.install(engine)
         if not _atexit_registered:

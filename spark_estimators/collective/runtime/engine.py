@@ -42,8 +42,7 @@ contributes zeros (so ``Average`` still divides by ``size()``, as in Horovod) an
 Other ops raise on the non-joined ranks. ``join()`` returns the rank that joined last.
 
 Failures: an exception from the backend (a peer died, the collective timeout passed) fails the
-op with :class:`CollectiveError` and marks the group broken; later ops fail at once with the
-original cause instead of hanging.
+op with :class:`CollectiveError` and marks the group broken; later ops fail at once.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
 from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime import settings
 from spark_estimators.collective.runtime.futures import InFlightNames, OpFuture
-from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request
+from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request, Tuner
 from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
@@ -114,6 +113,7 @@ class Engine:
         self.set_id = 0
         #: The :class:`~.timeline.Timeline` recording the ops, or None.
         self.timeline: Timeline | None = None
+        self.tuner: Tuner | None = None  #: autotune (:mod:`.autotune`) while it tunes
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -375,10 +375,8 @@ class Engine:
                 info["fused"] = len(ran)
             if error is not None:
                 info["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
-            timeline.record(
-                request.name, request.kind.name, self.set_id, times[0], negotiated, end, info,
-                request.queued_ns,
-            )  # fmt: skip
+            timeline.record(request.name, request.kind.name, self.set_id, times[0], negotiated,
+                            end, info, request.queued_ns)  # fmt: skip
 
     def _broken_error(self, request: Request) -> CollectiveError:
         assert self._broken is not None
@@ -408,8 +406,11 @@ class Engine:
 
     def _negotiate(self, vector: np.ndarray) -> np.ndarray:
         self._round += 1
-        vectors = self.backend.gather_vectors(vector)
+        tuner = self.tuner  # autotune: rank 0 publishes settings, all apply them this round
+        vectors = self.backend.gather_vectors(vector if tuner is None else tuner.stamp(vector))
         self._negotiation.update(vectors)
+        if tuner is not None:
+            tuner.settle(self, vectors)
         return vectors
 
     @staticmethod

@@ -45,11 +45,12 @@ from spark_estimators.errors import CollectiveError
 if TYPE_CHECKING:
     from spark_estimators.collective.runtime.requests import Request
 
-# Header fields.
+# Header fields. TUNE..TUNE_FLAGS: the settings autotune's rank 0 publishes (runtime/autotune.py).
 KIND, SIG, JOINED, DIM0, NUMEL, DTYPE, WIRE_OP, DEVICE, INLINE, WANT, LIMIT, COUNT, SLOTS_WANT = (
     range(13)
 )
-HEADER_LEN = 13
+TUNE, TUNE_FUSION, TUNE_CYCLE_US, TUNE_FLAGS = range(13, 17)
+HEADER_LEN = 17
 #: The fixed payload room: an allreduce of at most this many bytes always travels inline.
 INLINE_BYTES = 512
 #: The room and the slot count follow the wishes of this many recent rounds.

@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -34,6 +34,19 @@ class Kind(enum.IntEnum):
     ALLGATHER_OBJECT = 8
     BROADCAST_OBJECT = 9
     PROCESS_SET = 10
+
+
+class Tuner(Protocol):
+    """What the engine calls around each negotiation round (see :mod:`.autotune`)."""
+
+    def stamp(self, vector: np.ndarray) -> np.ndarray:
+        """The rank's vector with what it publishes (rank 0: the current settings)."""
+
+    def settle(self, engine: object, vectors: np.ndarray) -> None:
+        """After the round's gather (every rank, same vectors): apply, measure, decide.
+
+        ``engine`` is the :class:`~.engine.Engine` (typed ``object``: no import cycle).
+        """
 
 
 # Ops a joined rank can take part in (it contributes zeros / nothing).

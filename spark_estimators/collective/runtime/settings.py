@@ -236,3 +236,28 @@ def timeline_path(path: str | None = None) -> str | None:
 def ignored_horovod_variables() -> dict[str, str]:
     """Horovod variables set in this process that have no effect here, with the reason."""
     return {k: why for k, why in ev.IGNORED_HOROVOD.items() if os.environ.get(k, "").strip()}
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def switch(name: str) -> bool | None:
+    """A Horovod on/off variable: True, False, or None when it is not set.
+
+    Horovod sets ``1``; ``true``/``yes``/``on`` and ``0``/``false``/``no``/``off`` are accepted
+    too (any case); anything else is refused naming the variable.
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigurationError(f"environment variable {name}={raw!r} must be 1 (on) or 0 (off)")
+
+
+def hierarchical() -> tuple[bool | None, bool | None]:
+    """``HOROVOD_HIERARCHICAL_ALLREDUCE`` and ``..._ALLGATHER``: on, off, or None (not set)."""
+    return switch(ev.HOROVOD_HIERARCHICAL_ALLREDUCE), switch(ev.HOROVOD_HIERARCHICAL_ALLGATHER)

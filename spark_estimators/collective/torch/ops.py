@@ -143,7 +143,8 @@ def _per_tensor(
     """
 
     def one(tensor: torch.Tensor, *args: object, **kwargs: object) -> _S:
-        as_tensor(tensor, what)  # a wrong argument's error names the op called
+        if not isinstance(tensor, torch.Tensor):
+            as_tensor(tensor, what)  # a wrong argument's error names the op called
         return first(grouped([tensor], *args, **kwargs))
 
     signature = inspect.signature(grouped)
