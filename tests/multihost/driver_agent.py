@@ -14,6 +14,9 @@ import traceback
 
 CONFIG = json.loads(os.environ["SEMH_AGENT"])
 os.environ["SPARK_LOCAL_IP"] = CONFIG["driver"]
+# The first run of the session waits for six cold Python workers on a shared machine (over
+# 60 s at a load of 15): the scenarios that set no start_timeout of their own get 180 s.
+os.environ.setdefault("SPARK_ESTIMATORS_START_TIMEOUT", "180")
 
 from pyspark.sql import SparkSession  # noqa: E402
 
