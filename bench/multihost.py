@@ -3,6 +3,7 @@ on 3 hosts vs 1 host, on the multi-host harness (tests/multihost/netns.py; needs
 
 Usage (as root, from the repository root):
     PYTHONPATH=$PWD .venv/bin/python bench/multihost.py [--repeats 10] [--rounds 3]
+    (--cases allreduce or --cases fit runs one part; both by default)
 
 It builds the harness's three hosts (network namespaces on one bridge, a Spark standalone Worker
 of 2 cores in each) and then, each with a driver of its own in the driver host:
@@ -26,7 +27,6 @@ share the machine's cores, so the fit shows the cost of going across hosts, not 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import shutil
 import socket
@@ -134,7 +134,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=10, help="allreduce rounds")
     parser.add_argument("--rounds", type=int, default=3, help="fits per number of hosts")
+    parser.add_argument("--cases", default="allreduce,fit", help="comma-separated")
     args = parser.parse_args()
+    cases = set(args.cases.split(","))
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     sys.path.insert(0, str(HERE.parent / "tests" / "multihost"))
     import netns
 
@@ -143,55 +146,64 @@ def main() -> None:
     try:
         cluster.create_network()
         cluster.start_spark()
-        # 1. allreduce between two hosts: one task slot per executor, two executors.
-        agent = netns.DriverAgent(
-            cluster, key="driver-allreduce", conf={"spark.task.cpus": "2"}, executors=2
-        )
-        try:
-            ranks = _call(agent, "allreduce_scenario", 900, repeats=args.repeats)["ranks"]
-        finally:
-            agent.close()
-        hosts = {r["host"] for r in ranks}
-        if len(hosts) != 2 or {r["cross_size"] for r in ranks} != {2}:
-            raise RuntimeError(f"the two ranks are not on two hosts: {ranks}")
-        times = ranks[0]["times"]
-        ours, raw = statistics.median(times["ours"]), statistics.median(times["raw"])
-        paired = statistics.median(r / o for r, o in zip(times["raw"], times["ours"], strict=True))
-        gb = BIG_ELEMENTS * 4 / 1e9
-        print(f"64 MiB float32 allreduce (Sum), 2 ranks on {sorted(hosts)}, {args.repeats} rounds "
-              f"(rank 0's clock)")  # fmt: skip
-        print(f"  ours (engine over Gloo)   median {ours * 1e3:8.1f} ms  best "
-              f"{min(times['ours']) * 1e3:8.1f} ms  {gb / ours:5.2f} GB/s")  # fmt: skip
-        print(f"  raw torch.distributed     median {raw * 1e3:8.1f} ms  best "
-              f"{min(times['raw']) * 1e3:8.1f} ms  {gb / raw:5.2f} GB/s")  # fmt: skip
-        print(f"  ours vs raw: {raw / ours:.2f}x median, {paired:.2f}x paired (target >= 0.95x)")
-        load.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-        # 2. the horovod preset on 1 host (2 ranks) then on 3 hosts (6 ranks).
-        fits = {}
-        for n_hosts in (1, 3):
-            agent = netns.DriverAgent(cluster, key=f"driver-fit{n_hosts}", executors=n_hosts)
-            try:
-                fits[n_hosts] = _call(
-                    agent, "fit_scenario", 1800, num_proc=2 * n_hosts, rounds=args.rounds,
-                    workdir=cluster.workdir,
-                )  # fmt: skip
-            finally:
-                agent.close()
+        if "allreduce" in cases:
+            _allreduce(netns, cluster, args.repeats)
             load.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
-        print(f"\nhorovod preset fit (TorchEstimator, Parquet), {args.rounds} fits each")
-        warm = {}
-        for n_hosts, res in fits.items():
-            warm[n_hosts] = statistics.median(res["totals"][1:] or res["totals"])
-            print(f"  {n_hosts} host(s), {2 * n_hosts} ranks: totals "
-                  + ", ".join(f"{t:.1f}" for t in res["totals"])
-                  + f" s; warm median {warm[n_hosts]:.1f} s; last loss "
-                  + ", ".join(f"{x:.4f}" for x in res["losses"]))  # fmt: skip
-        print(f"  3 hosts / 1 host (warm medians): {warm[3] / warm[1]:.2f}x")
+        if "fit" in cases:
+            _fits(netns, cluster, args.rounds, load)
         print("load:", *load, sep="\n  ")
     finally:
         cluster.close()
 
 
+def _allreduce(netns: Any, cluster: Any, repeats: int) -> None:
+    """64 MiB between two hosts: one task slot per executor, two executors."""
+    agent = netns.DriverAgent(
+        cluster, key="driver-allreduce", conf={"spark.task.cpus": "2"}, executors=2
+    )
+    try:
+        ranks = _call(agent, "allreduce_scenario", 900, repeats=repeats)["ranks"]
+    finally:
+        agent.close()
+    hosts = {r["host"] for r in ranks}
+    if len(hosts) != 2 or {r["cross_size"] for r in ranks} != {2}:
+        raise RuntimeError(f"the two ranks are not on two hosts: {ranks}")
+    times = ranks[0]["times"]
+    ours, raw = statistics.median(times["ours"]), statistics.median(times["raw"])
+    paired = statistics.median(r / o for r, o in zip(times["raw"], times["ours"], strict=True))
+    gb = BIG_ELEMENTS * 4 / 1e9
+    print(f"64 MiB float32 allreduce (Sum), 2 ranks on {sorted(hosts)}, {repeats} rounds "
+          f"(rank 0's clock)")  # fmt: skip
+    print(f"  ours (engine over Gloo)   median {ours * 1e3:8.1f} ms  best "
+          f"{min(times['ours']) * 1e3:8.1f} ms  {gb / ours:5.2f} GB/s")  # fmt: skip
+    print(f"  raw torch.distributed     median {raw * 1e3:8.1f} ms  best "
+          f"{min(times['raw']) * 1e3:8.1f} ms  {gb / raw:5.2f} GB/s")  # fmt: skip
+    print(f"  ours vs raw: {raw / ours:.2f}x median, {paired:.2f}x paired (target >= 0.95x)")
+
+
+def _fits(netns: Any, cluster: Any, rounds: int, load: list[str]) -> None:
+    """The horovod preset on 1 host (2 ranks), then on 3 hosts (6 ranks)."""
+    fits = {}
+    for n_hosts in (1, 3):
+        agent = netns.DriverAgent(cluster, key=f"driver-fit{n_hosts}", executors=n_hosts)
+        try:
+            fits[n_hosts] = _call(
+                agent, "fit_scenario", 1800, num_proc=2 * n_hosts, rounds=rounds,
+                workdir=cluster.workdir,
+            )  # fmt: skip
+        finally:
+            agent.close()
+        load.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+    print(f"\nhorovod preset fit (TorchEstimator, Parquet), {rounds} fits each")
+    warm = {}
+    for n_hosts, res in fits.items():
+        warm[n_hosts] = statistics.median(res["totals"][1:] or res["totals"])
+        print(f"  {n_hosts} host(s), {2 * n_hosts} ranks: totals "
+              + ", ".join(f"{t:.1f}" for t in res["totals"])
+              + f" s; warm median {warm[n_hosts]:.1f} s; last loss "
+              + ", ".join(f"{x:.4f}" for x in res["losses"]))  # fmt: skip
+    print(f"  3 hosts / 1 host (warm medians): {warm[3] / warm[1]:.2f}x")
+
+
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     main()

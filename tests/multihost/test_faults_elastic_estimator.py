@@ -5,7 +5,8 @@ The estimators' elastic mode relaunches the training from the last epoch checkpo
 host; every rank waits at its 8th training batch (epoch 1) until the test has SIGKILLed one
 host's Worker, executor and ranks. The fit must relaunch once on the four remaining slots, train
 epochs 1..3 again from the epoch-0 checkpoint and return a usable model with one history entry
-per epoch. The killed Worker is started again afterwards, so later tests get three hosts.
+per epoch. The killed Worker is started again afterwards (a later test that needs the three
+executors takes the ``whole_cluster`` fixture, which waits for them).
 """
 
 from __future__ import annotations
@@ -21,16 +22,6 @@ import pytest
 pytestmark = pytest.mark.timeout(600)
 
 
-def _whole_cluster(cluster, agent) -> None:
-    """Start any Worker an earlier fault test killed; wait for the three executors."""
-    for host in cluster.hosts:
-        if not cluster.worker_alive(host):
-            cluster.restart_worker(host)
-    answer = agent.call("executors", timeout=200, count=3, wait_s=180)
-    assert "error" not in answer, answer.get("tb")
-    assert sorted(answer["hosts"]) == [h.address for h in cluster.hosts], answer
-
-
 def _held(folder: str) -> dict[int, str]:
     held = {}
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
@@ -42,8 +33,8 @@ def _held(folder: str) -> dict[int, str]:
     return held
 
 
-def test_elastic_estimator_fit_continues_on_the_survivors_of_a_killed_host(cluster, agent):
-    _whole_cluster(cluster, agent)
+def test_elastic_estimator_fit_continues_on_the_survivors_of_a_killed_host(whole_cluster, agent):
+    cluster = whole_cluster
     folder = os.path.join(cluster.workdir, "elastic-fit")
     agent.send("torch_elastic_fit")
     deadline = time.monotonic() + 300
@@ -80,4 +71,3 @@ def test_elastic_estimator_fit_continues_on_the_survivors_of_a_killed_host(clust
     assert answer["transform_rows"] == 600
     assert answer["transform_mse"] < 0.05
     np.testing.assert_allclose(answer["weights"], [1.0, -2.0, 0.5], atol=0.15)
-    _whole_cluster(cluster, agent)
