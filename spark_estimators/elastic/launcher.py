@@ -89,7 +89,9 @@ def run_elastic(
         Seconds for the first ``num_proc`` workers to meet (default 60, env
         ``SPARK_ESTIMATORS_START_TIMEOUT``).
     elastic_timeout
-        Seconds a later rendezvous waits for at least ``min_num_proc`` workers (default 600).
+        Seconds a later rendezvous waits for at least ``min_num_proc`` workers (default 600);
+        while ranks of the last round are still alive (in a collective whose peers left),
+        it waits for them at least the ranks' collective timeout + 10 s.
     reset_limit
         Most resets (rounds after the first) before the job fails; None: no limit.
     env, stdout, stderr, verbose

@@ -10,6 +10,11 @@ Ranks that survive keep their order, so rank 0 of a new round always holds the c
 
 Rounds after the first are *resets*; more than ``reset_limit`` of them aborts the job. The job
 is done when every rank of the current round reported a result.
+
+A reset waits ``elastic_timeout`` for ``min_num_proc`` workers, but no less than the ranks'
+collective timeout (+ 10 s) while live members of the last round have not come yet: when a host
+is lost, survivors whose peers already left for the reset sit in a collective until it times out
+(a ring allreduce waits on a live neighbour that itself waits on the dead host), then come.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import NotRequired, TypedDict, Unpack
 
+from spark_estimators import envvars
 from spark_estimators.driver.launch_job import positive_int, positive_seconds
 from spark_estimators.driver.rpc import Connection
 from spark_estimators.driver.service import (
@@ -37,6 +43,8 @@ JOINING, WAITING, RUNNING, FINISHED, DEAD = "joining", "waiting", "running", "fi
 POLL_S = 0.2
 DEFAULT_ELASTIC_TIMEOUT = 600.0
 DEFAULT_REJOIN_WAIT = 10.0
+#: Beyond the collective timeout, how long a reset waits for the last round's live members.
+STRAGGLER_GRACE_S = 10.0
 
 
 class JoinMessage(TypedDict):
@@ -187,7 +195,19 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
         self.state = ElasticState()
         self._seq = 0
         self._started = time.monotonic()
+        self.straggler_grace = STRAGGLER_GRACE_S
         super().__init__(secret, payload, **options)
+        self._collective_timeout = self._ranks_collective_timeout()
+
+    def _ranks_collective_timeout(self) -> float:
+        """The ranks' collective timeout: the job's ``env=``, else this process's environment."""
+        for name in (envvars.COLLECTIVE_TIMEOUT, envvars.HOROVOD_GLOO_TIMEOUT_SECONDS):
+            if name in self.env:
+                try:
+                    return float(self.env[name])
+                except ValueError:
+                    break  # the ranks refuse it with a clear error; use the default here
+        return envvars.collective_timeout()
 
     # -- task side -------------------------------------------------------------------------------
     def _on_join(self, data: JoinMessage, conn: Connection) -> dict[str, object]:
@@ -354,9 +374,18 @@ class ElasticDriverService(JobServiceBase[ElasticState]):
         ready = enough and (full or (everyone and not self._replacement_expected(now)))
         if not ready and enough and waited >= limit:
             ready = True  # stragglers had their time: go on without them
+        if not ready and not first and waited >= limit:
+            # Live members of the last round still in a collective whose peers left: they come
+            # once it times out, so wait for them that long before giving up on min_num_proc.
+            members = set(state.members)
+            stragglers = [w for w in live if w.status == RUNNING and w.worker_id in members]
+            if len(waiting) + len(stragglers) >= policy.min_num_proc:
+                limit = max(limit, self._collective_timeout + self.straggler_grace)
         if not ready:
             if waited >= limit:
                 what = "start_timeout" if first else "elastic_timeout"
+                if not first and limit > policy.elastic_timeout:
+                    what = "the collective timeout + grace"  # waited for the stragglers
                 self._abort(
                     f"only {len(waiting)} worker(s) at the rendezvous after {what}={limit:g}s "
                     f"(need {policy.num_proc if first else policy.min_num_proc})",

@@ -5,7 +5,8 @@ path inside ``tests/multihost``); a pytest run over the whole repository (``make
 this directory. The harness (netns.py) needs root and iproute2: without them every test fails
 with :class:`netns.HarnessError`, none is skipped (a skipped test fails the run). One cluster and
 one driver (a SparkSession in the driver host) serve the whole session; the fault tests run last
-(test_faults_*, files run in name order) as they cut a host off.
+(test_faults_*, files run in name order) as they cut a host off or kill one. A test after them
+that needs all three executors takes the ``whole_cluster`` fixture.
 """
 
 from __future__ import annotations
@@ -70,6 +71,19 @@ def agent(cluster: netns.Cluster) -> Iterator[netns.DriverAgent]:
         yield driver
     finally:
         driver.close()
+
+
+@pytest.fixture
+def whole_cluster(cluster: netns.Cluster, agent: netns.DriverAgent) -> netns.Cluster:
+    """The cluster with its three Workers and the agent's three executors, whatever an earlier
+    fault test killed: dead Workers are started again, then the executors are waited for."""
+    for host in cluster.hosts:
+        if not cluster.worker_alive(host):
+            cluster.restart_worker(host)
+    answer = agent.call("executors", timeout=200, count=len(cluster.hosts), wait_s=180)
+    assert "error" not in answer, answer.get("tb")
+    assert sorted(answer["hosts"]) == sorted(h.address for h in cluster.hosts), answer
+    return cluster
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -14,6 +14,9 @@ import traceback
 
 CONFIG = json.loads(os.environ["SEMH_AGENT"])
 os.environ["SPARK_LOCAL_IP"] = CONFIG["driver"]
+# The first run of the session waits for six cold Python workers on a shared machine (over
+# 60 s at a load of 15): the scenarios that set no start_timeout of their own get 180 s.
+os.environ.setdefault("SPARK_ESTIMATORS_START_TIMEOUT", "180")
 
 from pyspark.sql import SparkSession  # noqa: E402
 
@@ -201,9 +204,51 @@ def elastic_train(folder: str) -> dict:
     return loop(state)
 
 
+def mpi_ops() -> dict:
+    """Inside an MPI rank (run(backend="mpi")): topology, MPI's own view, exact results."""
+    import socket
+
+    import numpy as np
+    from mpi4py import MPI
+
+    import spark_estimators.collective as hvd
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    world = MPI.COMM_WORLD
+    # MPI's shared-memory split: the ranks MPICH's process mapping puts on this node.
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    out = {
+        "rank": r,
+        "size": n,
+        "local_rank": hvd.local_rank(),
+        "local_size": hvd.local_size(),
+        "cross_size": hvd.cross_size(),
+        "backend": hvd.backend_name(),
+        "world": [world.Get_rank(), world.Get_size()],
+        "node_size": node.Get_size(),
+        "hostname": socket.gethostname(),
+        "allreduce": hvd.allreduce(np.arange(4.0) * (r + 1), op=hvd.Sum).tolist(),
+        "allreduce_big": float(
+            hvd.allreduce(np.full(1_000_000, float(r), np.float32), op=hvd.Sum)[-1]
+        ),
+        "allgather": hvd.allgather(np.array([[r, 10 * r]])).tolist(),
+        "broadcast": hvd.broadcast(np.array([r + 0.5]), root_rank=n - 1).tolist(),
+        "raw_allreduce": world.allreduce(r + 1),
+    }
+    node.Free()
+    hvd.shutdown()
+    return out
+
+
 # -- scenarios (driver side) ------------------------------------------------------------------
 def scenario_layout(spark: SparkSession) -> dict:
     return {"ranks": spark_estimators.run(layout_and_ops, num_proc=6, spark=spark, verbose=0)}
+
+
+def scenario_mpi(spark: SparkSession) -> dict:
+    ranks = spark_estimators.run(mpi_ops, num_proc=6, spark=spark, backend="mpi", verbose=0)
+    return {"ranks": ranks}
 
 
 def scenario_cut(spark: SparkSession, timeout: float) -> dict:
@@ -232,10 +277,11 @@ def scenario_elastic(spark: SparkSession) -> dict:
     os.makedirs(folder, exist_ok=True)
     started = time.time()
     # Survivors whose ring peers went to the reset first wait for the collective timeout
-    # before they join it: elastic_timeout must exceed it (docs/clusters.md).
+    # before they join it; the reset waits for them that long although elastic_timeout is
+    # shorter (elastic/service.py; before, the job aborted with "only 2 worker(s)").
     results = run_elastic(
         elastic_train, args=(folder,), num_proc=6, min_num_proc=4, reset_limit=3,
-        start_timeout=120, elastic_timeout=60, spark=spark, verbose=0,
+        start_timeout=120, elastic_timeout=10, spark=spark, verbose=0,
         env={"SPARK_ESTIMATORS_COLLECTIVE_TIMEOUT": "20"},
     )  # fmt: skip
     return {"results": results, "seconds": time.time() - started}
@@ -260,19 +306,61 @@ def scenario_unreachable(spark: SparkSession, address: str, start_timeout: float
     return {"seconds": time.time() - started, "type": None}
 
 
-def scenario_torch_fit(spark: SparkSession, data: str) -> dict:
+def linear_df(spark: SparkSession):
+    """600 rows: ``features`` (3 normal values) and ``y = x @ [1, -2, 0.5] + 0.3``, 6 partitions."""
     import numpy as np
-    import torch
     from pyspark.ml.linalg import Vectors
-
-    from spark_estimators.store import LocalStore
-    from spark_estimators.torch import TorchEstimator
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(600, 3))
     y = x @ np.array([1.0, -2.0, 0.5]) + 0.3
     rows = [(Vectors.dense(x[i].tolist()), float(y[i])) for i in range(len(y))]
-    df = spark.createDataFrame(rows, ["features", "y"]).repartition(6)
+    return spark.createDataFrame(rows, ["features", "y"]).repartition(6)
+
+
+def fit_summary(fitted, df, loss_key: str, weights: list) -> dict:
+    """What the estimator tests check: loss history, transform error, learned weights."""
+    import numpy as np
+
+    rows = fitted.transform(df).select("y", "y__output").collect()
+    pred = np.array([np.ravel(r["y__output"])[0] for r in rows], dtype=float)
+    target = np.array([r["y"] for r in rows], dtype=float)
+    history = fitted.getHistory()
+    return {
+        "history": [float(h[loss_key]) for h in history],
+        "epochs": [h.get("epoch") for h in history],
+        "transform_rows": len(rows),
+        "transform_mse": float(np.mean((pred - target) ** 2)),
+        "weights": [float(w) for w in np.ravel(weights)],
+    }
+
+
+def record_host(folder: str) -> None:
+    """Inside a rank: write ``folder/<rank>`` with this host's name (once per process)."""
+    import socket
+
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, os.environ["RANK"]), "w") as f:
+        f.write(socket.gethostname())
+
+
+def hosts_of(folder: str) -> dict:
+    """rank -> host name, as the ranks wrote them with record_host."""
+    out = {}
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        with open(os.path.join(folder, name)) as f:
+            out[name] = f.read()
+    return out
+
+
+def scenario_torch_fit(spark: SparkSession, data: str) -> dict:
+    import numpy as np
+    import torch
+
+    from spark_estimators.store import LocalStore
+    from spark_estimators.torch import TorchEstimator
+
+    df = linear_df(spark)
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     est = TorchEstimator(
@@ -300,10 +388,190 @@ def scenario_torch_fit(spark: SparkSession, data: str) -> dict:
     }
 
 
+def _store(data: str, name: str):
+    from spark_estimators.store import LocalStore
+
+    return LocalStore(os.path.join(CONFIG["workdir"], name)) if data == "parquet" else None
+
+
+def scenario_lightning_fit(spark: SparkSession, data: str) -> dict:
+    import pytorch_lightning as pl
+    import torch
+    import torch.nn.functional as F
+
+    from spark_estimators.lightning import LightningEstimator
+
+    folder = os.path.join(CONFIG["workdir"], f"hosts-lightning-{data}")
+
+    class Linear(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.fc(x)
+
+        def on_train_start(self):
+            record_host(folder)
+
+        def training_step(self, batch, batch_idx):
+            loss = F.mse_loss(self(batch["features"]).squeeze(1), batch["y"])
+            self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):
+            # Lightning's estimator scales no rate: the 6-rank rate is given as it is.
+            return torch.optim.SGD(self.parameters(), lr=0.3)
+
+    df = linear_df(spark)
+    torch.manual_seed(0)
+    est = LightningEstimator(
+        num_proc=6, store=_store(data, "store-lightning"), model=Linear(),
+        feature_cols=["features"], label_cols=["y"], batch_size=20, epochs=4,
+        random_seed=1, verbose=0, data=data,
+    )  # fmt: skip
+    fitted = est.fit(df)
+    weights = fitted.getModel().fc.weight.detach().numpy()
+    return {**fit_summary(fitted, df, "train_loss", weights), "hosts": hosts_of(folder)}
+
+
+def scenario_keras_fit(spark: SparkSession, data: str) -> dict:
+    import keras
+
+    from spark_estimators.keras import KerasEstimator
+
+    folder = os.path.join(CONFIG["workdir"], f"hosts-keras-{data}")
+
+    class HostFile(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            record_host(folder)
+
+    df = linear_df(spark)
+    keras.utils.set_random_seed(0)
+    est = KerasEstimator(
+        num_proc=6, store=_store(data, "store-keras"),
+        model=keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]),
+        optimizer=keras.optimizers.SGD(0.05), loss="mse", callbacks=[HostFile()],
+        feature_cols=["features"], label_cols=["y"], batch_size=20, epochs=4,
+        random_seed=1, verbose=0, data=data,
+    )  # fmt: skip
+    fitted = est.fit(df)
+    weights = fitted.getModel().layers[0].get_weights()[0]
+    return {**fit_summary(fitted, df, "loss", weights), "hosts": hosts_of(folder)}
+
+
+ELASTIC_FIT_HOLD = 8  # the 8th training batch of a rank: epoch 1 (of 0..3), 5 batches an epoch
+
+
+def scenario_torch_elastic_fit(spark: SparkSession) -> dict:
+    """An elastic TorchEstimator fit on 6 ranks; every rank waits at its 8th training batch.
+
+    The test kills one host meanwhile (then writes ``killed``): the fit must relaunch from the
+    epoch-0 checkpoint on the 4 survivors' slots and finish.
+    """
+    import logging
+
+    import torch
+
+    from spark_estimators.core.checkpoint import read_info
+    from spark_estimators.torch import TorchEstimator
+
+    folder = os.path.join(CONFIG["workdir"], "elastic-fit")
+    killed = os.path.join(folder, "killed")
+
+    class HoldingLinear(torch.nn.Linear):
+        """A Linear layer whose ranks record their host and wait for the test at one batch."""
+
+        calls = 0
+
+        def forward(self, x):
+            if self.training and "RANK" in os.environ and not os.path.exists(killed):
+                self.calls += 1
+                if self.calls == ELASTIC_FIT_HOLD:
+                    record_host(folder)
+                    deadline = time.monotonic() + 180
+                    while not os.path.exists(killed) and time.monotonic() < deadline:
+                        time.sleep(0.2)  # the test kills a host, then writes the file
+            return super().forward(x)
+
+    warnings: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warnings.append(record.getMessage())
+
+    relaunch_log = logging.getLogger("spark_estimators.core.relaunch")
+    handler = Collect(logging.WARNING)
+    relaunch_log.addHandler(handler)
+    df = linear_df(spark)
+    torch.manual_seed(0)
+    model = HoldingLinear(3, 1)
+    store = _store("parquet", "store-elastic")
+    est = TorchEstimator(
+        num_proc=6, min_num_proc=4, elastic=True, reset_limit=2, store=store,
+        run_id="elastic_fit", model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05), loss=torch.nn.MSELoss(),
+        feature_cols=["features"], label_cols=["y"], batch_size=20, epochs=4,
+        random_seed=1, verbose=0,
+    )  # fmt: skip
+    started = time.time()
+    try:
+        fitted = est.fit(df)
+    finally:
+        relaunch_log.removeHandler(handler)
+    weights = fitted.getModel().weight.detach().numpy()
+    info = read_info(store, "elastic_fit", "torch")
+    return {
+        **fit_summary(fitted, df, "loss", weights),
+        "seconds": time.time() - started,
+        "relaunches": warnings,
+        "checkpoint_epoch": None if info is None else info.epoch,
+        "checkpoint_num_proc": None if info is None else info.num_proc,
+    }
+
+
+def scenario_executors(spark: SparkSession, count: int, wait_s: float) -> dict:
+    """Wait until ``count`` executors are registered; their hosts."""
+    sc = spark.sparkContext
+    deadline = time.monotonic() + wait_s
+    while True:
+        hosts = sorted(e.host() for e in sc._jsc.sc().statusTracker().getExecutorInfos())
+        if len(hosts) >= count + 1 or time.monotonic() > deadline:  # + the driver's own
+            return {"hosts": [h for h in hosts if h != CONFIG["driver"]]}
+        time.sleep(0.5)  # the Master starting an executor on a Worker, another process
+
+
+def scenario_call(spark: SparkSession, path: str, function: str, kwargs: dict) -> dict:
+    """Run ``function(spark, **kwargs)`` of the Python file ``path`` (benchmarks, other tests).
+
+    The file's module is pickled by value, so its functions reach the ranks as this file's do.
+    """
+    import importlib.util
+
+    import cloudpickle
+
+    name = "semh_" + os.path.splitext(os.path.basename(path))[0]
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        cloudpickle.register_pickle_by_value(module)
+    return dict(getattr(module, function)(spark, **kwargs))
+
+
 SCENARIOS = {
     "layout": scenario_layout,
+    "mpi": scenario_mpi,
     "cut": scenario_cut,
     "torch_fit": scenario_torch_fit,
+    "lightning_fit": scenario_lightning_fit,
+    "keras_fit": scenario_keras_fit,
+    "torch_elastic_fit": scenario_torch_elastic_fit,
+    "executors": scenario_executors,
+    "call": scenario_call,
     "unreachable": scenario_unreachable,
     "elastic": scenario_elastic,
 }

@@ -268,12 +268,23 @@ class Cluster:
         except OSError:
             return ""
 
-    def wait_for_log(self, key: str, text: str, timeout: float) -> None:
-        """Poll ``<key>.log`` (a server's own output) until ``text`` appears."""
+    def log_size(self, key: str) -> int:
+        try:
+            return Path(self.workdir, key + ".log").stat().st_size
+        except OSError:
+            return 0
+
+    def wait_for_log(self, key: str, text: str, timeout: float, since: int = 0) -> None:
+        """Poll ``<key>.log`` (a server's own output) until ``text`` appears past byte ``since``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if text in self.log_tail(key, 1_000_000):
-                return
+            try:
+                with open(os.path.join(self.workdir, key + ".log"), "rb") as f:
+                    f.seek(since)
+                    if text.encode() in f.read():
+                        return
+            except OSError:
+                pass
             if self.procs[key].poll() is not None:
                 break
             time.sleep(0.5)  # watching another process's log file, no own thread to join
@@ -315,6 +326,19 @@ class Cluster:
             self.start_worker(host)
         for host in self.hosts:
             self.wait_for_log(f"worker-{host.name}", "Successfully registered with master", timeout)
+
+    def worker_alive(self, host: Host) -> bool:
+        proc = self.procs.get(f"worker-{host.name}")
+        return proc is not None and proc.poll() is None
+
+    def restart_worker(self, host: Host, timeout: float = 180) -> None:
+        """Start ``host``'s Worker again (after a fault test killed it) and wait until it has
+        registered; the Master then starts the driver's missing executor on it."""
+        key = f"worker-{host.name}"
+        self.stop(key, grace=5)
+        since = self.log_size(key)
+        self.start_worker(host)
+        self.wait_for_log(key, "Successfully registered with master", timeout, since=since)
 
     def stop(self, key: str, grace: float = 10) -> None:
         """SIGTERM the process group of ``key``, SIGKILL it after ``grace`` seconds."""
@@ -358,14 +382,22 @@ class DriverAgent:
     line on a pipe of its own (the JVM writes to stdout and stderr, which go to a log).
     """
 
-    def __init__(self, cluster: Cluster, key: str = "driver", conf: dict[str, str] | None = None):
+    def __init__(
+        self,
+        cluster: Cluster,
+        key: str = "driver",
+        conf: dict[str, str] | None = None,
+        executors: int | None = None,
+    ):
+        """``executors``: how many executors (one per host, 2 cores each) the session asks for
+        and waits for; all three hosts' by default."""
         self.cluster, self.key = cluster, key
         read_fd, write_fd = os.pipe()
         config = {
             "master": cluster.master_url,
             "driver": cluster.driver.address,
             "workdir": cluster.workdir,
-            "executors": len(cluster.hosts),
+            "executors": executors or len(cluster.hosts),
             "cores": CORES_PER_HOST,
             "conf": conf or {},
             "result_fd": write_fd,

@@ -22,7 +22,8 @@ SWITCHES = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_HIERARCHICAL_ALLGATH
 
 
 @pytest.fixture(scope="module")
-def ranks(cluster, agent) -> list[dict]:
+def ranks(whole_cluster, agent) -> list[dict]:
+    # whole_cluster: the Workers an earlier fault test killed are back, three executors again.
     agent.close()  # frees the executors' cores for this application (idempotent at teardown)
     conf = {f"spark.executorEnv.{k}": v for k, v in SWITCHES.items()}
     driver = netns.DriverAgent(cluster, key="driver-hierarchical", conf=conf)
