@@ -7,7 +7,8 @@ features, ``y`` linear in them), runs torch with 1 thread, and trains the preset
 then contiguous slices. No reader, no collective, no hooks, no metrics. The workers start their
 loops together (a barrier), so both ranks' worth runs in parallel on the 2 cores as the fit's
 ranks do. Reported per round: the floor (the slower worker's loop, seconds), and its per-step
-time (the median of the step intervals, ms), the figure a fit's own step is compared with.
+time (the median of the step intervals, ms), the figure a fit's own step is compared with, and
+its CPU time per step (``cpu_step_ms``, the workers' mean; on a loaded machine the steadier one).
 
     .venv/bin/python bench/floor.py --preset large --rounds 3   # the floor alone
 """
@@ -56,7 +57,7 @@ def _worker(task: tuple[int, int, int, list[int], int, int]) -> dict[str, float]
     loss_fn = torch.nn.MSELoss()
     _BARRIER.wait()
     stamps: list[float] = []
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     loss_sum = torch.zeros((), dtype=torch.float64)
     for _ in range(epochs):
         perm = torch.randperm(rows, generator=gen)
@@ -69,13 +70,14 @@ def _worker(task: tuple[int, int, int, list[int], int, int]) -> dict[str, float]
             opt.step()
             loss_sum += loss.detach().to(torch.float64) * len(xb)
             stamps.append(time.perf_counter())
-    total = time.perf_counter() - t0
+    total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     float(loss_sum)
     return {
         "loop_s": total,
         "steps": len(stamps),
         "step_ms": 1e3 * statistics.median(step_times(stamps)),
         "mean_step_ms": 1e3 * total / max(len(stamps), 1),
+        "cpu_step_ms": 1e3 * cpu / max(len(stamps), 1),
     }
 
 
@@ -101,6 +103,7 @@ class Floor:
             "step_ms": statistics.median(r["step_ms"] for r in out),
             "mean_step_ms": slow["mean_step_ms"],
             "steps": slow["steps"],
+            "cpu_step_ms": statistics.mean(r["cpu_step_ms"] for r in out),
         }
 
     def close(self) -> None:
