@@ -11,7 +11,10 @@ the local mesh, the rank's reader, converter, DistributedOptimizer and loop as i
 floor bench/floor.py's plain loop (1 thread, rows in memory, both ranks' worth in parallel).
 Both: MLP 32-128-64-1, Adam lr 1e-3, MSE, batch 256. Per round, alternating order: the median
 interval between optimizer steps of rank 0 (steps 21.. of the epoch) and of the floor, and the
-ratio (target <= 1.3), and each side's training time.
+ratio (target <= 1.3), and each side's training time. ``--breakdown`` trains ours through a
+``train_minibatch_fn`` that does what the rank loop does with a clock between the parts
+(between steps: the reader's hand-off and the loop's own work; forward + loss; backward with the
+gradient hooks; the gradient allreduce; the optimizer) and prints rank 0's median of each.
 """
 
 from __future__ import annotations
@@ -83,7 +86,56 @@ class StepClock:
             )
 
 
-def ours(store: Any, work: str, rnd: int) -> dict[str, float]:
+PARTS = ("between steps", "forward + loss", "backward + hooks", "allreduce", "optimizer")
+
+
+class TimedMinibatch:
+    """A ``train_minibatch_fn`` doing what the rank loop does, with a clock between the parts.
+
+    ``between steps`` is from the end of one call to the start of the next: the rank loop's own
+    work (the reader's hand-off of the next batch, callbacks, the loss sum, metrics). It travels
+    to the rank pickled with the :class:`Breakdown` callback that reads its ``times``.
+    """
+
+    def __init__(self) -> None:
+        self.times: list[tuple[float, ...]] = []
+
+    def __call__(self, model, optimizer, transform_outputs, loss_fn, inputs, labels, weights):  # noqa: ANN001, ANN204
+        clock = time.perf_counter
+        t0 = clock()
+        optimizer.zero_grad()
+        outputs, matched = transform_outputs(model(*inputs), labels)
+        loss = loss_fn(outputs, matched, weights)
+        t1 = clock()
+        loss.backward()
+        t2 = clock()
+        optimizer.synchronize()
+        t3 = clock()
+        with optimizer.skip_synchronize():
+            optimizer.step()
+        t4 = clock()
+        gap = t0 - self.times[-1][-1] if self.times else 0.0
+        self.times.append((gap, t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4))
+        return outputs, loss
+
+
+class Breakdown:
+    """Rank callback: rank 0's median of each part of the step (steps 21..) into ``path``."""
+
+    def __init__(self, path: str, timed: TimedMinibatch) -> None:
+        self.path, self.timed = path, timed
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
+        import spark_estimators.collective.torch as hvd
+
+        if hvd.rank() == 0:
+            rows = self.timed.times[21:]
+            medians = {p: 1e3 * statistics.median(r[i] for r in rows) for i, p in enumerate(PARTS)}
+            with open(self.path, "w") as f:
+                json.dump(medians, f)
+
+
+def ours(store: Any, work: str, rnd: int, breakdown: bool = False) -> dict[str, float]:
     import torch
     from fit import build_mlp
 
@@ -93,6 +145,7 @@ def ours(store: Any, work: str, rnd: int) -> dict[str, float]:
     torch.manual_seed(0)
     model = build_mlp(CFG["features"], CFG["hidden"])
     clock = os.path.join(work, f"clock-{rnd}.json")
+    timed = TimedMinibatch()
     est = TorchEstimator(
         store=store,
         backend=LocalBackend(2),
@@ -105,8 +158,9 @@ def ours(store: Any, work: str, rnd: int) -> dict[str, float]:
         epochs=CFG["epochs"],
         verbose=0,
         scale_lr=False,
-        callbacks=[StepClock(clock)],
+        callbacks=[StepClock(clock)] + ([Breakdown(clock + ".parts", timed)] if breakdown else []),
         run_id=f"steps_{rnd}",
+        **({"train_minibatch_fn": timed} if breakdown else {}),
     )
     t0 = time.time()
     est.fit_on_parquet()
@@ -114,6 +168,9 @@ def ours(store: Any, work: str, rnd: int) -> dict[str, float]:
     with open(clock) as f:
         out = json.load(f)
     out["total_s"] = total
+    if breakdown:
+        with open(clock + ".parts") as f:
+            out["parts"] = json.load(f)
     return out
 
 
@@ -124,6 +181,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=CFG["rows"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", default="ours,floor")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="time the parts of our step (a train_minibatch_fn that does what the loop does)",
+    )
     args = parser.parse_args()
     CFG["rows"] = args.rows
     cases = args.cases.split(",")
@@ -139,14 +201,24 @@ def main() -> None:
             order.reverse()
         res = {}
         for case in order:
-            res[case] = ours(store, work, rnd) if case == "ours" else floor.measure(CFG)  # type: ignore[union-attr]
+            if case == "ours":
+                res[case] = ours(store, work, rnd, args.breakdown)
+            else:
+                res[case] = floor.measure(CFG)  # type: ignore[union-attr]
         if "ours" in res:
             r = res["ours"]
             print(
-                f"round {rnd}: ours step {r['step_ms']:.3f} ms, CPU {r['cpu_step_ms']:.3f} ms/step, "
+                f"round {rnd}: ours step {r['step_ms']:.3f} ms, "
+                f"CPU {r['cpu_step_ms']:.3f} ms/step, "
                 f"train {r['train_s']:.2f} s, "
                 f"fit {r['total_s']:.2f} s",
                 flush=True,
+            )
+        if "parts" in res.get("ours", {}):
+            parts = res["ours"]["parts"]
+            print(
+                f"round {rnd}: ours' step parts (medians, ms): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
             )
         if "floor" in res:
             f = res["floor"]
