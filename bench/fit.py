@@ -263,7 +263,7 @@ def fit_distributor(df: Any, cfg: dict[str, Any]) -> dict[str, float]:
         t0 = time.time()
         thread = threading.Thread(target=_td_attempt, args=(df, cfg, path, group, box), daemon=True)
         thread.start()
-        thread.join(TD_HANG_S)
+        thread.join(cfg.get("td_hang_s", TD_HANG_S))
         hung = thread.is_alive()
         if hung:
             df.sparkSession.sparkContext.cancelJobGroup(group)
@@ -271,7 +271,8 @@ def fit_distributor(df: Any, cfg: dict[str, Any]) -> dict[str, float]:
         total = time.time() - t0
         shutil.rmtree(path, ignore_errors=True)
         if hung:
-            print(f"TorchDistributor hung > {TD_HANG_S:.0f} s (attempt {attempt}): not counted")
+            limit = cfg.get("td_hang_s", TD_HANG_S)
+            print(f"TorchDistributor hung > {limit:.0f} s (attempt {attempt}): not counted")
             continue
         if "error" in box:
             raise box["error"]
@@ -335,6 +336,13 @@ def main() -> None:
     parser.add_argument(
         "--no-cache", action="store_true", help="do not cache the DataFrames (large --rows)"
     )
+    parser.add_argument(
+        "--td-hang-s",
+        type=float,
+        default=TD_HANG_S,
+        help="a TorchDistributor fit running longer is cancelled as hung (raise it on a loaded "
+        f"machine; default {TD_HANG_S:.0f})",
+    )
     args = parser.parse_args()
     if args.preset == "cv":  # CrossValidator vs the same fits by TorchDistributor (bench/fit_cv.py)
         from fit_cv import main_cv
@@ -346,6 +354,7 @@ def main() -> None:
         cfg["epochs"] = args.epochs
     if args.rows:
         cfg["rows"] = args.rows
+    cfg["td_hang_s"] = args.td_hang_s
     if args.horovod_python and args.preset != "horovod":
         sys.exit("--horovod-python runs only with --preset horovod (fit_horovod.py's data)")
     # started first: its Spark session and data cache build while ours do
