@@ -12,7 +12,13 @@ Usage:
 stage reads the DataFrame itself, no Parquet copy), and prints stream / Parquet and
 stream / TorchDistributor; ``--cases`` picks the cases to run, ``--epochs`` and ``--rows``
 override the preset. Each of our fits also reports rank 0's peak RSS (``ru_maxrss`` at the end of
-the last epoch, the ``rss MB`` column).
+the last epoch, the ``rss MB`` column) and the median time of its optimizer steps (``step ms``).
+
+The physical floor (issue 45, bench/floor.py) runs as one more case each round: plain torch, one
+thread per process, one rank's share of the rows already in memory as tensors, the preset's MLP,
+Adam and batch, both ranks' worth in parallel on the 2 cores. Printed per round and as warm
+medians: ours / floor (total wall time of our fit over the floor's training loop) and our step /
+the floor's step (median step intervals). ``--cases parquet,td`` leaves the floor out.
 
 Both sides start from the same cached DataFrame on local[2], 2 processes, batch 256. The cases
 alternate for ``--rounds`` rounds (default 6; ours first in odd rounds, TorchDistributor first in
@@ -49,6 +55,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from floor import Floor
 
 PRESETS = {
     "horovod": {"rows": 100_000, "features": 10, "hidden": [64, 64], "epochs": 2},
@@ -145,12 +153,25 @@ def distributor_train(path: str, n_features: int, hidden: list[int], epochs: int
 
 
 class PeakRss:
-    """A TorchEstimator callback: the rank's peak RSS (MB) into the epoch logs (rank 0's kept)."""
+    """A TorchEstimator callback: the rank's peak RSS (MB) into the epoch logs (rank 0's kept),
+    and the median interval between the ends of its optimizer steps (``step_ms``, the first 20
+    of each epoch left out), the figure bench/floor.py's plain step is compared with."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any]) -> None:
+        self.stamps = []
+
+    def on_train_batch_end(self, step: int, logs: dict[str, Any]) -> None:
+        self.stamps.append(time.perf_counter())
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
         import resource
 
         logs["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        gaps = [b - a for a, b in zip(self.stamps[20:], self.stamps[21:], strict=False)]
+        logs["step_ms"] = 1e3 * statistics.median(gaps) if gaps else float("nan")
 
 
 def fit_stream(vdf: Any, cfg: dict[str, Any]) -> dict[str, float]:
@@ -204,6 +225,7 @@ def fit_ours(vdf: Any, cfg: dict[str, Any], data: str = "parquet") -> dict[str, 
         "first_batch_s": marks.get("first_batch", float("nan")) - t0,
         "loss": last["loss"],
         "rss_mb": last["rss_mb"],
+        "step_ms": last["step_ms"],
     }
 
 
@@ -241,7 +263,7 @@ def fit_distributor(df: Any, cfg: dict[str, Any]) -> dict[str, float]:
         t0 = time.time()
         thread = threading.Thread(target=_td_attempt, args=(df, cfg, path, group, box), daemon=True)
         thread.start()
-        thread.join(TD_HANG_S)
+        thread.join(cfg.get("td_hang_s", TD_HANG_S))
         hung = thread.is_alive()
         if hung:
             df.sparkSession.sparkContext.cancelJobGroup(group)
@@ -249,7 +271,8 @@ def fit_distributor(df: Any, cfg: dict[str, Any]) -> dict[str, float]:
         total = time.time() - t0
         shutil.rmtree(path, ignore_errors=True)
         if hung:
-            print(f"TorchDistributor hung > {TD_HANG_S:.0f} s (attempt {attempt}): not counted")
+            limit = cfg.get("td_hang_s", TD_HANG_S)
+            print(f"TorchDistributor hung > {limit:.0f} s (attempt {attempt}): not counted")
             continue
         if "error" in box:
             raise box["error"]
@@ -306,12 +329,19 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         default="all",
-        help="comma-separated subset of parquet,stream,td (default: all that apply)",
+        help="comma-separated subset of parquet,stream,td,floor (default: all that apply)",
     )
     parser.add_argument("--epochs", type=int, help="override the preset's epochs")
     parser.add_argument("--rows", type=int, help="override the preset's rows")
     parser.add_argument(
         "--no-cache", action="store_true", help="do not cache the DataFrames (large --rows)"
+    )
+    parser.add_argument(
+        "--td-hang-s",
+        type=float,
+        default=TD_HANG_S,
+        help="a TorchDistributor fit running longer is cancelled as hung (raise it on a loaded "
+        f"machine; default {TD_HANG_S:.0f})",
     )
     args = parser.parse_args()
     if args.preset == "cv":  # CrossValidator vs the same fits by TorchDistributor (bench/fit_cv.py)
@@ -324,6 +354,7 @@ def main() -> None:
         cfg["epochs"] = args.epochs
     if args.rows:
         cfg["rows"] = args.rows
+    cfg["td_hang_s"] = args.td_hang_s
     if args.horovod_python and args.preset != "horovod":
         sys.exit("--horovod-python runs only with --preset horovod (fit_horovod.py's data)")
     # started first: its Spark session and data cache build while ours do
@@ -337,16 +368,26 @@ def main() -> None:
 
     ours_name, td_name = "spark_estimators TorchEstimator", "TorchDistributor + Arrow"
     stream_name = 'TorchEstimator(data="stream")'
-    wanted = {"parquet", "td"} | ({"stream"} if args.data == "stream" else set())
+    wanted = {"parquet", "td", "floor"} | ({"stream"} if args.data == "stream" else set())
     if args.cases != "all":
         wanted = set(args.cases.split(","))
+    floor_name = "floor: plain torch, 1 thread/rank"
+    floor = Floor() if "floor" in wanted else None
     hvd_name = "horovod 0.28.1 TorchEstimator"
     if hvd is not None:
         hvd.wait_ready()
     print(f"preset {args.preset}: {cfg}, batch {BATCH}, 2 processes, local[2]")
     head = f"{'round':>5s} {'case':34s} {'total s':>8s} {'first batch s':>14s}"
     print(f"{head} {'last epoch loss':>15s}")
-    totals: dict[str, list[float]] = {ours_name: [], td_name: [], hvd_name: [], stream_name: []}
+    totals: dict[str, list[float]] = {
+        ours_name: [],
+        td_name: [],
+        hvd_name: [],
+        stream_name: [],
+        floor_name: [],
+    }
+    floor_ratios: list[float] = []
+    step_ratios: list[float] = []
     ratios, hvd_ratios = [], []
     stream_ratios: dict[str, list[float]] = {ours_name: [], td_name: []}
     for rnd in range(1, args.rounds + 1):
@@ -356,6 +397,7 @@ def main() -> None:
                 ("parquet", (ours_name, fit_ours, vdf)),
                 ("stream", (stream_name, fit_stream, vdf)),
                 ("td", (td_name, fit_distributor, df)),
+                ("floor", (floor_name, lambda _frame, c: floor.measure(c), None)),  # type: ignore[union-attr]
             )
             if key in wanted
         ]
@@ -367,8 +409,20 @@ def main() -> None:
         for name, r in results.items():
             totals[name].append(r["total_s"])
             print(
-                f"{rnd:5d} {name:34s} {r['total_s']:8.2f} {r['first_batch_s']:14.2f} "
-                f"{r['loss']:15.4f}" + (f" rss MB {r['rss_mb']:.0f}" if "rss_mb" in r else "")
+                f"{rnd:5d} {name:34s} {r['total_s']:8.2f} "
+                f"{r.get('first_batch_s', float('nan')):14.2f} "
+                f"{r.get('loss', float('nan')):15.4f}"
+                + (f" rss MB {r['rss_mb']:.0f}" if "rss_mb" in r else "")
+                + (f" step ms {r['step_ms']:.3f}" if "step_ms" in r else "")
+            )
+        if floor_name in results and ours_name in results:
+            fl, ours_r = results[floor_name], results[ours_name]
+            floor_ratios.append(ours_r["total_s"] / fl["total_s"])
+            step_ratios.append(ours_r["step_ms"] / fl["step_ms"])
+            print(
+                f"round {rnd}: ours / floor = {floor_ratios[-1]:.2f}, "
+                f"ours' step / floor's step = {step_ratios[-1]:.2f}",
+                flush=True,
             )
         if stream_name in results:
             parts = []
@@ -419,6 +473,20 @@ def main() -> None:
             r = ours_med / HOROVOD_MEDIAN_S
             line += f"; ours / horovod's {HOROVOD_MEDIAN_S} s (issue 20, not this run) = {r:.3f}"
         print(line)
+    if floor_ratios:
+        print("ours / floor per round: " + ", ".join(f"{r:.2f}" for r in floor_ratios))
+        print("ours' step / floor's step per round: " + ", ".join(f"{r:.2f}" for r in step_ratios))
+        first = 1 if len(floor_ratios) > 1 else 0
+        ours_med = statistics.median(totals[ours_name][first:])
+        floor_med = statistics.median(totals[floor_name][first:])
+        print(
+            f"median of {'warm rounds 2..' if first else 'all rounds'}: floor {floor_med:.2f} s, "
+            f"ours / floor: ratio of medians {ours_med / floor_med:.2f}, median of ratios "
+            f"{statistics.median(floor_ratios[first:]):.2f}; ours' step / floor's step: median "
+            f"{statistics.median(step_ratios[first:]):.2f}"
+        )
+    if floor is not None:
+        floor.close()
     if hvd is not None:
         hvd.close()
     spark.stop()
