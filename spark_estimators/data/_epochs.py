@@ -16,6 +16,7 @@ needs (:meth:`PipelineReader._steps_now`, :meth:`PipelineReader._rows_needed`).
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -119,6 +120,9 @@ class PipelineReader(EpochReader):
     # ----------------------------------------------------------------------- consumer side
     def _batches(self, epoch: int, fmt: BlockFormat) -> Iterator[dict[str, Any]]:
         """The batches of one epoch: the background thread cuts them, this thread hands them out."""
+        # Resolved here, on the training thread (its CUDA device), not in the prefetch thread.
+        staging = staging_allocator(fmt.pin_memory, fmt.staging)
+        fmt = replace(fmt, pin_memory=False, staging=staging)
         held = self._held = HeldRows()
         with Prefetcher(self._batch_groups(epoch, fmt, held), self.prefetch) as groups:
             for group in groups:

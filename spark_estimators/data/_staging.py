@@ -56,16 +56,33 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, pin_memory=True)
 
 
+def pinned_on(device: int) -> Allocator:
+    """:func:`pinned_empty` under CUDA device ``device`` (whatever the calling thread's device).
+
+    The reader allocates on its own thread, whose current device is 0 unless set: a rank on GPU 1
+    would otherwise open a CUDA context on GPU 0 (as DataLoader's pin thread sets the device).
+    """
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
+        with torch.cuda.device(device):
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    return empty
+
+
 def staging_allocator(pin_memory: bool | None, staging: Allocator | None) -> Allocator | None:
     """The allocator batches are staged in, or None (batches stay where they were decoded).
 
     ``staging`` wins; else ``pin_memory=True`` pins (a CUDA device is needed), ``None`` pins
-    when :func:`cuda_in_use`, ``False`` never does.
+    when :func:`cuda_in_use`, ``False`` never does. Call it on the training thread: pinned
+    buffers are allocated under that thread's current CUDA device (:func:`pinned_on`).
     """
     if staging is not None:
         return staging
     if pin_memory is None:
-        return pinned_empty if cuda_in_use() else None
+        pin_memory = cuda_in_use()
     if not pin_memory:
         return None
     torch = sys.modules.get("torch")
@@ -75,7 +92,7 @@ def staging_allocator(pin_memory: bool | None, staging: Allocator | None) -> All
             "CUDA driver) and torch sees none; pass pin_memory=None (pin only when CUDA is in "
             "use) or False"
         )
-    return pinned_empty
+    return pinned_on(torch.cuda.current_device())
 
 
 def _is_cpu_tensor(value: object) -> TypeGuard[torch.Tensor]:
