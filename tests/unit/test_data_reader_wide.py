@@ -231,3 +231,26 @@ def test_default_shuffle_buffer_is_bounded_in_bytes(store):
     assert default_shuffle_rows(image, 256) == (256 << 20) // (3 * 64 * 64 * 4)  # 5461 images
     assert default_shuffle_rows(narrow, 256) == 100_000  # unchanged for narrow rows
     assert default_shuffle_rows(image, 4096) == 4 * 4096  # still at least 4 batches
+
+
+@pytest.mark.slow
+def test_gpu_bench_reader_only_runs_tiny():
+    """bench/gpu.py --reader-only (issue 43) at CI sizes: every case reads every row."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--reader-only", "--tiny"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    out = json.loads(line[len("RESULT ") :])["reader_only"]
+    assert len(out["samples_per_s"]) == 6
+    assert all(v[0] > 0 for v in out["samples_per_s"].values())
+    assert out["ours_vs_raw"] > 0
