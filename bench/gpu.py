@@ -19,7 +19,22 @@ GPU, alternating round by round:
 
 Prints samples/s of each, the ratio ours/plain (target >= 0.95) and ``RESULT <json>``. Without
 CUDA the script runs the same comparison on the CPU at the sizes given (``--tiny`` in CI) and
-says that the GPU figure was skipped.
+says that the GPU figure was skipped. A GPU run first measures the reader alone (below, one
+round), so one command gives both figures on the same host.
+
+``--reader-only`` (no GPU needed; issue 43): the rank's input side alone on the same files, in
+rounds that alternate the cases, samples/s into ready torch batches and CPU time per row (all
+threads):
+
+* raw ``pq.read_table`` per file + flatten + numpy reshape (what the H200 session measured), and
+  raw ``ParquetFile.iter_batches`` of ``--batch`` rows + flatten + reshape (the fastest
+  streaming decode with pyarrow's defaults);
+* ours: ``make_batch_reader`` + the rank's ``BatchConverter`` (``input_shapes`` [-1, 3, 64, 64],
+  what ``TorchEstimator`` feeds its model) through ``epoch_batches``, with 1, 2 (the default) and
+  4 decode threads, and shuffled;
+
+and ours against the plain GPU loop's consumption rate recorded in bench/RESULTS.md (an H200:
+17959 and 20642 samples/s), i.e. whether the reader can feed that GPU from this host's CPU.
 """
 
 from __future__ import annotations
@@ -197,6 +212,91 @@ def plain(data: np.ndarray, args, device: str) -> float:
     return args.rows * (len(seconds) - 1) / sum(seconds[1:])
 
 
+# The plain loop's samples/s on one H200 (bench/RESULTS.md, 2026-11-27 23:44 and 11-28 00:35 UTC).
+PLAIN_H200 = (17959.0, 20642.0)
+
+
+def reader_rounds(store, args) -> dict:
+    """Reader-only rounds (module docstring): samples/s and CPU us/row per case, medians."""
+    import pyarrow.parquet as pq
+
+    from spark_estimators.core.batches import BatchConverter, epoch_batches
+    from spark_estimators.data import DatasetMetadata, make_batch_reader
+
+    meta = DatasetMetadata.from_parquet(store, feature_cols=["features"], label_cols=["y"])
+    files = [f.path for f in meta.train_files]
+    shape = (-1, 3, args.image, args.image)
+    convert = BatchConverter(["features"], ["y"], input_shapes=[list(shape)])
+
+    def raw_table():
+        for path in files:
+            table = pq.read_table(path, columns=["features", "y"])
+            x = table.column("features").combine_chunks().flatten().to_numpy().reshape(shape)
+            yield len(x) + 0 * len(table.column("y").to_numpy())
+
+    def raw_batches():
+        for path in files:
+            source = pq.ParquetFile(path)
+            for rb in source.iter_batches(batch_size=args.batch, columns=["features", "y"]):
+                x = rb.column(0).flatten().to_numpy().reshape(shape)
+                yield len(x) + 0 * len(rb.column(1).to_numpy())
+
+    def ours(workers: int, shuffle: bool = False):
+        def run():
+            reader = make_batch_reader(
+                store, meta, rank=0, size=1, batch_size=args.batch, shuffle=shuffle,
+                num_workers=workers,
+            )  # fmt: skip
+            for batch in epoch_batches(reader, convert):
+                assert batch["features"].shape[1:] == shape[1:]
+                yield len(batch["y"])
+
+        return run
+
+    cases = {
+        "raw pq.read_table + reshape": raw_table,
+        "raw iter_batches + reshape": raw_batches,
+        "ours, 1 decode thread": ours(1),
+        "ours, 2 decode threads (default)": ours(2),
+        "ours, 4 decode threads": ours(4),
+        "ours, shuffle": ours(2, shuffle=True),
+    }
+    sum(raw_table())  # page cache warm
+    speed: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(args.rounds):
+        for name, fn in cases.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            n = sum(fn())
+            speed[name].append(n / (time.perf_counter() - t0))
+            cpu[name].append((time.process_time() - c0) / n * 1e6)
+    med = {k: statistics.median(v) for k, v in speed.items()}
+    raw = max(med["raw pq.read_table + reshape"], med["raw iter_batches + reshape"])
+    ours2 = med["ours, 2 decode threads (default)"]
+    size = f"3x{args.image}x{args.image}"
+    print(f"reader only: {args.rows} rows of {size} float32, batch {args.batch}")
+    print(f"  load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; medians of rounds")
+    for name in cases:
+        shown = ", ".join(f"{v:.0f}" for v in speed[name])
+        print(
+            f"  {name:34s} {med[name]:9.0f} samples/s ({shown})  x raw {med[name] / raw:5.2f}  "
+            f"CPU {statistics.median(cpu[name]):6.1f} us/row"
+        )
+    feeds = ours2 / max(PLAIN_H200)
+    print(
+        f"  ours (default) / best raw = {ours2 / raw:.2f}x; ours / the H200 plain loop's "
+        f"{max(PLAIN_H200):.0f} samples/s = {feeds:.2f}x (>= 1: this host's reader feeds it)"
+    )
+    return {
+        "samples_per_s": speed,
+        "cpu_us_per_row": cpu,
+        "ours_vs_raw": round(ours2 / raw, 3),
+        "ours_vs_h200_plain": round(feeds, 3),
+        "load": os.getloadavg()[0],
+        "cores": os.cpu_count(),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=8192)
@@ -208,6 +308,9 @@ def main() -> int:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--reader-workers", type=int, default=0, help="train_reader_num_workers")
     p.add_argument("--tiny", action="store_true", help="CI sizes: 64 rows of 3x16x16, width 8")
+    p.add_argument(
+        "--reader-only", action="store_true", help="the reader vs raw pyarrow, no training"
+    )
     p.add_argument("--out", default=None, help="also write the result as JSON here")
     args = p.parse_args()
     if args.tiny:
@@ -217,6 +320,17 @@ def main() -> int:
 
     from spark_estimators.store import LocalStore
 
+    if args.reader_only:
+        with tempfile.TemporaryDirectory(prefix="se-bench-gpu-") as work:
+            store = LocalStore(os.path.join(work, "store"))
+            write_images(store, args.rows, args.image)
+            line = json.dumps({"reader_only": reader_rounds(store, args)})
+        print("RESULT " + line)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "bench_gpu_reader.json"), "w") as f:
+                f.write(line)
+        return 0
     has_cuda = torch.cuda.is_available()
     device = args.device if args.device != "auto" else ("cuda" if has_cuda else "cpu")
     if device == "cuda" and not has_cuda:
@@ -241,6 +355,10 @@ def main() -> int:
         t0 = time.perf_counter()
         data = write_images(store, args.rows, args.image)
         result["write_s"] = round(time.perf_counter() - t0, 1)
+        if device == "cuda":  # the reader alone on this host's CPU, one round
+            rounds, args.rounds = args.rounds, 1
+            result["reader_only"] = reader_rounds(store, args)
+            args.rounds = rounds
         for r in range(args.rounds):
             result["plain"].append(plain(data, args, device))
             result["ours"].append(ours(store, args, device, work, r))

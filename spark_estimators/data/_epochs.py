@@ -16,6 +16,7 @@ needs (:meth:`PipelineReader._steps_now`, :meth:`PipelineReader._rows_needed`).
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -32,6 +33,7 @@ from spark_estimators.data._pipeline import (
     split_batches,
     take,
 )
+from spark_estimators.data._staging import joiner, stage_block, staging_allocator
 from spark_estimators.errors import StoreError
 
 
@@ -118,6 +120,9 @@ class PipelineReader(EpochReader):
     # ----------------------------------------------------------------------- consumer side
     def _batches(self, epoch: int, fmt: BlockFormat) -> Iterator[dict[str, Any]]:
         """The batches of one epoch: the background thread cuts them, this thread hands them out."""
+        # Resolved here, on the training thread (its CUDA device), not in the prefetch thread.
+        staging = staging_allocator(fmt.pin_memory, fmt.staging)
+        fmt = replace(fmt, pin_memory=False, staging=staging)
         held = self._held = HeldRows()
         with Prefetcher(self._batch_groups(epoch, fmt, held), self.prefetch) as groups:
             for group in groups:
@@ -128,10 +133,19 @@ class PipelineReader(EpochReader):
     def _batch_groups(
         self, epoch: int, fmt: BlockFormat, held: HeldRows
     ) -> Generator[list[dict[str, Any]], None, int]:
-        """Lists of full batches up to the epoch's count, one list per block; returns the count."""
+        """Lists of full batches up to the epoch's count, one list per block; returns the count.
+
+        A batch that spans several blocks (blocks of wide rows are smaller than a batch) is
+        joined once from all its pieces. With a staging allocator (pinned memory for a GPU, see
+        :mod:`spark_estimators.data._staging`) every row of a batch is copied into a staged
+        buffer exactly once: by that join, or by one copy of the rows a block's batches take.
+        """
         bs = self.batch_size
         emitted = 0
-        rest: dict[str, Any] | None = None
+        pending: list[dict[str, Any]] = []  # pieces of the next batch, fewer than bs rows
+        pending_rows = 0
+        staging = staging_allocator(fmt.pin_memory, fmt.staging)
+        join = joiner(staging, fmt.concat)
         blocks = self._blocks(epoch, held)
         try:
             for decoded in blocks:
@@ -140,21 +154,26 @@ class PipelineReader(EpochReader):
                     return emitted
                 block = fmt.convert(decoded)
                 n, start, group = rows_of(block), 0, []
-                if rest is not None:
-                    need = bs - rows_of(rest)
+                if pending:
+                    need = bs - pending_rows
                     if n < need:
-                        rest = concat([rest, block], fmt.concat)
+                        pending.append(block)
+                        pending_rows += n
                         continue
-                    group.append(concat([rest, take(block, 0, need)], fmt.concat))
-                    start, rest = need, None
+                    group.append(concat([*pending, take(block, 0, need)], join))
+                    start, pending, pending_rows = need, [], 0
                 count = (n - start) // bs
                 if steps is not None:
                     count = min(count, steps - emitted - len(group))
-                group += split_batches(block, start, count, bs)
-                start += count * bs
+                if count > 0:
+                    body = take(block, start, start + count * bs)
+                    if staging is not None:
+                        body = stage_block(body, staging)
+                    group += split_batches(body, 0, count, bs)
+                start += max(count, 0) * bs
                 emitted += len(group)
                 if start < n and (steps is None or emitted < steps):
-                    rest = take(block, start, n)
+                    pending, pending_rows = [take(block, start, n)], n - start
                 if group:
                     held.produced += len(group) * bs
                     held.note()

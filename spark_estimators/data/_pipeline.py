@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from spark_estimators.data._scan import put_unless_stopped, reader_pool
+from spark_estimators.data._staging import Allocator
 
 Batch = dict[str, np.ndarray]
 
@@ -28,18 +29,24 @@ class BlockFormat:
     """How batches are made from decoded numpy blocks: ``convert`` a whole block, then slice.
 
     ``convert`` runs in the reader's background thread; ``concat`` joins the pieces of a batch that
-    spans two blocks. The torch adapter uses ``torch.from_numpy`` and ``torch.cat``.
+    spans several blocks. The torch adapter uses ``torch.from_numpy`` and ``torch.cat``.
+    ``pin_memory`` / ``staging``: where the rows of CPU torch batches are copied in that thread
+    (:mod:`spark_estimators.data._staging`): pinned host memory with ``pin_memory=True``, and by
+    default (``None``) when this process has initialised CUDA; ``staging`` is any allocator
+    ``(shape, dtype) -> tensor`` and wins over ``pin_memory``.
     """
 
     convert: Callable[[Batch], dict[str, Any]]
     concat: Callable[[list[Any]], Any]
+    pin_memory: bool | None = None
+    staging: Allocator | None = None
 
 
 def _same(block: Batch) -> Batch:
     return block
 
 
-NUMPY_BLOCKS = BlockFormat(convert=_same, concat=np.concatenate)
+NUMPY_BLOCKS = BlockFormat(convert=_same, concat=np.concatenate, pin_memory=False)
 
 
 def rows_of(block: dict[str, Any]) -> int:

@@ -44,7 +44,9 @@ class TorchBatches:
     Each decoded block becomes tensors once, in the reader's background thread
     (``torch.from_numpy``, no copy; ``shapes`` and ``dtypes`` applied there too), and batches are
     views of them. ``shapes`` reshapes columns per row (e.g. ``{"image": (1, 28, 28)}``);
-    ``dtypes`` converts (e.g. ``{"features": torch.float32}``).
+    ``dtypes`` converts (e.g. ``{"features": torch.float32}``). ``pin_memory``: batches in pinned
+    host memory, for ``to(device, non_blocking=True)``; ``None`` (default) pins when this
+    process has initialised CUDA (:mod:`spark_estimators.data._staging`).
     """
 
     def __init__(
@@ -52,10 +54,12 @@ class TorchBatches:
         reader: BatchSource,
         shapes: Mapping[str, Sequence[int]] | None = None,
         dtypes: Mapping[str, torch.dtype] | None = None,
+        pin_memory: bool | None = None,
     ) -> None:
         self.reader = reader
         self.shapes = {k: tuple(v) for k, v in (shapes or {}).items()}
         self.dtypes = dict(dtypes or {})
+        self.pin_memory = pin_memory
 
     def __len__(self) -> int:
         return int(cast(int, self.reader.steps_per_epoch))
@@ -78,7 +82,8 @@ class TorchBatches:
                 out[name] = tensor
             return out
 
-        tensors = converted_epoch(self.reader, BlockFormat(convert=to_tensors, concat=torch.cat))
+        fmt = BlockFormat(convert=to_tensors, concat=torch.cat, pin_memory=self.pin_memory)
+        tensors = converted_epoch(self.reader, fmt)
         return cast("Iterator[dict[str, torch.Tensor]]", tensors)
 
 
@@ -93,20 +98,26 @@ def converted_epoch(reader: BatchSource, block_format: BlockFormat) -> Iterator[
     iter_epoch = getattr(reader, "iter_epoch", None)
     if iter_epoch is not None:
         return iter(iter_epoch(block_format))
-    return (block_format.convert(batch) for batch in reader)
+    from spark_estimators.data._staging import stage_block, staging_allocator
+
+    staging = staging_allocator(block_format.pin_memory, block_format.staging)
+    if staging is None:
+        return (block_format.convert(batch) for batch in reader)
+    return (stage_block(block_format.convert(batch), staging) for batch in reader)
 
 
 def torch_batches(
     reader: BatchSource,
     shapes: Mapping[str, Sequence[int]] | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
+    pin_memory: bool | None = None,
 ) -> TorchBatches:
     """Wrap a reader so it yields dicts of torch tensors (see :class:`TorchBatches`).
 
     >>> for batch in torch_batches(reader):  # doctest: +SKIP
     ...     loss = loss_fn(model(batch["features"]), batch["label"])
     """
-    return TorchBatches(reader, shapes, dtypes)
+    return TorchBatches(reader, shapes, dtypes, pin_memory)
 
 
 def tf_dataset(

@@ -36,7 +36,8 @@ class ReaderOptions:
         Seeded shuffle (``seed=None`` means 0) of row groups and inside ``shuffle_buffer_size``
         rows; ``epoch`` is the first epoch's number.
     shuffle_buffer_size
-        Rows permuted together; ``None`` or 0: ``min(shard rows, max(100000, 4 * batch_size))``.
+        Rows permuted together; ``None`` or 0: ``min(shard rows, max(min(100000, 256 MB of
+        rows), 4 * batch_size))``.
     inmemory_cache
         Keep this rank's decoded shard in memory after the first epoch.
     transformation_fn

@@ -71,9 +71,16 @@ from spark_estimators.data.shards import (
 from spark_estimators.errors import ConfigurationError, StoreError
 
 DEFAULT_SHUFFLE_BUFFER_ROWS = 100_000
-# Rows per decoded block: about this many bytes (at least one batch), so memory does not follow
-# the row-group size (prepare_data writes ~8 MB row groups, other writers up to whole files).
+# ... and at most this many bytes of rows (wide rows: 100k images of 3x64x64 float32 are 4.9 GB).
+DEFAULT_SHUFFLE_BUFFER_BYTES = 256 << 20
+# Rows per decoded block: about this many bytes (at least one batch, unless a batch is larger than
+# LARGE_BATCH_BYTES), so memory does not follow the row-group size (prepare_data writes ~8 MB row
+# groups, other writers up to whole files).
 BLOCK_BYTES = 1 << 20
+# Batches larger than this are joined from blocks of about BLOCK_BYTES: Parquet decodes a
+# list<float> column of 12288 values per row at 64-85 us/row in 1 MB blocks against 133-180 in
+# 12 MB ones (one block per batch of 256), and the join costs less than the difference.
+LARGE_BATCH_BYTES = 4 << 20
 
 __all__ = [
     "NUMPY_BLOCKS",
@@ -152,7 +159,7 @@ class BatchReader(PipelineReader):
         self.shard_rows = sum(s.rows for s in self.slices)
         self.steps_per_epoch = steps_per_epoch(self.total_rows, self.size, batch_size)
         self.shuffle_buffer_size = shuffle_buffer_size or min(
-            max(DEFAULT_SHUFFLE_BUFFER_ROWS, 4 * batch_size), self.shard_rows
+            default_shuffle_rows(self.columns, batch_size), self.shard_rows
         )
         self._cache: dict[int, list[Batch]] = {}
         self._cached: set[int] = set()  # slices whose every block is in the cache
@@ -234,7 +241,7 @@ class BatchReader(PipelineReader):
             list(self.columns),
             self.block_rows,
             workers=self.num_workers,
-            depth=_readahead_blocks(self.num_workers),
+            depth=_readahead_blocks(self.num_workers, -(-self.batch_size // self.block_rows)),
             metadata_cache=self._file_metadata,
         )
         batches = scan.batches()
@@ -331,22 +338,36 @@ def _default_columns(metadata: DatasetMetadata) -> list[str]:
     return cols or list(metadata.columns)
 
 
-def _readahead_blocks(num_workers: int) -> int:
-    """Blocks each decode thread keeps ready: 4 when this rank has cores to spare, else 1.
+def _readahead_blocks(num_workers: int, blocks_per_batch: int = 1) -> int:
+    """Blocks each decode thread keeps ready: 4 batches' worth when the rank has cores to spare.
 
     With several threads, the next slice's thread must run ahead while the current slice is
     consumed to decode in parallel at all: 1 MB ahead gave 0.63x a raw pyarrow scan on an idle
     2-core machine, 4 MB 0.99x (bench/data.py). When the ranks of a host already fill its cores
-    (``SPARK_ESTIMATORS_LOCAL_SIZE``), read-ahead buys no speed, only memory.
+    (``SPARK_ESTIMATORS_LOCAL_SIZE``), read-ahead buys no speed, only memory. Blocks of wide rows
+    are smaller than a batch (``blocks_per_batch`` > 1): the depth counts batches there, so a
+    thread gets as far ahead in rows as with narrow rows.
     """
     ranks_here = max(envvars.env_int(envvars.SE_LOCAL_SIZE, 1), 1)
     spare_cores = (os.cpu_count() or 1) // ranks_here >= 2
-    return 4 if num_workers > 1 and spare_cores else 1
+    return (4 if num_workers > 1 and spare_cores else 1) * max(blocks_per_batch, 1)
+
+
+def row_bytes(columns: Mapping[str, ColumnInfo]) -> int:
+    """Bytes of one decoded row of ``columns``."""
+    return sum(np.dtype(info.dtype).itemsize * max(info.size, 1) for info in columns.values())
 
 
 def _block_rows(columns: Mapping[str, ColumnInfo], batch_size: int) -> int:
-    row_bytes = sum(np.dtype(info.dtype).itemsize * max(info.size, 1) for info in columns.values())
-    return max(BLOCK_BYTES // max(row_bytes, 1), batch_size)
+    width = max(row_bytes(columns), 1)
+    rows = max(BLOCK_BYTES // width, 1)
+    return rows if width * batch_size > LARGE_BATCH_BYTES else max(rows, batch_size)
+
+
+def default_shuffle_rows(columns: Mapping[str, ColumnInfo], batch_size: int) -> int:
+    """The shuffle buffer's rows by default: 100k, at most 256 MB of rows, at least 4 batches."""
+    by_bytes = DEFAULT_SHUFFLE_BUFFER_BYTES // max(row_bytes(columns), 1)
+    return max(min(DEFAULT_SHUFFLE_BUFFER_ROWS, by_bytes), 4 * batch_size)
 
 
 def _apply_transformation(fn: TransformFn, arrays: Batch) -> Batch:

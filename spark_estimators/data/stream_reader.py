@@ -58,9 +58,9 @@ from spark_estimators.data._pipeline import Batch, concat, rows_of, take
 from spark_estimators.data.metadata import ColumnInfo
 from spark_estimators.data.options import TransformFn
 from spark_estimators.data.reader import (
-    DEFAULT_SHUFFLE_BUFFER_ROWS,
     _apply_transformation,
     _block_rows,
+    default_shuffle_rows,
 )
 from spark_estimators.errors import ConfigurationError, StoreError
 
@@ -230,8 +230,8 @@ class StreamBatchReader(PipelineReader):
         self.source = source
         self.columns = dict(columns)
         self.rank = rank
-        self.shuffle_buffer_size = shuffle_buffer_size or max(
-            DEFAULT_SHUFFLE_BUFFER_ROWS, 4 * batch_size
+        self.shuffle_buffer_size = shuffle_buffer_size or default_shuffle_rows(
+            self.columns, batch_size
         )
         self.block_rows = _block_rows(self.columns, batch_size)
         self.transformation_fn = transformation_fn

@@ -21,12 +21,12 @@ SIZE, PER_HOST, HOSTS = 6, 2, 3
 SWITCHES = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_HIERARCHICAL_ALLGATHER": "1"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one test; whole_cluster is per test
 def ranks(whole_cluster, agent) -> list[dict]:
     # whole_cluster: the Workers an earlier fault test killed are back, three executors again.
     agent.close()  # frees the executors' cores for this application (idempotent at teardown)
     conf = {f"spark.executorEnv.{k}": v for k, v in SWITCHES.items()}
-    driver = netns.DriverAgent(cluster, key="driver-hierarchical", conf=conf)
+    driver = netns.DriverAgent(whole_cluster, key="driver-hierarchical", conf=conf)
     try:
         answer = driver.call("layout", timeout=600)
     finally:
