@@ -139,7 +139,7 @@ def test_tensorflow2_keras_mnist_under_the_launcher_on_two_ranks(tmp_path):
     _keras_mnist(tmp_path, launcher=True, steps=20, epochs=2)
 
 
-@pytest.mark.slow  # a Spark session and 3 epochs: about 3 minutes on a busy 2-core machine
+@pytest.mark.slow  # a Spark session and 3 epochs: 6 minutes on a busy 2-core machine
 @pytest.mark.spark
 @pytest.mark.multiprocess
 @pytest.mark.timeout(900)
