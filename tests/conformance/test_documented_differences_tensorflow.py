@@ -1,8 +1,9 @@
 """Our documented behaviour where a ported horovod TensorFlow test expects horovod's.
 
 The horovod tests of ``parallel/test_tensorflow.py`` and ``parallel/test_tensorflow2_keras.py``
-that differ deliberately (listed in docs/conformance.md) carry an ``xfail`` naming this file; these tests check what we do instead,
-as docs/tensorflow.md describes it. They run 2 real ranks with the local launcher.
+that differ deliberately (listed in docs/conformance.md) carry an ``xfail`` naming this file;
+these tests check what we do instead, as docs/tensorflow.md and docs/migration.md describe it.
+They run 2 real ranks with the local launcher.
 """
 
 from __future__ import annotations
