@@ -182,6 +182,19 @@ def allreduce_gradients(
     return out
 
 
+def _reduces(process_set: ProcessSet | None) -> bool:
+    """Whether ``apply`` averages the gradients across ranks.
+
+    As in horovod, a rank outside the optimizer's process set, or a set (or job) of one rank,
+    applies its own gradients unchanged.
+    """
+    if not _core.is_initialized():
+        return False
+    if process_set is None:
+        return _core.size() > 1
+    return bool(process_set.included()) and int(process_set.size() or 0) > 1
+
+
 class _DistributedMixin:
     """Overrides ``apply``; every other method is the user's optimizer class's own."""
 
@@ -196,7 +209,7 @@ class _DistributedMixin:
         trainable_variables: Sequence[keras.Variable] | None = None,
     ) -> object:
         reducer = self._se_reducer
-        if reducer is not None and _core.is_initialized() and _core.size() > 1:
+        if reducer is not None and _reduces(reducer.process_set):
             if self._se_local_ids:
                 grads = self._se_partial(list(grads), trainable_variables, reducer)
             else:
@@ -219,7 +232,8 @@ class _DistributedMixin:
         for i, g in zip(shared, reduced, strict=True):
             grads[i] = g
         if self._se_scale_local:
-            scale = 1.0 / _core.size()
+            ps = reducer.process_set
+            scale = 1.0 / (_core.size() if ps is None else int(ps.size() or 1))
             for i, is_local in enumerate(local):
                 g = grads[i]
                 if is_local and g is not None:
@@ -305,7 +319,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     op
         ``Average`` (default) or ``Sum``.
     process_set
-        Average among this ``ProcessSet``'s members only (default: every rank).
+        Average among this ``ProcessSet``'s members only (default: every rank). On a rank
+        outside the set the optimizer applies the rank's own gradients, as horovod's does.
     backward_passes_per_step, average_aggregated_gradients
         Only ``1`` is supported: for local accumulation give the Keras optimizer
         ``gradient_accumulation_steps=k``; each micro-batch's gradients are then averaged across
@@ -354,7 +369,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if process_set is not None:
         from spark_estimators.collective.runtime import engine as _engine
 
-        _engine.require("DistributedOptimizer", process_set)  # a member of a registered set
+        if process_set.included() is not False:  # a non-member applies its own gradients
+            _engine.require("DistributedOptimizer", process_set)  # registered, after init()
     if gradient_predivide_factor != 1.0 and resolved is not ReduceOp.AVERAGE:
         raise ConfigurationError("gradient_predivide_factor needs op=Average")
     if is_distributed(optimizer):

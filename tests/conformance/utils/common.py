@@ -235,3 +235,45 @@ def get_env_rank_and_size():
 
     # Default to rank zero and size one if there are no environment variables
     return 0, 1
+
+
+# From horovod/common/util.py (horovod 2626dc87), which test_tensorflow2_keras.py and
+# test_tensorflow_keras.py import; copied here because horovod.common is not part of this project.
+def is_version_greater_equal_than(ver, target):
+    from packaging import version
+    if any([not isinstance(_str, str) for _str in (ver, target)]):
+        raise ValueError("This function only accepts string arguments. \n"
+                         "Received:\n"
+                         "\t- ver (type {type_ver}: {val_ver})"
+                         "\t- target (type {type_target}: {val_target})".format(
+                            type_ver=(type(ver)),
+                            val_ver=ver,
+                            type_target=(type(target)),
+                            val_target=target,
+                         ))
+
+    if len(target.split(".")) != 3:
+        raise ValueError("We only accepts target version values in the form "
+                         "of: major.minor.patch. Received: {}".format(target))
+
+    return version.parse(ver) >= version.parse(target)
+
+
+class parameterized:  # noqa: N801 - the name horovod's tests import
+    """conformance: the ``parameterized.expand`` that horovod's Keras tests use (the
+    ``parameterized`` package is not a dependency of this project): one test method per
+    parameter list, named ``<test>_<index>`` as the package names them for non-string
+    parameters."""
+
+    @staticmethod
+    def expand(params):
+        def decorator(fn):
+            namespace = sys._getframe(1).f_locals
+            for index, args in enumerate(params):
+                def case(self, _args=tuple(args)):
+                    return fn(self, *_args)
+                case.__dict__.update(fn.__dict__)  # pytest marks
+                case.__name__ = "{}_{}".format(fn.__name__, index)
+                namespace[case.__name__] = case
+            return None
+        return decorator
