@@ -26,14 +26,22 @@ import time
 
 
 def _bench(hosts: int, per_host: int, rounds: int) -> dict[str, list[float]]:
-    import torch
-
     from spark_estimators import envvars as ev
 
     rank = int(os.environ[ev.SE_RANK])
     os.environ[ev.SE_HOSTNAME] = f"bench-host{rank // per_host}"
     os.environ[ev.SE_LOCAL_RANK], os.environ[ev.SE_LOCAL_SIZE] = str(rank % per_host), str(per_host)
     os.environ[ev.SE_CROSS_RANK], os.environ[ev.SE_CROSS_SIZE] = str(rank // per_host), str(hosts)
+    return time_flat_and_hierarchical(rounds)
+
+
+def time_flat_and_hierarchical(rounds: int) -> dict[str, list[float]]:
+    """In a rank whose hosts are set (declared, or real ones: bench/multihost.py): each case
+    timed flat and hierarchical in the same round; seconds per case and mode."""
+    import torch
+
+    from spark_estimators import envvars as ev
+
     os.environ[ev.HOROVOD_HIERARCHICAL_ALLREDUCE] = "1"
 
     import spark_estimators.collective.torch as hvd
@@ -68,6 +76,18 @@ def _bench(hosts: int, per_host: int, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def summary(times: dict[str, list[float]]) -> list[str]:
+    """One line per case: flat and hierarchical medians, the paired ratio."""
+    lines = []
+    for case in ("64MiB allreduce_", "model grads grouped_allreduce_"):
+        flat, hier = times[f"{case} flat"], times[f"{case} hier"]
+        paired = statistics.median(h / f for h, f in zip(hier, flat, strict=True))
+        flat_ms, hier_ms = statistics.median(flat) * 1e3, statistics.median(hier) * 1e3
+        lines.append(f"  {case:32s} flat {flat_ms:8.1f} ms  hier {hier_ms:8.1f} ms  "
+                     f"hier/flat {paired:5.2f}x (paired)")  # fmt: skip
+    return lines
+
+
 def main() -> None:
     from spark_estimators.launch import run_local
 
@@ -82,12 +102,7 @@ def main() -> None:
     mib = times["_model_mib"][0]
     print(f"{args.hosts} declared hosts x {args.per_host} ranks = {n} ranks on one machine "
           f"(gloo, loopback), {args.rounds} rounds; model grads {mib:.1f} MiB")  # fmt: skip
-    for case in ("64MiB allreduce_", "model grads grouped_allreduce_"):
-        flat, hier = times[f"{case} flat"], times[f"{case} hier"]
-        paired = statistics.median(h / f for h, f in zip(hier, flat, strict=True))
-        flat_ms, hier_ms = statistics.median(flat) * 1e3, statistics.median(hier) * 1e3
-        print(f"  {case:32s} flat {flat_ms:8.1f} ms  hier {hier_ms:8.1f} ms  "
-              f"hier/flat {paired:5.2f}x (paired)")  # fmt: skip
+    print(*summary(times), sep="\n")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ on 3 hosts vs 1 host, on the multi-host harness (tests/multihost/netns.py; needs
 
 Usage (as root, from the repository root):
     PYTHONPATH=$PWD .venv/bin/python bench/multihost.py [--repeats 10] [--rounds 3]
-    (--cases allreduce or --cases fit runs one part; both by default)
+    (--cases allreduce,hierarchical,fit: any of them; all by default)
 
 It builds the harness's three hosts (network namespaces on one bridge, a Spark standalone Worker
 of 2 cores in each) and then, each with a driver of its own in the driver host:
@@ -13,6 +13,10 @@ of 2 cores in each) and then, each with a driver of its own in the driver host:
   times one 64 MiB float32 ``hvd.allreduce_(t, op=Sum)`` (ours: the engine over Gloo) and one
   ``torch.distributed.all_reduce(t)`` on the same Gloo process group (raw), in a shuffled order
   the same on both ranks, each after a barrier; target ours >= 0.95x raw.
+* hierarchical (issue 46): 6 ranks, 2 on each host (the default session: 3 executors of 2
+  slots), ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``; bench/hierarchical.py's cases (64 MiB Sum, a
+  model's gradients grouped), each timed flat and hierarchical in the same round by flipping the
+  wrapper's switch on every rank after a barrier.
 * fit: bench/fit.py's horovod preset (100k x 10, MLP 10-64-64-1, Adam 1e-3, 2 epochs, batch
   256 per rank, Parquet in a fresh LocalStore per fit, ``scale_lr=False``) with
   ``TorchEstimator``: on 1 host (a session of one executor: 2 ranks) and on 3 hosts (3
@@ -90,6 +94,26 @@ def allreduce_scenario(spark: Any, repeats: int) -> dict[str, Any]:
     return {"ranks": ranks}
 
 
+def hierarchical_ranks(rounds: int) -> dict[str, Any]:
+    """bench/hierarchical.py's flat vs hierarchical timings, on the harness's real hosts."""
+    sys.path.insert(0, str(HERE))
+    from hierarchical import time_flat_and_hierarchical  # bench/hierarchical.py
+
+    import spark_estimators.collective.torch as hvd
+
+    times = time_flat_and_hierarchical(rounds)
+    return {"host": socket.gethostname(), "times": times, "local_size": hvd.local_size()}
+
+
+def hierarchical_scenario(spark: Any, rounds: int) -> dict[str, Any]:
+    import spark_estimators
+
+    ranks = spark_estimators.run(
+        hierarchical_ranks, args=(rounds,), num_proc=6, spark=spark, verbose=0
+    )
+    return {"ranks": ranks}
+
+
 def fit_scenario(spark: Any, num_proc: int, rounds: int, workdir: str) -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
     import torch
@@ -134,7 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=10, help="allreduce rounds")
     parser.add_argument("--rounds", type=int, default=3, help="fits per number of hosts")
-    parser.add_argument("--cases", default="allreduce,fit", help="comma-separated")
+    parser.add_argument("--cases", default="allreduce,hierarchical,fit", help="comma-separated")
     args = parser.parse_args()
     cases = set(args.cases.split(","))
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
@@ -148,6 +172,9 @@ def main() -> None:
         cluster.start_spark()
         if "allreduce" in cases:
             _allreduce(netns, cluster, args.repeats)
+            load.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+        if "hierarchical" in cases:
+            _hierarchical(netns, cluster, args.repeats)
             load.append(subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
         if "fit" in cases:
             _fits(netns, cluster, args.rounds, load)
@@ -179,6 +206,27 @@ def _allreduce(netns: Any, cluster: Any, repeats: int) -> None:
     print(f"  raw torch.distributed     median {raw * 1e3:8.1f} ms  best "
           f"{min(times['raw']) * 1e3:8.1f} ms  {gb / raw:5.2f} GB/s")  # fmt: skip
     print(f"  ours vs raw: {raw / ours:.2f}x median, {paired:.2f}x paired (target >= 0.95x)")
+
+
+def _hierarchical(netns: Any, cluster: Any, rounds: int) -> None:
+    """Flat vs hierarchical allreduce, 3 hosts x 2 ranks, in one job."""
+    sys.path.insert(0, str(HERE))
+    from hierarchical import summary  # bench/hierarchical.py
+
+    agent = netns.DriverAgent(cluster, key="driver-hierarchical")
+    try:
+        ranks = _call(agent, "hierarchical_scenario", 1800, rounds=rounds)["ranks"]
+    finally:
+        agent.close()
+    hosts = [r["host"] for r in ranks]
+    if len(set(hosts)) != 3 or {r["local_size"] for r in ranks} != {2}:
+        raise RuntimeError(f"the six ranks are not 2 on each of 3 hosts: {hosts}")
+    times = ranks[0]["times"]
+    print(
+        f"\nhierarchical vs flat allreduce, 6 ranks on {sorted(set(hosts))} (2 each), "
+        f"{rounds} rounds (rank 0's clock); model grads {times['_model_mib'][0]:.1f} MiB"
+    )
+    print(*summary(times), sep="\n")
 
 
 def _fits(netns: Any, cluster: Any, rounds: int, load: list[str]) -> None:
