@@ -71,6 +71,7 @@ def time_flat_and_hierarchical(rounds: int) -> dict[str, list[float]]:
                 elapsed = time.perf_counter() - started
                 if r:
                     times.setdefault(f"{name} {'hier' if hier else 'flat'}", []).append(elapsed)
+    times["_local_size"] = [float(hvd.local_size())]
     hvd.shutdown()
     times["_model_mib"] = [sum(g.numel() for g in grads) * 4 / 2**20]
     return times

@@ -99,10 +99,12 @@ def hierarchical_ranks(rounds: int) -> dict[str, Any]:
     sys.path.insert(0, str(HERE))
     from hierarchical import time_flat_and_hierarchical  # bench/hierarchical.py
 
-    import spark_estimators.collective.torch as hvd
-
     times = time_flat_and_hierarchical(rounds)
-    return {"host": socket.gethostname(), "times": times, "local_size": hvd.local_size()}
+    return {
+        "host": socket.gethostname(),
+        "times": times,
+        "local_size": int(times["_local_size"][0]),
+    }
 
 
 def hierarchical_scenario(spark: Any, rounds: int) -> dict[str, Any]:
