@@ -10,7 +10,8 @@ contiguous ranges whose lengths differ by at most one row; rank ``r`` owns range
 epoch (so ``inmemory_cache`` holds one shard). Every rank yields the same number of full batches,
 ``steps_per_epoch = ceil(ceil(rows / size) / batch_size)``: a rank whose rows run out first wraps
 around its own rows (in a new order) to fill its last steps, so no rank leaves a collective
-(allreduce) early and hangs the others. Each row is read at least once per epoch; extra reads over
+(allreduce) early and hangs the others (without shuffling, that pass decodes only the rows it
+needs). Each row is read at least once per epoch; extra reads over
 all ranks are fewer than ``size * batch_size``, and none when ``rows`` is a multiple of
 ``size * batch_size``.
 
