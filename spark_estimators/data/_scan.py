@@ -46,7 +46,7 @@ def put_unless_stopped(into: queue.Queue[Any], item: Any, stop: threading.Event)
     return False
 
 
-def stop_producers(stop: threading.Event, queues: Sequence[queue.Queue[Any]]) -> None:
+def stop_producers(stop: threading.Event, queues: Sequence[queue.Queue[object]]) -> None:
     """Set ``stop`` and empty ``queues``, so that producers blocked on a full queue return now.
 
     A producer waiting in :func:`put_unless_stopped` would otherwise notice ``stop`` only at its
