@@ -187,7 +187,8 @@ class BatchReader(PipelineReader):
         if self.shuffle:
             rng.shuffle(order)
         slices = self.slices
-        if rows_left is not None and not self.inmemory_cache:  # the cache wants whole slices
+        # The cache wants whole slices; transformation_fn may drop rows (then more are needed).
+        if rows_left is not None and not self.inmemory_cache and self.transformation_fn is None:
             slices = _first_rows(slices, rows_left)
         return self._chunks(order[: len(slices)], slices)
 

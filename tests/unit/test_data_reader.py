@@ -376,6 +376,21 @@ def test_a_wrap_around_pass_without_shuffle_decodes_only_the_rows_it_needs(store
     assert sum(decoded) == 112
 
 
+def test_a_wrap_around_pass_reads_on_when_transformation_fn_drops_its_first_rows(store):
+    meta = write_dataset(store, 100, files=2, row_group=50)
+
+    def drop_first(frame):
+        return frame[frame["id"] >= 30]  # 70 of 100 rows: 7 batches of 16 need 42 more
+
+    reader = make_batch_reader(
+        store, meta, rank=0, size=1, batch_size=16, shuffle=False, transformation_fn=drop_first
+    )
+    ids = ids_of(reader)
+    # The second pass starts over: rows 0-29 are dropped again, rows 30-71 fill the epoch (a
+    # pass cut at the 42 rows still needed would have given none: "a pass gave no rows").
+    assert ids == list(range(30, 100)) + list(range(30, 72))
+
+
 def wait_until_blocked_on_put(q):
     """Until a thread waits for room in the full queue ``q`` (a condition, not a sleep)."""
     import time
