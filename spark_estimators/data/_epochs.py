@@ -84,8 +84,15 @@ class PipelineReader(EpochReader):
         self._spare_buffer: Batch | None = None  # the shuffle buffer's arrays between passes
 
     # -------------------------------------------------------------------- what a reader gives
-    def _pass_chunks(self, rng: np.random.Generator) -> Generator[Batch, None, None]:
-        """Decoded blocks of one pass over the rank's rows, in an order drawn from ``rng``."""
+    def _pass_chunks(
+        self, rng: np.random.Generator, rows_left: int | None = None
+    ) -> Generator[Batch, None, None]:
+        """Decoded blocks of one pass over the rank's rows, in an order drawn from ``rng``.
+
+        ``rows_left``: when not None, the epoch takes at most that many rows of this pass (given
+        only without shuffling, where they are the pass's first rows), so a reader may read no
+        further than that.
+        """
         raise NotImplementedError
 
     def _steps_now(self) -> int | None:
@@ -190,7 +197,10 @@ class PipelineReader(EpochReader):
         pass_no = 0
         while True:
             rng = self._rng(epoch, pass_no)
-            chunks = self._pass_chunks(rng)
+            needed = self._rows_needed(pass_over=False)
+            # A wrap-around pass without shuffling needs only its first rows: read no more.
+            rows_left = None if self.shuffle or needed is None else needed - produced
+            chunks = self._pass_chunks(rng, rows_left)
             blocks: Generator[Batch, None, None] = chunks
             buffer = None
             if self.shuffle:

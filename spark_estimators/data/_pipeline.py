@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from spark_estimators.data._scan import put_unless_stopped, reader_pool
+from spark_estimators.data._scan import put_unless_stopped, reader_pool, stop_producers
 from spark_estimators.data._staging import Allocator
 
 Batch = dict[str, np.ndarray]
@@ -218,7 +218,7 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             for item in self._source:
-                if not self._put(item):
+                if not self._put(item) or self._stop.is_set():
                     return
             self._put(_END)
         except BaseException as exc:  # handed to the consumer, raised there
@@ -241,7 +241,7 @@ class Prefetcher:
             yield item
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+        stop_producers(self._stop, [self._queue])
         if self._thread is not None:
             self._thread.join()
         elif self._depth == 0:

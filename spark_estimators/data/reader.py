@@ -10,7 +10,8 @@ contiguous ranges whose lengths differ by at most one row; rank ``r`` owns range
 epoch (so ``inmemory_cache`` holds one shard). Every rank yields the same number of full batches,
 ``steps_per_epoch = ceil(ceil(rows / size) / batch_size)``: a rank whose rows run out first wraps
 around its own rows (in a new order) to fill its last steps, so no rank leaves a collective
-(allreduce) early and hangs the others. Each row is read at least once per epoch; extra reads over
+(allreduce) early and hangs the others (without shuffling, that pass decodes only the rows it
+needs). Each row is read at least once per epoch; extra reads over
 all ranks are fewer than ``size * batch_size``, and none when ``rows`` is a multiple of
 ``size * batch_size``.
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Unpack
 
 import numpy as np
@@ -178,11 +180,17 @@ class BatchReader(PipelineReader):
     def _rows_needed(self, pass_over: bool) -> int:
         return self.steps_per_epoch * self.batch_size
 
-    def _pass_chunks(self, rng: np.random.Generator) -> Generator[Batch, None, None]:
+    def _pass_chunks(
+        self, rng: np.random.Generator, rows_left: int | None = None
+    ) -> Generator[Batch, None, None]:
         order = np.arange(len(self.slices))
         if self.shuffle:
             rng.shuffle(order)
-        return self._chunks(order)
+        slices = self.slices
+        # The cache wants whole slices; transformation_fn may drop rows (then more are needed).
+        if rows_left is not None and not self.inmemory_cache and self.transformation_fn is None:
+            slices = _first_rows(slices, rows_left)
+        return self._chunks(order[: len(slices)], slices)
 
     def _batch_groups(
         self, epoch: int, fmt: BlockFormat, held: HeldRows
@@ -196,8 +204,11 @@ class BatchReader(PipelineReader):
             )
         return emitted
 
-    def _chunks(self, order: np.ndarray) -> Generator[Batch, None, None]:
-        """Decoded blocks of the slices, in ``order``: from the cache, or one dataset scan."""
+    def _chunks(
+        self, order: np.ndarray, slices: Sequence[RowSlice] | None = None
+    ) -> Generator[Batch, None, None]:
+        """Decoded blocks of ``slices`` (default: the shard's), in ``order``: cache or scan."""
+        slices = self.slices if slices is None else slices
         if self.inmemory_cache and len(self._cached) == len(self.slices):
             for i in order:
                 for chunk in self._cache[int(i)]:
@@ -205,7 +216,7 @@ class BatchReader(PipelineReader):
                     # (the shuffle buffer copies them).
                     yield chunk if self.shuffle else {k: v.copy() for k, v in chunk.items()}
             return
-        for pos, batch, last in self._scan([self.slices[int(i)] for i in order]):
+        for pos, batch, last in self._scan([slices[int(i)] for i in order]):
             chunk = self._decode(batch)
             if self.inmemory_cache:
                 i = int(order[pos])
@@ -336,6 +347,21 @@ def _default_columns(metadata: DatasetMetadata) -> list[str]:
     if metadata.sample_weight_col:
         cols.append(metadata.sample_weight_col)
     return cols or list(metadata.columns)
+
+
+def _first_rows(slices: Sequence[RowSlice], rows: int) -> list[RowSlice]:
+    """The slices that hold the first ``rows`` rows of ``slices``, the last one cut short.
+
+    A wrap-around pass without shuffling (a shard of 1M rows and batches of 256 need 192 rows
+    of a second pass) then decodes those rows, not whole row groups on every decode thread.
+    """
+    out: list[RowSlice] = []
+    for s in slices:
+        if rows <= 0:
+            break
+        out.append(s if s.rows <= rows else replace(s, stop=s.start + rows))
+        rows -= s.rows
+    return out
 
 
 def _readahead_blocks(num_workers: int, blocks_per_batch: int = 1) -> int:

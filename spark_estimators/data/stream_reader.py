@@ -305,11 +305,14 @@ class StreamBatchReader(PipelineReader):
             return None
         return (self._target(wait=True) or 0) * self.batch_size
 
-    def _pass_chunks(self, rng: np.random.Generator) -> Generator[Batch, None, None]:
+    def _pass_chunks(
+        self, rng: np.random.Generator, rows_left: int | None = None
+    ) -> Generator[Batch, None, None]:
         """Decoded record batches of the segments, in arrival order or permuted.
 
         Arrival order while the partition is still being read; once it is, a permutation of the
-        segments when shuffling.
+        segments when shuffling. Whole segments are read (``rows_left`` is not used: the epoch
+        stops taking blocks once it has its rows).
         """
         if self.source.ended:
             segments = self.source.segments(self.split)

@@ -351,3 +351,82 @@ def test_read_ahead_only_when_the_rank_has_cores_to_spare(monkeypatch):
     monkeypatch.setenv("SPARK_ESTIMATORS_LOCAL_SIZE", "1")
     assert _readahead_blocks(1) == 1  # one decode thread: nothing to overlap
     assert _readahead_blocks(2) == (4 if (os.cpu_count() or 1) >= 2 else 1)
+
+
+def test_a_wrap_around_pass_without_shuffle_decodes_only_the_rows_it_needs(store, monkeypatch):
+    from spark_estimators.data._scan import OrderedScan
+
+    decoded = []
+    read_piece = OrderedScan.read_piece
+
+    def counting(self, piece):
+        for batch in read_piece(self, piece):
+            decoded.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(OrderedScan, "read_piece", counting)
+    meta = write_dataset(store, 100, files=2, row_group=50)
+    reader = make_batch_reader(
+        store, meta, rank=0, size=1, batch_size=16, shuffle=False, num_workers=2
+    )
+    ids = ids_of(reader)
+    # 7 batches of 16 = 112 rows: the 100 rows in order, then the first 12 again.
+    assert ids == list(range(100)) + list(range(12))
+    # The second pass decodes those 12 rows, not a row group (or two, one per decode thread).
+    assert sum(decoded) == 112
+
+
+def test_a_wrap_around_pass_reads_on_when_transformation_fn_drops_its_first_rows(store):
+    meta = write_dataset(store, 100, files=2, row_group=50)
+
+    def drop_first(frame):
+        return frame[frame["id"] >= 30]  # 70 of 100 rows: 7 batches of 16 need 42 more
+
+    reader = make_batch_reader(
+        store, meta, rank=0, size=1, batch_size=16, shuffle=False, transformation_fn=drop_first
+    )
+    ids = ids_of(reader)
+    # The second pass starts over: rows 0-29 are dropped again, rows 30-71 fill the epoch (a
+    # pass cut at the 42 rows still needed would have given none: "a pass gave no rows").
+    assert ids == list(range(30, 100)) + list(range(30, 72))
+
+
+def wait_until_blocked_on_put(q):
+    """Until a thread waits for room in the full queue ``q`` (a condition, not a sleep)."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not q.not_full._waiters:
+        assert time.monotonic() < deadline, "the producer never blocked on its full queue"
+        time.sleep(0.001)
+
+
+def test_stopping_does_not_wait_for_a_producer_blocked_on_a_full_queue(monkeypatch):
+    import queue
+    import time
+
+    import spark_estimators.data._scan as scan_module
+    from spark_estimators.data._pipeline import Prefetcher
+    from spark_estimators.data._scan import put_unless_stopped, stop_producers
+
+    # A blocked producer polls for the stop this often: make the poll long enough to tell.
+    monkeypatch.setattr(scan_module, "_POLL_SECONDS", 30.0)
+    q = queue.Queue(maxsize=1)
+    q.put("full")
+    stop = threading.Event()
+    worker = threading.Thread(target=put_unless_stopped, args=(q, "item", stop))
+    worker.start()
+    wait_until_blocked_on_put(q)
+    t0 = time.perf_counter()
+    stop_producers(stop, [q])
+    worker.join(timeout=20)
+    assert not worker.is_alive() and time.perf_counter() - t0 < 10  # not the 30 s poll
+
+    # The reader's prefetch thread, blocked with a group nobody takes, ends as promptly.
+    prefetcher = Prefetcher(iter(range(10)), depth=1)
+    items = prefetcher.__enter__()
+    assert next(items) == 0
+    wait_until_blocked_on_put(prefetcher._queue)
+    t0 = time.perf_counter()
+    prefetcher.__exit__(None, None, None)
+    assert time.perf_counter() - t0 < 10 and reader_threads() == []
