@@ -127,7 +127,9 @@ def is_connect(spark: SparkSession) -> bool:
 def spark_conf(spark: SparkSession, key: str, default: str | None = None) -> str | None:
     """One Spark setting, read the same way from a classic or a Connect session."""
     if not is_connect(spark):
-        value = spark.sparkContext.getConf().get(key, default)
+        # SparkContext._conf reads the JVM's conf in one py4j call; getConf() copies every
+        # setting first (22-26 ms a read here, ~50 ms of each run(): bench/RESULTS.md, issue 45).
+        value = spark.sparkContext._conf.get(key, default)  # noqa: SLF001
         return None if value is None else str(value)
     try:
         value = spark.conf.get(key, default)
@@ -269,7 +271,7 @@ def driver_service_host(spark: SparkSession, override: str | None = None) -> str
     if env:
         return env
     if not is_connect(spark):
-        return str(spark.sparkContext.getConf().get("spark.driver.host", "127.0.0.1"))
+        return str(spark_conf(spark, "spark.driver.host", "127.0.0.1"))
     server = _connect_server_host(spark)
     if server is None or server in ("localhost", "127.0.0.1", "::1"):
         return "127.0.0.1"
