@@ -58,7 +58,7 @@ def _request(shape: tuple[int, ...], name: str | None = None, fill: float = 1.0)
     return Request(
         Kind.ALLREDUCE, name or "x", signature, lambda a: None, "x", numel=data.size,
         inline=lambda: data.view(np.uint8).reshape(-1),
-        fusion=Fusion(("f",), data.nbytes, lambda rs, a: [], None),
+        fusion=Fusion(("f",), data.nbytes, lambda rs, a: []),
     )  # fmt: skip
 
 

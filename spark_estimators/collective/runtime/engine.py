@@ -63,7 +63,7 @@ from spark_estimators import envvars as ev
 from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
 from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime import settings
-from spark_estimators.collective.runtime.futures import InFlightNames, OpFuture
+from spark_estimators.collective.runtime.futures import OpFuture
 from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request, Tuner
 from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
@@ -90,7 +90,11 @@ class Engine:
         self._closed = False
         self._names_lock = threading.Lock()
         self._counters: dict[str, itertools.count[int]] = {}
-        self._in_flight = InFlightNames()
+        # The names of the ops submitted and not settled yet (under _cv): a second op with the
+        # name of one in flight is refused, as Horovod does (its *_duplicate_name_error tests).
+        self._in_flight: set[str] = set()
+        #: What repeated allreduces of one kind share (see allreduce.allreduce_one).
+        self.statics: dict[tuple[object, ...], Any] = {}
         # Held while ops run (engine thread or caller). Submitted ops wait in _backlog, in
         # submission order; only the holder of _exec_lock takes them out, from the front.
         self._exec_lock = threading.Lock()
@@ -98,6 +102,7 @@ class Engine:
         # Notified after every settled batch (see futures.OpFuture).
         self._done_cv = threading.Condition(threading.Lock())
         self._backlog: deque[Request] = deque()
+        self._idle = False  # the engine thread waits for a first request (under _cv)
         # Threads blocked on a result, polls (flush() calls) so far and the last one the engine
         # saw (all under _cv), and the signal that ends the engine's cycle wait early.
         self._waiters = 0
@@ -155,18 +160,32 @@ class Engine:
                 "down; call init() again first"
             )
         request.future = OpFuture(self)
-        self._in_flight.claim(request)
         if blocking and not self._backlog:
             # Waiting for the lock is no worse than waiting for the engine thread to run it.
             with self._exec_lock:
                 if not self._backlog:  # only this lock's holder takes requests out
+                    with self._cv:
+                        self._claim(request)
                     self._run([request])
                     return request.future
         request.queued_ns = time.perf_counter_ns()
         with self._cv:
+            self._claim(request)
             self._backlog.append(request)
-            self._cv.notify()
+            if self._idle:  # else the engine thread looks at the queue when its wait ends
+                self._idle = False
+                self._cv.notify()
         return request.future
+
+    def _claim(self, request: Request) -> None:
+        """Hold ``request``'s name until it settles; ``ValueError`` if it is held (under _cv)."""
+        if request.name in self._in_flight:
+            raise ValueError(
+                f"{request.kind.name.lower()} {request.name!r}: an op with this name is still "
+                "in flight on this rank; wait for it first (synchronize / wait) or give the "
+                "new op another name"
+            )
+        self._in_flight.add(request.name)
 
     def flush(self) -> None:
         """End the current cycle wait: negotiate what is queued now."""
@@ -208,7 +227,9 @@ class Engine:
         while True:
             with self._cv:
                 while not self._backlog and not self._closed:
+                    self._idle = True
                     self._cv.wait()
+                self._idle = False
                 if not self._backlog:
                     return
             waited_for = self._cycle_wait()
@@ -298,6 +319,7 @@ class Engine:
         """
         head = request = batch[0]
         if self._broken is not None:
+            self._release(batch[:1])
             if head.future.set_running_or_notify_cancel():
                 head.future.set_exception(self._broken_error(head))
             return 1
@@ -324,6 +346,7 @@ class Engine:
             self._broken = error
         if timeline is not None:
             self._record(timeline, ran, times, error)
+        self._release(ran)  # before the futures settle: a waiter may reuse a name at once
         for i, settled in enumerate(ran):
             if not settled.future.set_running_or_notify_cancel():
                 continue
@@ -334,6 +357,12 @@ class Engine:
         with self._done_cv:  # one wake-up for the whole batch
             self._done_cv.notify_all()
         return len(ran)
+
+    def _release(self, ran: list[Request]) -> None:
+        with self._cv:
+            in_flight = self._in_flight
+            for request in ran:
+                in_flight.discard(request.name)
 
     def _negotiate_batch(self, batch: list[Request], times: list[int]) -> tuple[int, Agreement]:
         """Agree on what runs this round (``times`` gets the negotiation's end, and 1 if inline)."""
