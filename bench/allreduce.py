@@ -166,7 +166,7 @@ def _bench(
     if tensorflow:
         cases.update(_tf_cases())
     if small_only:
-        cases = {k: v for k, v in cases.items() if k.startswith("100x4KiB")}
+        cases = {k: v for k, v in cases.items() if k in SMALL_CASES}
     times: dict[str, list[float]] = {name: [] for name in cases}
     order = random.Random(0)  # same sequence on every rank
     for round_ in range(repeats + 1):  # round 0 warms up
@@ -189,6 +189,7 @@ def _bench(
 HOROVOD_GROUPED_MS, HOROVOD_ASYNC_MS = 2.33, 3.4  # issue 25's figures, when not run live
 RAW_NAMES = {"gloo": "torch.distributed", "mpi": "mpi4py"}
 ASYNC, GROUPED = "100x4KiB ours per tensor, async", "100x4KiB ours fused (grouped_allreduce_)"
+SMALL_CASES = (ASYNC, GROUPED, "100x4KiB raw fused (cat + 1 call)")  # --small
 HVD_ASYNC = "100x4KiB horovod per tensor, async"  # bench/allreduce_horovod.py's names
 HVD_GROUPED = "100x4KiB horovod fused (grouped_allreduce_)"
 RATIOS = (

@@ -173,6 +173,17 @@ class Negotiation:
             self.slots = min(MAX_SLOTS, max(MIN_SLOTS, max(self._slot_wants)))
 
 
+def active_ranks(vectors: np.ndarray) -> list[int]:
+    """The ranks of a round's gathered vectors that have not joined."""
+    return [r for r in range(vectors.shape[0]) if vectors[r, JOINED] < 0]
+
+
+def agree(vectors: np.ndarray, active: Sequence[int]) -> bool:
+    """True when the ``active`` ranks sent the same head op (kind and signature hash)."""
+    first = vectors[active[0]]
+    return all(vectors[r, KIND] == first[KIND] and vectors[r, SIG] == first[SIG] for r in active)
+
+
 def mismatch_error(name: str, views: Sequence[tuple[str, str] | None]) -> CollectiveError:
     """The error every rank raises when the ranks disagree on an op.
 
