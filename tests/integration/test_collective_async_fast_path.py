@@ -148,3 +148,51 @@ def test_per_tensor_async_allreduce_keeps_horovods_semantics():
         assert "'dup'" in out["dup"] and "still in flight" in out["dup"], out["dup"]
         assert out["dup.first"] == [2.0, 2.0] == out["dup.again"]
         assert out["set"] == [3.0, 3.0]
+
+
+def _two_threads() -> dict:
+    import threading
+    import time
+
+    import torch
+
+    import spark_estimators.collective.torch as hvd
+
+    hvd.init()
+    stalled: list[float] = []
+
+    def blocking() -> None:
+        t = torch.ones(8)
+        for _ in range(ROUNDS):
+            hvd.allreduce_(t, op=hvd.Sum)  # runs in this thread while the queue is empty
+
+    def polling() -> None:
+        u = torch.ones(8)
+        for _ in range(ROUNDS):
+            handle = hvd.allreduce_async_(u, op=hvd.Sum)
+            started = time.monotonic()
+            while not hvd.poll(handle):  # nobody waits: only the engine thread can run it
+                if time.monotonic() - started > 20:
+                    stalled.append(time.monotonic() - started)
+                    hvd.synchronize(handle)
+                    break
+
+    threads = [threading.Thread(target=blocking), threading.Thread(target=polling)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    hvd.shutdown()
+    return {"stalled": stalled}
+
+
+ROUNDS = 300
+
+
+def test_an_op_queued_while_another_thread_runs_one_is_run_by_the_engine():
+    # One rank (ops from two threads need no order across ranks): while a blocking allreduce
+    # runs in its caller's thread, the engine thread sleeps rather than wait for the lock; it
+    # must be woken for the async op queued meanwhile, which only it can run (the submitting
+    # thread just polls).
+    (out,) = run_local(_two_threads, num_proc=1, backend="gloo")
+    assert out == {"stalled": []}

@@ -166,11 +166,9 @@ class Engine:
                 if not self._backlog:  # only this lock's holder takes requests out
                     with self._cv:
                         claim_name(self._in_flight, request)
-                    try:
-                        self._run([request])
-                    finally:
-                        with self._cv:
-                            self._ran_batch()
+                    self._run([request])  # never raises
+                    with self._cv:
+                        self._ran_batch()
                     return request.future
         request.queued_ns = time.perf_counter_ns()
         with self._cv:
@@ -185,11 +183,13 @@ class Engine:
         """End the current cycle wait: negotiate what is queued now."""
         with self._cv:
             self._flushes += 1
+            self._wake()  # a parked engine thread too (see _loop)
         self._urgent.set()
 
     def _waiting(self, delta: int) -> None:
         with self._cv:
             self._waiters += delta
+            self._wake()
         if delta > 0:
             self._urgent.set()
 
@@ -231,9 +231,8 @@ class Engine:
             if head is None or (waited_for is not None and head is not waited_for):
                 continue  # a waiter ran it meanwhile: the new head gets its own cycle
             if not self._exec_lock.acquire(blocking=False):
-                # A waiter runs ops in its own thread. Waking when it lets go of the lock would
-                # only take the GIL from it as it goes on: sleep until it leaves ops queued
-                # behind it (see _run_next) or a new op comes.
+                # A waiter runs ops in its thread: rather than wake as it lets go of the lock (a
+                # GIL switch against it), sleep until ops are left or come (see _wake).
                 with self._cv:
                     parked = self._batches == seen and not self._closed
                     if parked:
@@ -274,6 +273,10 @@ class Engine:
     def _ran_batch(self) -> None:
         """Count a batch run under ``_exec_lock``; wake a parked engine thread if ops are left."""
         self._batches += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the engine thread if it sleeps while ops are queued (under ``_cv``)."""
         if self._idle and self._backlog:
             self._idle = False
             self._cv.notify()
