@@ -151,7 +151,7 @@ def allreduce_one(
     display = name or engine.auto_name("allreduce")
     key = (ops.static_key(x), op, prescale, postscale, name)
     static = engine.statics.get(key)
-    if static is None:
+    if not isinstance(static, _Static):
         shape = ops.shape(x)
         static = _Static(engine, ops, ops.dtype(x), ops.device(x), (shape,), op, prescale,
                          postscale, name, display)  # fmt: skip

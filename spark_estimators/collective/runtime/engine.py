@@ -92,7 +92,7 @@ class Engine:
         # name of one in flight is refused, as Horovod does (its *_duplicate_name_error tests).
         self._in_flight: set[str] = set()
         #: What repeated allreduces of one kind share (see allreduce.allreduce_one).
-        self.statics: dict[tuple[object, ...], Any] = {}
+        self.statics: dict[tuple[object, ...], object] = {}
         # Held while ops run (engine thread or caller). Submitted ops wait in _backlog, in
         # submission order; only the holder of _exec_lock takes them out, from the front.
         self._exec_lock = threading.Lock()
