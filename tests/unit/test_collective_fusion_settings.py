@@ -58,7 +58,7 @@ def _request(shape: tuple[int, ...], name: str | None = None, fill: float = 1.0)
     return Request(
         Kind.ALLREDUCE, name or "x", signature, lambda a: None, "x", numel=data.size,
         inline=lambda: data.view(np.uint8).reshape(-1),
-        fusion=Fusion(("f",), data.nbytes, lambda rs, a: [], None),
+        fusion=Fusion(("f",), data.nbytes, lambda rs, a: []),
     )  # fmt: skip
 
 
@@ -92,6 +92,21 @@ def test_inline_only_when_every_rank_sent_the_whole_agreed_batch():
     big = [[_request((100,)) for _ in range(3)] for _ in range(2)]  # 1200 bytes > 512
     _, _, plan = _round(big)
     assert (plan.count, plan.inline) == (3, False)
+
+
+def test_a_batch_that_does_not_fit_whole_packs_nothing():
+    # 2 x 200 bytes fit the 512-byte room, 3 do not: that rank packs none of them (no copy per
+    # op every round), so a round whose agreed prefix would fit runs through the backend.
+    two = [_request((50,)) for _ in range(2)]
+    three = [_request((50,)) for _ in range(3)]
+    side = neg.Negotiation(1 << 20)
+    assert side.vector(two)[neg.INLINE] == 2
+    assert side.vector(three)[neg.INLINE] == 0
+    assert side.vector(three)[neg.WANT] == 600  # still asks for the room it would need
+    _, _, plan = _round([two, three])
+    assert (plan.count, plan.inline) == (2, False)
+    _, _, plan = _round([two, list(two)])
+    assert (plan.count, plan.inline) == (2, True)
 
 
 def test_slots_and_room_grow_from_the_gathered_wishes_and_agree():

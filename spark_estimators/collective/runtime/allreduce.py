@@ -21,7 +21,6 @@ import numpy as np
 from spark_estimators.collective.backends.base import (
     DTYPES,
     FLOATING_DTYPES,
-    Backend,
     Buffer,
     ReduceOp,
 )
@@ -30,7 +29,13 @@ from spark_estimators.collective.runtime import engine as eng
 from spark_estimators.collective.runtime.arrays import ArrayOps, numel_of, scale_array, write_result
 from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.negotiation import itemsize
-from spark_estimators.collective.runtime.requests import Agreement, Fusion, Kind, Request
+from spark_estimators.collective.runtime.requests import (
+    Agreement,
+    Fusion,
+    Kind,
+    Request,
+    cached_signature_hash,
+)
 from spark_estimators.errors import ConfigurationError
 
 
@@ -99,6 +104,14 @@ def allreduce(
     :mod:`~spark_estimators.collective.runtime.adasum`).
     """
     engine = eng.require("allreduce", call.process_set)
+    if (
+        len(inputs) == 1
+        and outputs[0] is inputs[0]
+        and reduction.op is not ReduceOp.ADASUM
+        and ops.is_contiguous(inputs[0])
+    ):
+        return allreduce_one(engine, ops, inputs[0], reduction.op, reduction.prescale,
+                             reduction.postscale, call.name, call.blocking)  # fmt: skip
     name, display = call.name, call.name or engine.auto_name("allreduce")
     dtype, device = ops.dtype(inputs[0]), ops.device(inputs[0])
     for x in inputs[1:]:
@@ -109,51 +122,135 @@ def allreduce(
             )
     reduction.check(dtype, display)
     op, prescale, postscale = reduction.op, reduction.prescale, reduction.postscale
-    if len(inputs) == 1:
-        shapes: tuple[tuple[int, ...], ...] = (ops.shape(inputs[0]),)
-        numel = numel_of(shapes[0])
-    else:
-        shapes = tuple(ops.shape(x) for x in inputs)
-        numel = sum(numel_of(s) for s in shapes)
-    backend = engine.backend
+    shapes = tuple(ops.shape(x) for x in inputs)
     if op is ReduceOp.ADASUM:
         return _adasum.submit(engine, ops, inputs, outputs, display, name, shapes, prescale,
                               postscale, call.blocking)  # fmt: skip
-    native = (
-        op is ReduceOp.AVERAGE
-        and backend.native_average
-        and prescale == postscale == 1.0
-        and dtype in FLOATING_DTYPES  # integers: sum, then scale and truncate as Horovod does
-    )
-    wire_op, post = reduction.on_wire(backend.size, native)
-    op_name = op.name  # an enum's .name is a property: read it once (a hot path)
-    signature = (_ALLREDUCE, name, dtype, device, shapes, op_name, prescale, postscale)
-    described = shapes[0] if len(shapes) == 1 else f"{len(shapes)} tensors {list(shapes)}"
-    description = f"{display!r} {dtype} on {device}, shape {described}, op={op_name}"
+    static = _Static(engine, ops, dtype, device, shapes, op, prescale, postscale, name, display)
+    part = _FusedPart(static, inputs, outputs)
+    return engine.submit(static.request(display, part), blocking=call.blocking)
 
-    def payload() -> np.ndarray:
+
+def allreduce_one(
+    engine: eng.Engine,
+    ops: ArrayOps,
+    x: Buffer,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    name: str | None,
+    blocking: bool,
+) -> Future[Sequence[Buffer]]:
+    """Reduce the contiguous buffer ``x`` in place: the per-tensor hot path of :func:`allreduce`.
+
+    ``allreduce_async_`` per gradient submits the same ops step after step: what depends only
+    on the op's dtype, device, shape, reduction and name (the signature and its hash, the
+    description, the fusion key...) is computed once per engine (:class:`_Static`) and each
+    call makes one request and one small part. ``op`` must not be Adasum.
+    """
+    display = name or engine.auto_name("allreduce")
+    key = (ops.static_key(x), op, prescale, postscale, name)
+    static = engine.statics.get(key)
+    if not isinstance(static, _Static):
+        shape = ops.shape(x)
+        static = _Static(engine, ops, ops.dtype(x), ops.device(x), (shape,), op, prescale,
+                         postscale, name, display)  # fmt: skip
+        if len(engine.statics) < _STATICS_SIZE:
+            engine.statics[key] = static
+    one = [x]
+    return engine.submit(static.request(display, _FusedPart(static, one, one)), blocking)
+
+
+_STATICS_SIZE = 4096
+
+
+class _Static:
+    """What an allreduce's requests share when their dtype, device, shapes and reduction agree.
+
+    Checks the reduction against the dtype (a clear error before anything is sent) and works out
+    the signature the ranks agree on, its hash, the op on the wire, the fusion key (``display``:
+    the op's name in errors).
+    """
+
+    __slots__ = ("ops", "backend", "dtype", "device", "numel", "wire_op", "prescale", "post",
+                 "signature", "hash", "detail", "fusion", "inline")  # fmt: skip
+
+    def __init__(
+        self,
+        engine: eng.Engine,
+        ops: ArrayOps,
+        dtype: str,
+        device: str,
+        shapes: tuple[tuple[int, ...], ...],
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        name: str | None,
+        display: str,
+    ) -> None:
+        prescale, postscale = float(prescale), float(postscale)
+        check_scaling(op, dtype, prescale, postscale, display)
+        backend = engine.backend
+        native = (
+            op is ReduceOp.AVERAGE
+            and backend.native_average
+            and prescale == postscale == 1.0
+            and dtype in FLOATING_DTYPES  # integers: sum, then scale and truncate as Horovod does
+        )
+        wire_op, post = Reduction(op, prescale, postscale).on_wire(backend.size, native)
+        self.ops, self.backend, self.dtype, self.device = ops, backend, dtype, device
+        self.numel = sum(numel_of(s) for s in shapes)
+        self.wire_op, self.prescale, self.post = wire_op, prescale, post
+        op_name = op.name
+        self.signature = (_ALLREDUCE, name, dtype, device, shapes, op_name, prescale, postscale)
+        self.hash = cached_signature_hash(self.signature)
+        described = shapes[0] if len(shapes) == 1 else f"{len(shapes)} tensors {list(shapes)}"
+        self.detail = f"{dtype} on {device}, shape {described}, op={op_name}"
+        self.fusion = None
+        if self.numel > 0:
+            key = (id(ops), dtype, device, int(wire_op), prescale, post)
+            self.fusion = Fusion(key, self.numel * itemsize(dtype), _run_fused)
+        # The engine sends it inline when it fits the negotiation's current room.
+        self.inline = dtype in _NUMPY_DTYPES and self.numel > 0 and device == "cpu"
+
+    def request(self, display: str, part: _FusedPart) -> Request:
+        """The request of one op of this kind on ``part``'s buffers."""
+        return Request(Kind.ALLREDUCE, display, self.signature, part.execute, None, self.numel,
+                       self.dtype, self.device, self.wire_op, 0,
+                       part.payload if self.inline else None, self.fusion, part, self.detail,
+                       self.hash)  # fmt: skip
+
+
+class _FusedPart:
+    """One allreduce request's buffers: what it reduces alone or in a fused batch."""
+
+    __slots__ = ("static", "inputs", "outputs")
+
+    def __init__(self, static: _Static, inputs: Sequence[Buffer], outputs: Sequence[Buffer]):
+        self.static, self.inputs, self.outputs = static, inputs, outputs
+
+    def payload(self) -> np.ndarray:
+        """The (prescaled) data of this rank as bytes, to travel inside the negotiation."""
+        inputs, st = self.inputs, self.static
+        ops = st.ops
         one = len(inputs) == 1 and ops.is_contiguous(inputs[0])
         data = np.array(
             np.asarray(ops.flat_view(inputs[0]) if one else ops.pack(inputs)), copy=True
         )
-        if prescale != 1.0:
-            scale_array(data, prescale)
+        if st.prescale != 1.0:
+            scale_array(data, st.prescale)
         return data.view(np.uint8)
 
-    # The engine sends it inline when it fits the negotiation's current room.
-    inline = payload if dtype in _NUMPY_DTYPES and numel > 0 and device == "cpu" else None
-
-    fusion = None
-    if numel > 0:
-        part = _FusedPart(ops, inputs, outputs, dtype, numel, wire_op, prescale, post, backend)
-        key = (id(ops), dtype, device, int(wire_op), prescale, post)
-        fusion = Fusion(key, numel * itemsize(dtype), _run_fused, part)
-
-    def execute(agreement: Agreement) -> Sequence[Buffer]:
-        if numel == 0:
+    def execute(self, agreement: Agreement) -> Sequence[Buffer]:
+        """Reduce this request alone (after negotiation, on the engine's thread)."""
+        inputs, outputs, st = self.inputs, self.outputs, self.static
+        ops, backend = st.ops, st.backend
+        if st.numel == 0:
             return outputs
         if agreement.payloads is not None:
-            reduced = _reduce_rows(agreement.payloads, dtype, numel, wire_op, backend.size, post)
+            reduced = _reduce_rows(
+                agreement.payloads, st.dtype, st.numel, st.wire_op, backend.size, st.post
+            )
             return write_result(ops, reduced, inputs, outputs)
         single = len(inputs) == 1 and ops.is_contiguous(outputs[0])
         if single:
@@ -162,46 +259,14 @@ def allreduce(
             flat = ops.flat_view(outputs[0])
         else:
             flat = ops.pack(inputs)
-        if prescale != 1.0:
-            ops.scale_(flat, prescale)
-        backend.allreduce(flat, wire_op)
-        if post != 1.0:
-            ops.scale_(flat, post)
+        if st.prescale != 1.0:
+            ops.scale_(flat, st.prescale)
+        backend.allreduce(flat, st.wire_op)
+        if st.post != 1.0:
+            ops.scale_(flat, st.post)
         if not single:
             ops.unpack(flat, outputs)
         return outputs
-
-    return engine.submit(
-        Request(
-            Kind.ALLREDUCE,
-            display,
-            signature,
-            execute,
-            description,
-            numel=numel,
-            dtype=dtype,
-            device=device,
-            wire_op=wire_op,
-            inline=inline,
-            fusion=fusion,
-        ),
-        blocking=call.blocking,
-    )
-
-
-@dataclass(slots=True)
-class _FusedPart:
-    """One allreduce request's share of a fused reduction (see :func:`_run_fused`)."""
-
-    ops: ArrayOps
-    inputs: Sequence[Buffer]
-    outputs: Sequence[Buffer]
-    dtype: str
-    numel: int
-    wire_op: ReduceOp
-    prescale: float
-    post: float
-    backend: Backend
 
 
 def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequence[Buffer]]:
@@ -210,16 +275,16 @@ def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequen
     Their inputs are packed in request order into one buffer, reduced with one backend call
     (or from the inline payloads), and unpacked into each request's outputs.
     """
-    parts: list[_FusedPart] = [r.fusion.part for r in requests if r.fusion is not None]
-    first = parts[0]
+    parts: list[_FusedPart] = [r.part for r in requests]
+    first = parts[0].static
     ops, backend = first.ops, first.backend
     outputs = [out for p in parts for out in p.outputs]
     if agreement.payloads is not None:
-        total = sum(p.numel for p in parts)
+        total = sum(p.static.numel for p in parts)
         reduced = _reduce_rows(
             agreement.payloads, first.dtype, total, first.wire_op, backend.size, first.post
         )
-        ops.unpack(ops.adopt(reduced, first.inputs[0]), outputs)
+        ops.unpack(ops.adopt(reduced, parts[0].inputs[0]), outputs)
     else:
         flat = ops.pack([x for p in parts for x in p.inputs])
         if first.prescale != 1.0:

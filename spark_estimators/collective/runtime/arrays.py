@@ -8,7 +8,7 @@ against this protocol.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +31,9 @@ class ArrayOps(Protocol):
 
     def is_contiguous(self, x: Buffer) -> bool:
         """True when the buffer can be reduced in place."""
+
+    def static_key(self, x: Buffer) -> Hashable:
+        """A cheap key equal for buffers of the same dtype, device and shape."""
 
     def flat_view(self, x: Buffer) -> Buffer:
         """A 1-D view of the same memory."""
@@ -105,6 +108,10 @@ class NumpyOps:
     def shape(self, x: np.ndarray) -> tuple[int, ...]:
         """The shape as a tuple of ints."""
         return tuple(int(d) for d in x.shape)
+
+    def static_key(self, x: np.ndarray) -> Hashable:
+        """The dtype and shape."""
+        return (x.dtype, x.shape)
 
     def is_contiguous(self, x: np.ndarray) -> bool:
         """True for a writable C-contiguous array."""

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import re
 import threading
 import time
 from collections import deque
@@ -59,11 +58,10 @@ from typing import Any
 
 import numpy as np
 
-from spark_estimators import envvars as ev
 from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
+from spark_estimators.collective.runtime import failures, settings
 from spark_estimators.collective.runtime import negotiation as neg
-from spark_estimators.collective.runtime import settings
-from spark_estimators.collective.runtime.futures import InFlightNames, OpFuture
+from spark_estimators.collective.runtime.futures import OpFuture, claim_name
 from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request, Tuner
 from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
@@ -90,7 +88,11 @@ class Engine:
         self._closed = False
         self._names_lock = threading.Lock()
         self._counters: dict[str, itertools.count[int]] = {}
-        self._in_flight = InFlightNames()
+        # The names of the ops submitted and not settled yet (under _cv): a second op with the
+        # name of one in flight is refused, as Horovod does (its *_duplicate_name_error tests).
+        self._in_flight: set[str] = set()
+        #: What repeated allreduces of one kind share (see allreduce.allreduce_one).
+        self.statics: dict[tuple[object, ...], object] = {}
         # Held while ops run (engine thread or caller). Submitted ops wait in _backlog, in
         # submission order; only the holder of _exec_lock takes them out, from the front.
         self._exec_lock = threading.Lock()
@@ -98,6 +100,9 @@ class Engine:
         # Notified after every settled batch (see futures.OpFuture).
         self._done_cv = threading.Condition(threading.Lock())
         self._backlog: deque[Request] = deque()
+        # The engine thread sleeps on _cv until notified (under _cv); batches run so far.
+        self._idle = False
+        self._batches = 0
         # Threads blocked on a result, polls (flush() calls) so far and the last one the engine
         # saw (all under _cv), and the signal that ends the engine's cycle wait early.
         self._waiters = 0
@@ -155,28 +160,36 @@ class Engine:
                 "down; call init() again first"
             )
         request.future = OpFuture(self)
-        self._in_flight.claim(request)
         if blocking and not self._backlog:
             # Waiting for the lock is no worse than waiting for the engine thread to run it.
             with self._exec_lock:
                 if not self._backlog:  # only this lock's holder takes requests out
-                    self._run([request])
+                    with self._cv:
+                        claim_name(self._in_flight, request)
+                    self._run([request])  # never raises
+                    with self._cv:
+                        self._ran_batch()
                     return request.future
         request.queued_ns = time.perf_counter_ns()
         with self._cv:
+            claim_name(self._in_flight, request)
             self._backlog.append(request)
-            self._cv.notify()
+            if self._idle:  # else the engine thread looks at the queue when its wait ends
+                self._idle = False
+                self._cv.notify()
         return request.future
 
     def flush(self) -> None:
         """End the current cycle wait: negotiate what is queued now."""
         with self._cv:
             self._flushes += 1
+            self._wake()  # a parked engine thread too (see _loop)
         self._urgent.set()
 
     def _waiting(self, delta: int) -> None:
         with self._cv:
             self._waiters += delta
+            self._wake()
         if delta > 0:
             self._urgent.set()
 
@@ -208,19 +221,38 @@ class Engine:
         while True:
             with self._cv:
                 while not self._backlog and not self._closed:
-                    self._cv.wait()
+                    self._park()
                 if not self._backlog:
                     return
             waited_for = self._cycle_wait()
             with self._cv:
                 head = self._backlog[0] if self._backlog else None
+                seen = self._batches
             if head is None or (waited_for is not None and head is not waited_for):
                 continue  # a waiter ran it meanwhile: the new head gets its own cycle
-            with self._exec_lock:
+            if not self._exec_lock.acquire(blocking=False):
+                # A waiter runs ops in its thread: rather than wake as it lets go of the lock (a
+                # GIL switch against it), sleep until ops are left or come (see _wake).
+                with self._cv:
+                    parked = self._batches == seen and not self._closed
+                    if parked:
+                        self._park()
+                if parked:
+                    continue
+                self._exec_lock.acquire()
+            try:
                 with self._cv:
                     current = self._backlog[0] if self._backlog else None
                 if current is head:  # else a waiter ran it while this thread waited for the lock
                     self._run_next()
+            finally:
+                self._exec_lock.release()
+
+    def _park(self) -> None:
+        """Sleep until a submission or a batch that leaves ops queued wakes it (under _cv)."""
+        self._idle = True
+        self._cv.wait()
+        self._idle = False
 
     def _run_next(self) -> int:
         """Run the next batch of the backlog (the caller holds ``_exec_lock``); how many ran."""
@@ -235,7 +267,19 @@ class Engine:
             with self._cv:
                 for _ in range(done):
                     self._backlog.popleft()
+                self._ran_batch()
         return done
+
+    def _ran_batch(self) -> None:
+        """Count a batch run under ``_exec_lock``; wake a parked engine thread if ops are left."""
+        self._batches += 1
+        self._wake()
+
+    def _wake(self) -> None:
+        """Wake the engine thread if it sleeps while ops are queued (under ``_cv``)."""
+        if self._idle and self._backlog:
+            self._idle = False
+            self._cv.notify()
 
     def _cycle_wait(self) -> Request | None:
         """While the head's batch could still grow, wait until no op came for a cycle time.
@@ -298,8 +342,9 @@ class Engine:
         """
         head = request = batch[0]
         if self._broken is not None:
+            self._release(batch[:1])
             if head.future.set_running_or_notify_cancel():
-                head.future.set_exception(self._broken_error(head))
+                head.future.set_exception(failures.broken_error(head, self._broken, self.backend))
             return 1
         timeline = self.timeline
         start = time.perf_counter_ns()
@@ -320,10 +365,11 @@ class Engine:
         except (CollectiveError, ConfigurationError) as exc:
             error = exc
         except BaseException as exc:
-            error = self._backend_error(request, exc)
+            error = failures.backend_error(request, exc, self.backend)
             self._broken = error
         if timeline is not None:
-            self._record(timeline, ran, times, error)
+            timeline.record_batch(ran, self.set_id, times, error)
+        self._release(ran)  # before the futures settle: a waiter may reuse a name at once
         for i, settled in enumerate(ran):
             if not settled.future.set_running_or_notify_cancel():
                 continue
@@ -335,12 +381,18 @@ class Engine:
             self._done_cv.notify_all()
         return len(ran)
 
+    def _release(self, ran: list[Request]) -> None:
+        with self._cv:
+            in_flight = self._in_flight
+            for request in ran:
+                in_flight.discard(request.name)
+
     def _negotiate_batch(self, batch: list[Request], times: list[int]) -> tuple[int, Agreement]:
         """Agree on what runs this round (``times`` gets the negotiation's end, and 1 if inline)."""
         head = batch[0]
         vectors = self._negotiate(self._negotiation.vector(batch))
-        active = self._active(vectors)
-        if not self._agree(vectors, active):
+        active = neg.active_ranks(vectors)
+        if not neg.agree(vectors, active):
             self._raise_mismatch(head, vectors)
         joined = [r for r in range(self.backend.size) if r not in active]
         if joined and head.kind not in JOINABLE:
@@ -363,47 +415,6 @@ class Engine:
         assert head.fusion is not None
         return head.fusion.run(ran, agreement)
 
-    def _record(
-        self, timeline: Timeline, ran: list[Request], times: list[int], error: BaseException | None
-    ) -> None:
-        end = time.perf_counter_ns()
-        negotiated = times[1] if len(times) > 1 else end
-        for request in ran:
-            info: dict[str, object] = {"dtype": request.dtype, "what": request.description}
-            info["inline"] = len(times) > 2
-            if len(ran) > 1:
-                info["fused"] = len(ran)
-            if error is not None:
-                info["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
-            timeline.record(request.name, request.kind.name, self.set_id, times[0], negotiated,
-                            end, info, request.queued_ns)  # fmt: skip
-
-    def _broken_error(self, request: Request) -> CollectiveError:
-        assert self._broken is not None
-        error = CollectiveError(
-            f"{request.kind.name.lower()} {request.name!r} not run on rank {self.backend.rank}: "
-            f"the collective group is broken since an earlier op failed ({self._broken})"
-        )
-        error.__cause__ = self._broken
-        return error
-
-    def _backend_error(self, request: Request, exc: BaseException) -> CollectiveError:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        text = re.sub(r"^\[[^\]]*\.(cc|cpp|h)(:\d+)?\]\s*", "", text)  # gloo's source location
-        hint = "a peer rank probably died or stopped calling collectives; check its log"
-        if "timed out" in text.lower() or "timeout" in text.lower():
-            hint = (
-                f"no peer answered within the collective timeout ({self.backend.timeout:g} s, "
-                f"{ev.COLLECTIVE_TIMEOUT})"
-            )
-        error = CollectiveError(
-            f"{request.kind.name.lower()} {request.name!r} failed on rank {self.backend.rank} "
-            f"(backend {self.backend.name}): {text}; {hint}"
-        )
-        error.__cause__ = exc
-        logger.debug("collective op failed", exc_info=exc)
-        return error
-
     def _negotiate(self, vector: np.ndarray) -> np.ndarray:
         self._round += 1
         tuner = self.tuner  # autotune: rank 0 publishes settings, all apply them this round
@@ -412,18 +423,6 @@ class Engine:
         if tuner is not None:
             tuner.settle(self, vectors)
         return vectors
-
-    @staticmethod
-    def _active(vectors: np.ndarray) -> list[int]:
-        return [r for r in range(vectors.shape[0]) if vectors[r, neg.JOINED] < 0]
-
-    @staticmethod
-    def _agree(vectors: np.ndarray, active: Sequence[int]) -> bool:
-        first = vectors[active[0]]
-        return all(
-            vectors[r, neg.KIND] == first[neg.KIND] and vectors[r, neg.SIG] == first[neg.SIG]
-            for r in active
-        )
 
     def _raise_mismatch(self, request: Request | None, vectors: np.ndarray) -> None:
         """Every rank comes here from the same vectors: exchange descriptions, then raise."""
@@ -440,11 +439,11 @@ class Engine:
             vector[neg.KIND] = int(Kind.JOIN)
             vector[neg.JOINED] = joined_at
             vectors = self._negotiate(vector)
-            active = self._active(vectors)
+            active = neg.active_ranks(vectors)
             if not active:
                 # The last to join has the highest join round (ties: the highest rank).
                 return max(range(vectors.shape[0]), key=lambda r: (vectors[r, neg.JOINED], r))
-            if not self._agree(vectors, active):
+            if not neg.agree(vectors, active):
                 self._raise_mismatch(None, vectors)
                 continue
             row = vectors[active[0]]

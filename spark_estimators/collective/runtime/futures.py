@@ -9,7 +9,6 @@ A future does not import the engine: it is handed the engine as an :class:`OpRun
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -61,7 +60,7 @@ class OpFuture(Future[Any]):
         self._state = _PENDING
         self._result: object = None
         self._exception: BaseException | None = None
-        self._callbacks: list[Callable[[Future[Any]], object]] = []
+        self._callbacks: list[Callable[[Future[Any]], object]] | None = None
 
     def done(self) -> bool:
         """True once the op has finished (result or error)."""
@@ -82,10 +81,13 @@ class OpFuture(Future[Any]):
     def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
         """Call ``fn(self)`` when the op finishes (at once if it has)."""
         # No lock: list append/remove/pop are atomic, and exactly one side takes ``fn`` out.
-        self._callbacks.append(fn)
+        callbacks = self._callbacks
+        if callbacks is None:
+            callbacks = self._callbacks = []
+        callbacks.append(fn)
         if self._state == _FINISHED:
             try:
-                self._callbacks.remove(fn)
+                callbacks.remove(fn)
             except ValueError:
                 return  # _finish took it
             fn(self)
@@ -107,9 +109,10 @@ class OpFuture(Future[Any]):
 
     def _finish(self) -> None:
         self._state = _FINISHED
-        while self._callbacks:
+        callbacks = self._callbacks
+        while callbacks:
             try:
-                fn = self._callbacks.pop(0)
+                fn = callbacks.pop(0)
             except IndexError:
                 break
             try:
@@ -139,7 +142,8 @@ class OpFuture(Future[Any]):
 
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the op and return its result (raises its error)."""
-        self._wait(timeout)
+        if self._state != _FINISHED:
+            self._wait(timeout)
         if self._exception is not None:
             raise self._exception
         return self._result
@@ -191,7 +195,10 @@ class Handle:
 
     def wait(self) -> Any:
         """Block until the op finished and return its result (raises the op's error)."""
-        return self._result([f.result() for f in self._futures])
+        futures = self._futures
+        if len(futures) == 1:
+            return self._result([futures[0].result()])
+        return self._result([f.result() for f in futures])
 
     def then(self, fn: Callable[[_T], object]) -> Handle:
         """A handle of the same op whose :meth:`wait` returns ``fn`` of this one's result."""
@@ -207,29 +214,16 @@ class Handle:
         return f"Handle({self.name!r}, {state})"
 
 
-class InFlightNames:
-    """The names of the ops submitted on this rank and not settled yet.
+def claim_name(in_flight: set[str], request: Request) -> None:
+    """Add ``request``'s name to the names in flight; ``ValueError`` if it is there already.
 
-    A second op with the name of one still in flight is refused, as horovod does (its
-    ``*_duplicate_name_error`` tests): the name comes free once the first op has settled.
+    A second op with the name of one still in flight is refused, as Horovod does (its
+    ``*_duplicate_name_error`` tests); the engine frees the name when the op settles.
     """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._names: set[str] = set()
-
-    def claim(self, request: Request) -> None:
-        """Hold ``request``'s name until its future settles; ``ValueError`` if it is held."""
-        with self._lock:
-            if request.name in self._names:
-                raise ValueError(
-                    f"{request.kind.name.lower()} {request.name!r}: an op with this name is still "
-                    "in flight on this rank; wait for it first (synchronize / wait) or give the "
-                    "new op another name"
-                )
-            self._names.add(request.name)
-        request.future.add_done_callback(functools.partial(self._release, request.name))
-
-    def _release(self, name: str, _future: object = None) -> None:
-        with self._lock:
-            self._names.discard(name)
+    if request.name in in_flight:
+        raise ValueError(
+            f"{request.kind.name.lower()} {request.name!r}: an op with this name is still in "
+            "flight on this rank; wait for it first (synchronize / wait) or give the new op "
+            "another name"
+        )
+    in_flight.add(request.name)

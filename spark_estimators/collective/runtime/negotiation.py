@@ -11,8 +11,8 @@ Before each round the ranks allgather one int64 vector each (see
 * The slots list the rank's *fusion batch*: the head and the queued allreduces right behind it
   that it may fuse with it (same dtype, device, reduction and scaling, within the fusion
   threshold), in submission order.
-* The payload carries the data of the first requests of the batch when it fits (inline
-  allreduce: one round trip instead of two).
+* The payload carries the data of the batch when the whole batch fits (inline allreduce: one
+  round trip instead of two).
 
 What runs is decided from the gathered vectors only, so every rank decides the same: the
 **agreed batch** is the longest prefix of the head's batch that every active (not joined) rank
@@ -132,16 +132,20 @@ class Negotiation:
         vector[HEADER_LEN + self.slots : HEADER_LEN + self.slots + n] = [r.numel for r in listed]
         if head.inline is not None:
             sizes = [r.numel * itemsize(r.dtype) for r in listed]
-            vector[WANT] = sum(sizes)
-            room = vector[self.payload_offset :].view(np.uint8)
-            used = packed = 0
-            for request, nbytes in zip(listed, sizes, strict=True):
-                if request.inline is None or used + nbytes > self.room:
-                    break
-                room[used : used + nbytes] = np.asarray(request.inline(), dtype=np.uint8)
-                used += nbytes
-                packed += 1
-            vector[INLINE] = packed
+            vector[WANT] = want = sum(sizes)
+            # Only a listed batch that fits whole travels inline: packing the part that fits
+            # would pay a copy per op every round for the rare round whose agreed batch is
+            # shorter than this rank's (the room can be larger than the next batches need).
+            if want <= self.room:
+                room = vector[self.payload_offset :].view(np.uint8)
+                used = packed = 0
+                for request, nbytes in zip(listed, sizes, strict=True):
+                    if request.inline is None:
+                        break
+                    room[used : used + nbytes] = np.asarray(request.inline(), dtype=np.uint8)
+                    used += nbytes
+                    packed += 1
+                vector[INLINE] = packed
         return vector
 
     def payloads(self, vectors: np.ndarray) -> np.ndarray:
@@ -171,6 +175,17 @@ class Negotiation:
         if wanted > 1:  # rounds of single ops (blocking ones, metrics) leave the slots as they are
             self._slot_wants.append(wanted)
             self.slots = min(MAX_SLOTS, max(MIN_SLOTS, max(self._slot_wants)))
+
+
+def active_ranks(vectors: np.ndarray) -> list[int]:
+    """The ranks of a round's gathered vectors that have not joined."""
+    return [r for r in range(vectors.shape[0]) if vectors[r, JOINED] < 0]
+
+
+def agree(vectors: np.ndarray, active: Sequence[int]) -> bool:
+    """True when the ``active`` ranks sent the same head op (kind and signature hash)."""
+    first = vectors[active[0]]
+    return all(vectors[r, KIND] == first[KIND] and vectors[r, SIG] == first[SIG] for r in active)
 
 
 def mismatch_error(name: str, views: Sequence[tuple[str, str] | None]) -> CollectiveError:

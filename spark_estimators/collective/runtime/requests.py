@@ -13,7 +13,7 @@ import enum
 import hashlib
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -68,58 +68,92 @@ class Fusion:
     """How an allreduce request is fused with the ones queued behind it.
 
     Requests with equal ``key`` (this process only: framework, dtype, device, reduction,
-    scaling) may run as one: ``run(requests, agreement)`` reduces them together and returns
-    each request's result, in order. ``part`` is the op's own data for ``run``.
+    scaling) may run as one: ``run(requests, agreement)`` reduces them together (each
+    request's own data is its ``part``) and returns each request's result, in order. Requests
+    of one repeated op may share one ``Fusion``.
     """
 
     key: tuple[Hashable, ...]
     nbytes: int
     run: Callable[[Sequence[Request], Agreement], Sequence[object]]
-    part: Any
 
 
-@dataclass
 class Request:
     """One collective op, as submitted by an API function.
 
     ``signature`` must be equal on every rank; ``execute`` runs on the engine thread after
     negotiation. ``numel``/``dtype``/``device``/``wire_op`` describe the single flat reduction
-    an allreduce performs, which is what a joined rank mirrors with zeros.
+    an allreduce performs, which is what a joined rank mirrors with zeros. ``inline`` (small
+    allreduces) returns this rank's data as bytes to send inside the negotiation; ``fusion``
+    (allreduces) says how it fuses with its queued neighbours, ``part`` is its own data for
+    that. ``description`` (for errors and the timeline) may be given as ``detail``, the text
+    after the quoted name, formatted only when someone reads it; ``signature_hash`` may be
+    given when the caller knows it (an op repeated step after step).
+
+    A plain class with slots: allreduces submitted one per tensor make one per op.
     """
 
-    kind: Kind
-    name: str
-    signature: tuple[object, ...]
-    execute: Callable[[Agreement], object]
-    description: str
-    numel: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-    wire_op: ReduceOp = ReduceOp.SUM
-    dim0: int = 0
-    #: For small allreduces: returns this rank's data as bytes to send inside the negotiation.
-    inline: Callable[[], np.ndarray] | None = None
-    #: For allreduces that may be fused with their neighbours in the queue.
-    fusion: Fusion | None = None
-    #: Set by :meth:`Engine.submit` (which returns it).
-    future: Future[Any] = field(init=False, repr=False)
-    #: ``perf_counter_ns()`` when it entered the engine's queue (0: run without queueing).
-    queued_ns: int = 0
-    _hash: int | None = field(default=None, repr=False)
+    __slots__ = ("kind", "name", "signature", "execute", "_description", "_detail", "numel",
+                 "dtype", "device", "wire_op", "dim0", "inline", "fusion", "part", "future",
+                 "queued_ns", "_hash")  # fmt: skip
+
+    def __init__(
+        self,
+        kind: Kind,
+        name: str,
+        signature: tuple[object, ...],
+        execute: Callable[[Agreement], object],
+        description: str | None = None,
+        numel: int = 0,
+        dtype: str = "float32",
+        device: str = "cpu",
+        wire_op: ReduceOp = ReduceOp.SUM,
+        dim0: int = 0,
+        inline: Callable[[], np.ndarray] | None = None,
+        fusion: Fusion | None = None,
+        part: Any = None,
+        detail: str = "",
+        signature_hash: int | None = None,
+    ) -> None:
+        self.kind, self.name, self.signature, self.execute = kind, name, signature, execute
+        self._description, self._detail = description, detail
+        self.numel, self.dtype, self.device, self.wire_op = numel, dtype, device, wire_op
+        self.dim0, self.inline, self.fusion, self.part = dim0, inline, fusion, part
+        self._hash = signature_hash
+        #: ``perf_counter_ns()`` when it entered the engine's queue (0: run without queueing).
+        self.queued_ns = 0
+        #: Set by :meth:`Engine.submit` (which returns it).
+        self.future: Future[Any]
+
+    @property
+    def description(self) -> str:
+        """The op as errors and the timeline show it (name, dtype, shape...)."""
+        if self._description is None:
+            self._description = f"{self.name!r} {self._detail}"
+        return self._description
 
     @property
     def signature_hash(self) -> int:
         """:func:`signature_hash` of the signature (computed once)."""
         if self._hash is None:
-            try:
-                self._hash = _hash_cache.get(self.signature)
-            except TypeError:  # an unhashable signature: no caching
-                self._hash = signature_hash(self.signature)
-            if self._hash is None:
-                self._hash = signature_hash(self.signature)
-                if len(_hash_cache) < _HASH_CACHE_SIZE:
-                    _hash_cache[self.signature] = self._hash
+            self._hash = cached_signature_hash(self.signature)
         return self._hash
+
+    def __repr__(self) -> str:
+        return f"Request({self.kind.name}, {self.name!r})"
+
+
+def cached_signature_hash(signature: tuple[object, ...]) -> int:
+    """:func:`signature_hash`, remembered for hashable signatures (loops repeat them)."""
+    try:
+        found = _hash_cache.get(signature)
+    except TypeError:  # an unhashable signature: no caching
+        return signature_hash(signature)
+    if found is None:
+        found = signature_hash(signature)
+        if len(_hash_cache) < _HASH_CACHE_SIZE:
+            _hash_cache[signature] = found
+    return found
 
 
 # Training loops repeat the same ops step after step: hash each signature once.

@@ -8,6 +8,10 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from spark_estimators.collective.runtime.requests import Request
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,25 @@ class Timeline:
     def micros(self, perf_ns: int) -> float:
         """Wall-clock microseconds of a ``time.perf_counter_ns()`` reading."""
         return self._origin_us + (perf_ns - self._origin_ns) / 1000.0
+
+    def record_batch(
+        self, ran: list[Request], set_id: int, times: list[int], error: BaseException | None
+    ) -> None:
+        """Add the events of a batch the engine ran (fused when several).
+
+        ``times``: its start, the end of its negotiation and a third entry when it ran inline.
+        """
+        end = time.perf_counter_ns()
+        negotiated = times[1] if len(times) > 1 else end
+        for request in ran:
+            info: dict[str, object] = {"dtype": request.dtype, "what": request.description}
+            info["inline"] = len(times) > 2
+            if len(ran) > 1:
+                info["fused"] = len(ran)
+            if error is not None:
+                info["error"] = str(error).splitlines()[0] if str(error) else type(error).__name__
+            self.record(request.name, request.kind.name, set_id, times[0], negotiated, end, info,
+                        request.queued_ns)  # fmt: skip
 
     def record(
         self,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeAlias, TypeVar
 
 import numpy as np
@@ -121,6 +121,10 @@ class TorchOps:
         """The shape as a tuple of ints."""
         return tuple(int(d) for d in x.shape)
 
+    def static_key(self, x: torch.Tensor) -> Hashable:
+        """The dtype, device and shape."""
+        return (x.dtype, x.device, x.shape)
+
     def is_contiguous(self, x: torch.Tensor) -> bool:
         """True for a contiguous tensor."""
         return bool(x.is_contiguous())
@@ -157,16 +161,22 @@ class TorchOps:
             buf = torch.empty(total, dtype=key[0], device=key[1])
             self._fusion[key] = buf
         flat = buf[:total]
-        torch.cat([x.reshape(-1) for x in xs], out=flat)
+        # 1-D tensors go in as they are (a reshape per tensor costs more than the copy).
+        torch.cat([x if x.dim() == 1 else x.reshape(-1) for x in xs], out=flat)
         return flat
 
     def unpack(self, flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         """Copy a packed buffer back into ``outs``."""
-        offset = 0
-        for out in outs:
-            n = out.numel()
-            out.copy_(flat[offset : offset + n].view(out.shape))
-            offset += n
+        sizes = [out.numel() for out in outs]
+        total = sum(sizes)
+        if flat.numel() != total:
+            flat = flat[:total]
+        if len(outs) == 1:
+            outs[0].copy_(flat.view(outs[0].shape))
+            return
+        # One split makes every view at once (slicing them one by one costs several times more).
+        for out, part in zip(outs, flat.split(sizes), strict=True):
+            out.copy_(part if out.dim() == 1 else part.view(out.shape))
 
     def adopt(self, result: np.ndarray | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """The backend's ``result`` as a tensor on ``like``'s device."""

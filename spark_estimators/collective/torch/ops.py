@@ -24,6 +24,7 @@ import torch
 
 from spark_estimators.collective.backends.base import ReduceOp, resolve_op
 from spark_estimators.collective.runtime import allreduce as _allreduce
+from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.forms import named, synchronized
@@ -172,11 +173,53 @@ grouped_allreduce_ = waited(
         "In-place :func:`grouped_allreduce`; returns the same tensors.",
     )
 )
-allreduce_async_ = _per_tensor(
+_fallback_allreduce_async_ = _per_tensor(
     grouped_allreduce_async_,
     _first_when_done,
     "allreduce_async_",
     "Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`.",
+)
+_RESOLVED: dict[tuple[object, object], ReduceOp] = {}
+
+
+def _allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet | None = None,
+) -> Handle:
+    # The hot path of per-gradient allreduces (DistributedOptimizer's pattern): one contiguous
+    # tensor goes straight to allreduce_one; anything else takes the grouped form.
+    try:
+        resolved = _RESOLVED[op, average]
+    except (KeyError, TypeError):
+        resolved = resolve_op(op, average, adasum=True)  # raises for a bad op
+        if len(_RESOLVED) < 64:
+            _RESOLVED[op, average] = resolved
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or resolved is ReduceOp.ADASUM
+        or not tensor.is_contiguous()
+    ):
+        return _fallback_allreduce_async_(
+            tensor, average, name, op, prescale_factor, postscale_factor, process_set
+        )  # fmt: skip
+    x = tensor.detach() if tensor.requires_grad else tensor
+    future = _allreduce.allreduce_one(
+        _engine.require("allreduce", process_set), _TORCH, x, resolved, prescale_factor,
+        postscale_factor, name, in_waited_ops(),
+    )  # fmt: skip
+    return Handle([future], name or "grouped_allreduce", lambda results: tensor)
+
+
+allreduce_async_ = named(
+    _allreduce_async_,
+    "allreduce_async_",
+    "Start an in-place allreduce of ``tensor``; returns a handle for :func:`synchronize`.",
+    inspect.signature(_fallback_allreduce_async_),
 )
 allreduce_async = _per_tensor(
     grouped_allreduce_async,

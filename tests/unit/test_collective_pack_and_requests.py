@@ -1,0 +1,93 @@
+"""Fusion buffers, the static keys of the per-tensor allreduce path, and requests (issue 45).
+
+In one process: the torch and numpy :class:`ArrayOps` pack tensors of any shape into one flat
+buffer and split it back into each (also from a buffer longer than the tensors, and into a
+non-contiguous output); ``static_key`` tells apart what the kept allreduce statics must tell
+apart; a request's lazy description and its given signature hash.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from spark_estimators.collective.runtime.arrays import NumpyOps
+from spark_estimators.collective.runtime.requests import Kind, Request, signature_hash
+
+torch = pytest.importorskip("torch")
+
+SHAPES = [(3,), (2, 2), (1, 2, 3), (), (0,), (5,)]
+
+
+def _torch_ops():
+    from spark_estimators.collective.torch.arrays import TorchOps
+
+    return TorchOps()
+
+
+def test_torch_pack_and_unpack_round_trip_every_shape():
+    ops = _torch_ops()
+    xs = [torch.arange(int(np.prod(s)), dtype=torch.float32).reshape(s) + 10 * i
+          for i, s in enumerate(SHAPES)]  # fmt: skip
+    flat = ops.pack(xs)
+    assert flat.tolist() == [v for x in xs for v in x.reshape(-1).tolist()]
+    outs = [torch.zeros(s) for s in SHAPES]
+    ops.unpack(flat * 2, outs)
+    for x, out in zip(xs, outs, strict=True):
+        assert out.shape == x.shape and torch.equal(out, x * 2)
+    # A buffer longer than the outputs (the reused fusion buffer): only its head is read.
+    longer = torch.cat([flat, torch.full((7,), -1.0)])
+    outs = [torch.zeros(s) for s in SHAPES]
+    ops.unpack(longer, outs)
+    assert all(torch.equal(o, x) for o, x in zip(outs, xs, strict=True))
+    # One output, and a non-contiguous one: written through, the rest of its base untouched.
+    base = torch.zeros(3, 2)
+    ops.unpack(torch.tensor([1.0, 2.0, 3.0]), [base[:, 1]])
+    assert base.tolist() == [[0.0, 1.0], [0.0, 2.0], [0.0, 3.0]]
+
+
+def test_torch_pack_reuses_its_buffer_and_grows_it():
+    ops = _torch_ops()
+    first = ops.pack([torch.ones(4), torch.ones(4)])
+    again = ops.pack([torch.full((2,), 3.0)])
+    assert again.data_ptr() == first.data_ptr() and again.tolist() == [3.0, 3.0]
+    grown = ops.pack([torch.ones(20)])
+    assert grown.numel() == 20 and grown.tolist() == [1.0] * 20
+
+
+def test_numpy_pack_and_unpack_round_trip_every_shape():
+    ops = NumpyOps()
+    xs = [np.arange(int(np.prod(s)), dtype=np.float64).reshape(s) + i
+          for i, s in enumerate(SHAPES)]  # fmt: skip
+    flat = ops.pack(xs)
+    outs = [np.zeros(s) for s in SHAPES]
+    ops.unpack(flat * 3, outs)
+    for x, out in zip(xs, outs, strict=True):
+        np.testing.assert_array_equal(out, x * 3)
+
+
+def test_static_keys_differ_where_the_kept_statics_must():
+    t = _torch_ops()
+    a = torch.ones(4)
+    assert t.static_key(a) == t.static_key(torch.zeros(4))
+    assert t.static_key(a) != t.static_key(torch.ones(5))
+    assert t.static_key(a) != t.static_key(torch.ones(2, 2))
+    assert t.static_key(a) != t.static_key(torch.ones(4, dtype=torch.float64))
+    assert hash(t.static_key(a)) == hash(t.static_key(torch.zeros(4)))
+    n = NumpyOps()
+    x = np.ones(4, dtype=np.float32)
+    assert n.static_key(x) == n.static_key(np.zeros(4, dtype=np.float32))
+    assert n.static_key(x) != n.static_key(np.ones(4))
+    assert n.static_key(x) != n.static_key(np.ones((4, 1), dtype=np.float32))
+
+
+def test_request_description_is_lazy_and_a_given_hash_is_kept():
+    signature = ("ALLREDUCE", None, "float32", "cpu", ((4,),), "SUM", 1.0, 1.0)
+    lazy = Request(Kind.ALLREDUCE, "allreduce.noname.7", signature, lambda a: None,
+                   detail="float32 on cpu, shape (4,), op=SUM")  # fmt: skip
+    assert lazy.description == "'allreduce.noname.7' float32 on cpu, shape (4,), op=SUM"
+    assert lazy.signature_hash == signature_hash(signature)
+    given = Request(Kind.ALLREDUCE, "x", signature, lambda a: None, "x", signature_hash=42)
+    assert given.description == "x" and given.signature_hash == 42
+    unhashable = Request(Kind.BARRIER, "b", ("B", [1, 2]), lambda a: None, "b")
+    assert unhashable.signature_hash == signature_hash(("B", [1, 2]))
