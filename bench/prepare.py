@@ -2,13 +2,18 @@
 
 Usage:
     .venv/bin/python bench/prepare.py --rounds 8
+    .venv/bin/python bench/prepare.py --rows 5000000 --features 32 --no-cache --cases vector \
+        --rounds 1   # the large preset's shape: us per row at 5M rows (issue 45)
 
 The horovod preset's data (100k rows: 10 float features assembled into one ML vector column by
 VectorAssembler, plus a float label; cached), written by ``prepare_data(2, ...)`` (a new store
 each time, so nothing is cached) and by the DECISIONS baseline
 ``df.select(cols).repartition(n).write.parquet`` with the same ``n`` (the partitions prepare_data
 chose), alternating which goes first. Also the 11 scalar columns without the assembler. Printed:
-seconds and Spark jobs per case and round, medians and the ratio of medians (target <= 1.15x).
+seconds and Spark jobs per case and round, medians and the ratio of medians (target <= 1.15x),
+and microseconds per row. ``--features`` sets the number of float columns (32: the large preset),
+``--no-cache`` recomputes the rows for every write (5M x 32 does not fit the driver's cache),
+``--cases vector`` or ``scalars`` runs one of the two.
 """
 
 from __future__ import annotations
@@ -40,6 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--features", type=int, default=10)
+    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--cases", default="vector,scalars")
     args = parser.parse_args()
 
     from pyspark.ml.feature import VectorAssembler
@@ -51,18 +59,26 @@ def main() -> None:
 
     spark = create_local_session("local[2]")
     spark.sparkContext.setLogLevel("ERROR")
-    nf = 10
+    nf = args.features
     names = [f"f{i}" for i in range(nf)]
     df = spark.range(args.rows, numPartitions=2).select(
         *[F.rand(seed=i).alias(n) for i, n in enumerate(names)]
     )
-    df = df.withColumn("y", sum(F.col(n) * (i + 1) for i, n in enumerate(names)) / nf).cache()
-    df.count()
+    df = df.withColumn("y", sum(F.col(n) * (i + 1) for i, n in enumerate(names)) / nf)
+    if not args.no_cache:
+        df = df.cache()
+        df.count()
     assembler = VectorAssembler(inputCols=names, outputCol="features")
-    vdf = assembler.transform(df).select("features", "y").cache()
-    vdf.count()
+    vdf = assembler.transform(df).select("features", "y")
+    if not args.no_cache:
+        vdf = vdf.cache()
+        vdf.count()
     datasets = {"vector": (vdf, ["features"]), "scalars": (df, names)}
-    print(f"{args.rows} rows, prepare_data(2, ...) vs repartition(n).write.parquet, local[2]")
+    datasets = {k: datasets[k] for k in args.cases.split(",")}
+    print(
+        f"{args.rows} rows x {nf} features, prepare_data(2, ...) vs repartition(n).write.parquet, "
+        f"local[2], {'not ' if args.no_cache else ''}cached"
+    )
     print("load average at start:", os.getloadavg())
     times: dict[str, list[float]] = {}
     parts: dict[str, int] = {}
@@ -98,7 +114,9 @@ def main() -> None:
                 f"round {rnd} {label:7s}: prepare_data {got['ours'][0]:.2f} s "
                 f"({got['ours'][1]} jobs, {parts[label]} partitions), "
                 f"baseline {got['base'][0]:.2f} s ({got['base'][1]} jobs), "
-                f"ratio {got['ours'][0] / got['base'][0]:.2f}",
+                f"ratio {got['ours'][0] / got['base'][0]:.2f}; "
+                f"{got['ours'][0] / args.rows * 1e6:.2f} / {got['base'][0] / args.rows * 1e6:.2f}"
+                " us/row",
                 flush=True,
             )
     for label in datasets:
@@ -106,7 +124,7 @@ def main() -> None:
         base_med = statistics.median(times[f"{label} base"])
         print(
             f"median {label}: prepare_data {ours_med:.2f} s, baseline {base_med:.2f} s, "
-            f"ratio {ours_med / base_med:.2f}"
+            f"ratio {ours_med / base_med:.2f}; prepare_data {ours_med / args.rows * 1e6:.2f} us/row"
         )
     print("load average at end:", os.getloadavg())
     spark.stop()
