@@ -13,7 +13,9 @@ chose), alternating which goes first. Also the 11 scalar columns without the ass
 seconds and Spark jobs per case and round, medians and the ratio of medians (target <= 1.15x),
 and microseconds per row. ``--features`` sets the number of float columns (32: the large preset),
 ``--no-cache`` recomputes the rows for every write (5M x 32 does not fit the driver's cache),
-``--cases vector`` or ``scalars`` runs one of the two.
+``--cases vector`` or ``scalars`` runs one of the two. ``--shuffled`` adds a third write per
+round, prepare_data with the hash shuffle it used before issue 45 (``partitions_per_process=1``:
+the frame's 2 partitions are not 1 per process, so it shuffles to 2), printed as "shuffled".
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=10)
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--cases", default="vector,scalars")
+    parser.add_argument("--shuffled", action="store_true")
     args = parser.parse_args()
 
     from pyspark.ml.feature import VectorAssembler
@@ -83,9 +86,9 @@ def main() -> None:
     times: dict[str, list[float]] = {}
     parts: dict[str, int] = {}
 
-    def ours(frame: Any, features: list[str], tmp: str) -> Any:
+    def ours(frame: Any, features: list[str], tmp: str, ppp: int | None = None) -> Any:
         store = LocalStore(os.path.join(tmp, "store"))
-        return prepare_data(2, store, frame, features, ["y"], verbose=0)
+        return prepare_data(2, store, frame, features, ["y"], verbose=0, partitions_per_process=ppp)
 
     def base(frame: Any, features: list[str], tmp: str, n: int) -> Any:
         return frame.select(*features, "y").repartition(n).write.parquet(os.path.join(tmp, "b"))
@@ -97,12 +100,16 @@ def main() -> None:
                 parts[label] = ours(frame, features, tmp).params["partitions"]
                 shutil.rmtree(tmp, ignore_errors=True)
                 continue
-            order = ["ours", "base"] if rnd % 2 else ["base", "ours"]
+            order = ["ours", "base"] + (["shuffled"] if args.shuffled else [])
+            if not rnd % 2:
+                order.reverse()
             got = {}
             for name in order:
                 tmp = tempfile.mkdtemp(prefix="bench-prepare-")
                 if name == "ours":
                     got[name] = timed_jobs(spark, lambda: ours(frame, features, tmp))  # noqa: B023
+                elif name == "shuffled":
+                    got[name] = timed_jobs(spark, lambda: ours(frame, features, tmp, 1))  # noqa: B023
                 else:
                     got[name] = timed_jobs(
                         spark,
@@ -116,7 +123,13 @@ def main() -> None:
                 f"baseline {got['base'][0]:.2f} s ({got['base'][1]} jobs), "
                 f"ratio {got['ours'][0] / got['base'][0]:.2f}; "
                 f"{got['ours'][0] / args.rows * 1e6:.2f} / {got['base'][0] / args.rows * 1e6:.2f}"
-                " us/row",
+                " us/row"
+                + (
+                    f"; shuffled {got['shuffled'][0]:.2f} s ({got['shuffled'][1]} jobs), "
+                    f"{got['shuffled'][0] / args.rows * 1e6:.2f} us/row"
+                    if args.shuffled
+                    else ""
+                ),
                 flush=True,
             )
     for label in datasets:
@@ -126,6 +139,12 @@ def main() -> None:
             f"median {label}: prepare_data {ours_med:.2f} s, baseline {base_med:.2f} s, "
             f"ratio {ours_med / base_med:.2f}; prepare_data {ours_med / args.rows * 1e6:.2f} us/row"
         )
+        if args.shuffled:
+            shuf_med = statistics.median(times[f"{label} shuffled"])
+            print(
+                f"median {label} shuffled: {shuf_med:.2f} s ({shuf_med / args.rows * 1e6:.2f} "
+                f"us/row), prepare_data / shuffled {ours_med / shuf_med:.2f}"
+            )
     print("load average at end:", os.getloadavg())
     spark.stop()
 
