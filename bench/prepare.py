@@ -2,13 +2,20 @@
 
 Usage:
     .venv/bin/python bench/prepare.py --rounds 8
+    .venv/bin/python bench/prepare.py --rows 5000000 --features 32 --no-cache --cases vector \
+        --rounds 1   # the large preset's shape: us per row at 5M rows (issue 45)
 
 The horovod preset's data (100k rows: 10 float features assembled into one ML vector column by
 VectorAssembler, plus a float label; cached), written by ``prepare_data(2, ...)`` (a new store
 each time, so nothing is cached) and by the DECISIONS baseline
 ``df.select(cols).repartition(n).write.parquet`` with the same ``n`` (the partitions prepare_data
 chose), alternating which goes first. Also the 11 scalar columns without the assembler. Printed:
-seconds and Spark jobs per case and round, medians and the ratio of medians (target <= 1.15x).
+seconds and Spark jobs per case and round, medians and the ratio of medians (target <= 1.15x),
+and microseconds per row. ``--features`` sets the number of float columns (32: the large preset),
+``--no-cache`` recomputes the rows for every write (5M x 32 does not fit the driver's cache),
+``--cases vector`` or ``scalars`` runs one of the two. ``--shuffled`` adds a third write per
+round, prepare_data with the hash shuffle it used before issue 45 (``partitions_per_process=1``:
+the frame's 2 partitions are not 1 per process, so it shuffles to 2), printed as "shuffled".
 """
 
 from __future__ import annotations
@@ -40,6 +47,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--features", type=int, default=10)
+    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--cases", default="vector,scalars")
+    parser.add_argument("--shuffled", action="store_true")
     args = parser.parse_args()
 
     from pyspark.ml.feature import VectorAssembler
@@ -51,25 +62,33 @@ def main() -> None:
 
     spark = create_local_session("local[2]")
     spark.sparkContext.setLogLevel("ERROR")
-    nf = 10
+    nf = args.features
     names = [f"f{i}" for i in range(nf)]
     df = spark.range(args.rows, numPartitions=2).select(
         *[F.rand(seed=i).alias(n) for i, n in enumerate(names)]
     )
-    df = df.withColumn("y", sum(F.col(n) * (i + 1) for i, n in enumerate(names)) / nf).cache()
-    df.count()
+    df = df.withColumn("y", sum(F.col(n) * (i + 1) for i, n in enumerate(names)) / nf)
+    if not args.no_cache:
+        df = df.cache()
+        df.count()
     assembler = VectorAssembler(inputCols=names, outputCol="features")
-    vdf = assembler.transform(df).select("features", "y").cache()
-    vdf.count()
+    vdf = assembler.transform(df).select("features", "y")
+    if not args.no_cache:
+        vdf = vdf.cache()
+        vdf.count()
     datasets = {"vector": (vdf, ["features"]), "scalars": (df, names)}
-    print(f"{args.rows} rows, prepare_data(2, ...) vs repartition(n).write.parquet, local[2]")
+    datasets = {k: datasets[k] for k in args.cases.split(",")}
+    print(
+        f"{args.rows} rows x {nf} features, prepare_data(2, ...) vs repartition(n).write.parquet, "
+        f"local[2], {'not ' if args.no_cache else ''}cached"
+    )
     print("load average at start:", os.getloadavg())
     times: dict[str, list[float]] = {}
     parts: dict[str, int] = {}
 
-    def ours(frame: Any, features: list[str], tmp: str) -> Any:
+    def ours(frame: Any, features: list[str], tmp: str, ppp: int | None = None) -> Any:
         store = LocalStore(os.path.join(tmp, "store"))
-        return prepare_data(2, store, frame, features, ["y"], verbose=0)
+        return prepare_data(2, store, frame, features, ["y"], verbose=0, partitions_per_process=ppp)
 
     def base(frame: Any, features: list[str], tmp: str, n: int) -> Any:
         return frame.select(*features, "y").repartition(n).write.parquet(os.path.join(tmp, "b"))
@@ -81,12 +100,16 @@ def main() -> None:
                 parts[label] = ours(frame, features, tmp).params["partitions"]
                 shutil.rmtree(tmp, ignore_errors=True)
                 continue
-            order = ["ours", "base"] if rnd % 2 else ["base", "ours"]
+            order = ["ours", "base"] + (["shuffled"] if args.shuffled else [])
+            if not rnd % 2:
+                order.reverse()
             got = {}
             for name in order:
                 tmp = tempfile.mkdtemp(prefix="bench-prepare-")
                 if name == "ours":
                     got[name] = timed_jobs(spark, lambda: ours(frame, features, tmp))  # noqa: B023
+                elif name == "shuffled":
+                    got[name] = timed_jobs(spark, lambda: ours(frame, features, tmp, 1))  # noqa: B023
                 else:
                     got[name] = timed_jobs(
                         spark,
@@ -98,7 +121,15 @@ def main() -> None:
                 f"round {rnd} {label:7s}: prepare_data {got['ours'][0]:.2f} s "
                 f"({got['ours'][1]} jobs, {parts[label]} partitions), "
                 f"baseline {got['base'][0]:.2f} s ({got['base'][1]} jobs), "
-                f"ratio {got['ours'][0] / got['base'][0]:.2f}",
+                f"ratio {got['ours'][0] / got['base'][0]:.2f}; "
+                f"{got['ours'][0] / args.rows * 1e6:.2f} / {got['base'][0] / args.rows * 1e6:.2f}"
+                " us/row"
+                + (
+                    f"; shuffled {got['shuffled'][0]:.2f} s ({got['shuffled'][1]} jobs), "
+                    f"{got['shuffled'][0] / args.rows * 1e6:.2f} us/row"
+                    if args.shuffled
+                    else ""
+                ),
                 flush=True,
             )
     for label in datasets:
@@ -106,8 +137,14 @@ def main() -> None:
         base_med = statistics.median(times[f"{label} base"])
         print(
             f"median {label}: prepare_data {ours_med:.2f} s, baseline {base_med:.2f} s, "
-            f"ratio {ours_med / base_med:.2f}"
+            f"ratio {ours_med / base_med:.2f}; prepare_data {ours_med / args.rows * 1e6:.2f} us/row"
         )
+        if args.shuffled:
+            shuf_med = statistics.median(times[f"{label} shuffled"])
+            print(
+                f"median {label} shuffled: {shuf_med:.2f} s ({shuf_med / args.rows * 1e6:.2f} "
+                f"us/row), prepare_data / shuffled {ours_med / shuf_med:.2f}"
+            )
     print("load average at end:", os.getloadavg())
     spark.stop()
 

@@ -2,7 +2,11 @@
 
 Runs inside ``DataFrame.mapInArrow``: each task receives its partition as Arrow record batches,
 checks them (nulls, NaNs, lengths), compacts sparse vectors, splits train/validation rows and writes
-Parquet files of at most ``max_file_bytes`` into the store with pyarrow. It yields one JSON line per
+Parquet files of at most ``max_file_bytes`` into the store with pyarrow. With ``slices`` > 1 (a
+partition written without a shuffle) each batch is cut into ``slices`` contiguous parts and part
+``k`` goes to its own files, named ``s{k}-part-...``: sorted by name, slice ``k``'s files are the
+``k``-th share a reader cuts for ``slices`` ranks, so every rank gets rows of every input
+partition, as the shuffle would give it. It yields one JSON line per
 file written plus one line of statistics, which the driver collects to build the metadata: no
 directory listing or footer read is needed afterwards, and files of failed task attempts (which no
 collected line names) are swept by the driver.
@@ -126,6 +130,9 @@ class _RollingParquetWriter:
                 self._schema,
                 compression="snappy",
                 use_dictionary=_dictionary_columns(self._schema),
+                # Min/max of float columns: no reader of ours uses them, and computing them was
+                # ~7% of the write's CPU on 32 float64 features (bench/RESULTS.md, issue 45).
+                write_statistics=_dictionary_columns(self._schema),
             )
         # One call = one row group (the table is below pyarrow's row-group maximum).
         self._writer.write_table(table, row_group_size=max(table.num_rows, 1))
@@ -179,6 +186,7 @@ class PartitionWriter:
     row_group_bytes: int
     max_file_bytes: int
     rank_imports: tuple[str, ...] = ()  # the worker's zygote imports these meanwhile
+    slices: int = 1  # >1: the partition was not shuffled; deal each batch over this many shares
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         import pyarrow as pa
@@ -194,7 +202,7 @@ class PartitionWriter:
         stem = f"part-{part:05d}-{self.token}-a{attempt}"
         fs = self.spec.create()
         schema = stored_schema(self.columns)
-        writers: dict[str, _RollingParquetWriter] = {}
+        writers: dict[tuple[str, int], _RollingParquetWriter] = {}
         for split, dir_url in (("train", self.train_dir), ("val", self.val_dir)):
             if dir_url is None:
                 continue
@@ -202,9 +210,11 @@ class PartitionWriter:
             if self.spec.needs_directories:
                 with _store_errors(dir_url):
                     fs.create_dir(dir_fs, recursive=True)
-            writers[split] = _RollingParquetWriter(
-                fs, dir_url, dir_fs, stem, schema, self.row_group_bytes, self.max_file_bytes
-            )
+            for k in range(self.slices):
+                name = stem if self.slices == 1 else f"s{k:03d}-{stem}"
+                writers[split, k] = _RollingParquetWriter(
+                    fs, dir_url, dir_fs, name, schema, self.row_group_bytes, self.max_file_bytes
+                )
         stats: dict[str, Any] = {"rows_in": 0, "dropped": 0, "invalid": {}, "bad_length": {}}
         failed = False
         with _store_errors(self.train_dir):
@@ -215,22 +225,39 @@ class PartitionWriter:
                     failed = failed or bad
                     if failed or out.num_rows == 0:
                         continue  # keep counting problems, stop writing
-                    if val_mask is None or "val" not in writers:
-                        writers["train"].write(out)
-                    else:
-                        writers["train"].write(out.filter(pa.array(~val_mask)))
-                        writers["val"].write(out.filter(pa.array(val_mask)))
+                    rows = out.num_rows
+                    for k in range(self.slices):
+                        lo, hi = k * rows // self.slices, (k + 1) * rows // self.slices
+                        part_mask = None if val_mask is None else val_mask[lo:hi]
+                        self._write_rows(writers, k, out.slice(lo, hi - lo), part_mask)
                 if failed:
                     for w in writers.values():
                         w.abort()
-                files = {split: w.close() for split, w in writers.items()}
+                files = [(split, w.close()) for (split, _), w in writers.items()]
             except BaseException:
                 for w in writers.values():
                     w.abort()
                 raise
-        lines = [json.dumps({"split": s, **f}) for s, fl in files.items() for f in fl]
+        lines = [json.dumps({"split": s, **f}) for s, fl in files for f in fl]
         lines.append(json.dumps({"stats": stats, "partition": part}))
         yield pa.RecordBatch.from_pydict({"info": lines})
+
+    @staticmethod
+    def _write_rows(
+        writers: dict[tuple[str, int], _RollingParquetWriter],
+        k: int,
+        out: pa.RecordBatch,
+        val_mask: np.ndarray | None,
+    ) -> None:
+        import pyarrow as pa
+
+        if out.num_rows == 0:
+            return
+        if val_mask is None or ("val", k) not in writers:
+            writers["train", k].write(out)
+        else:
+            writers["train", k].write(out.filter(pa.array(~val_mask)))
+            writers["val", k].write(out.filter(pa.array(val_mask)))
 
     def _convert(
         self, batch: pa.RecordBatch, schema: pa.Schema, stats: dict[str, Any]

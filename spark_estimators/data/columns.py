@@ -264,6 +264,25 @@ def describe_columns(
     return columns
 
 
+def plain_partitions(df: DataFrame) -> int | None:
+    """``df``'s partition count when no shuffle decides it, else None.
+
+    Only a classic session's plan without an ``Exchange`` qualifies: a shuffle's partition count
+    can change at run time (adaptive execution), and its rows are the shuffle's; Spark Connect
+    answers None. The rows of such partitions come in the same order each time they are computed
+    (a file scan, a range, a cache), as a retried task needs.
+    """
+    jdf = getattr(df, "_jdf", None)
+    if jdf is None:  # Spark Connect
+        return None
+    try:
+        if "Exchange" in jdf.queryExecution().executedPlan().toString():
+            return None
+        return int(jdf.rdd().getNumPartitions())
+    except Exception:  # planning failed here: repartition as usual, let the job report it
+        return None
+
+
 def training_frame(
     df: DataFrame,
     columns: Sequence[ColumnInfo],

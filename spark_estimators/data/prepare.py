@@ -13,7 +13,8 @@ How it works
    first 16 hex digits. If ``{train}.{idx}.metadata.json`` exists, nothing is written and its
    metadata is returned; a new driver process finds it the same way. ``num_proc`` and
    ``partitions_per_process`` only change the file layout, not the content, and the readers
-   balance rows exactly for any number of ranks, so they are not part of the key.
+   balance rows exactly for any number of ranks, so they are not part of the key (except for a
+   write without a shuffle, 4).
 3. Shapes: scalars and ML vectors whose column metadata gives their size (VectorAssembler's
    ``ml_attr``) need no data. Otherwise one small job reads a few rows (shapes of arrays/vectors,
    sparse or dense, an empty DataFrame). So a DataFrame of such columns costs exactly the jobs of
@@ -33,6 +34,17 @@ How it works
    to the same place), and a hash shuffle is as deterministic without that sort (~0.8 s of a 1M x
    32 write here). The partitions then differ by about the square root of their rows, which costs
    nothing: the readers cut equal shares for every rank out of all files (``data/shards.py``).
+   **No shuffle** when none is needed to mix the rows: a DataFrame whose partitions no shuffle
+   decides (a classic session's plan without an ``Exchange``: a range, a file scan, a cache of
+   one; :func:`unshuffled_partitions`) and that has no more partitions than the write would
+   make is written as it is partitioned, and each task deals every Arrow batch it receives into
+   ``num_proc`` contiguous slices, slice ``k`` into files named ``s{k}-part-...``. The readers
+   cut the ranks' shares in file-name order, so rank ``k`` reads about slice ``k`` of every
+   input partition: rows of every input partition reach every rank, as with the shuffle (a
+   sorted DataFrame does not give a rank one class), within ~5,000 rows (half an Arrow batch)
+   instead of row by row. The shuffle was about half of the write (2 us of ~4 us a row at 1M x
+   32 here: bench/RESULTS.md, issue 45). Such a layout mixes rows for ``num_proc`` ranks only,
+   so its cache key adds ``num_proc`` (a fit with another ``num_proc`` prepares again).
 5. The metadata is written last and atomically: its presence means the dataset is complete.
    Concurrent preparations of different data get different indexes; two processes preparing the
    same data write distinct file names, the first to publish wins and the other removes its files.
@@ -49,6 +61,7 @@ still give every rank several row groups to shuffle; many more, smaller files on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -65,6 +78,7 @@ from spark_estimators.data.columns import (
     check_args,
     describe_columns,
     kind_of,
+    plain_partitions,
     training_frame,
 )
 from spark_estimators.data.metadata import (
@@ -180,7 +194,10 @@ def prepare_data(
         "compress_sparse": bool(compress_sparse),
         "drop_invalid_rows": bool(drop_invalid_rows),
     }
+    unshuffled = unshuffled_partitions(df, num_proc, partitions_per_process)
     cache_key = compute_cache_key(df, params, store)
+    if unshuffled is not None:  # the layout mixes rows for num_proc ranks only: its own key
+        cache_key = hashlib.sha256(f"{cache_key}:slices={num_proc}".encode()).hexdigest()
     idx = cache_key[:16]
     log = logger.info if verbose else logger.debug
     with _lock_for(idx):
@@ -199,7 +216,12 @@ def prepare_data(
         # finds an empty DataFrame itself); else from the first rows.
         columns = describe_columns(df, used, kinds, compress_sparse, check_columns)
         store.check_writable()
-        ppp = partitions_per_process or auto_partitions_per_process(df, num_proc)
+        if unshuffled is not None:
+            partitions = unshuffled
+        else:
+            partitions = num_proc * (
+                partitions_per_process or auto_partitions_per_process(df, num_proc)
+            )
         meta = _write(
             store,
             df,
@@ -210,11 +232,12 @@ def prepare_data(
             validation_col,
             fraction,
             seed,
-            num_proc * ppp,
+            None if unshuffled is not None else partitions,
             drop_invalid_rows,
             tuple(rank_imports),
+            slices=num_proc if unshuffled is not None else 1,
         )
-        meta.params.update(num_proc=num_proc, partitions=num_proc * ppp)
+        meta.params.update(num_proc=num_proc, partitions=partitions, shuffled=unshuffled is None)
         published = _publish(store, meta)
     log(
         "prepare_data: dataset %s: %d train rows (%d files, %.1f MB), %d val rows in %s",
@@ -263,6 +286,23 @@ def auto_partitions_per_process(df: DataFrame, num_proc: int) -> int:
     return max(1, min(MAX_AUTO_PARTITIONS_PER_PROCESS, wanted))
 
 
+def unshuffled_partitions(df: DataFrame, num_proc: int, ppp: int | None) -> int | None:
+    """``df``'s partition count when the write can skip the shuffle (module docs, 4), else None.
+
+    When no shuffle decides ``df``'s partitions (:func:`~.columns.plain_partitions`) and they
+    are no more than the repartition would make: ``partitions_per_process`` of them when it is
+    given, else at most max(the automatic count, 4) per process (each is written as
+    ``num_proc`` slices, so that many files per process at most).
+    """
+    parts = plain_partitions(df)
+    if parts is None or parts < 1:
+        return None
+    if ppp is not None:
+        return parts if parts == ppp else None
+    limit = max(auto_partitions_per_process(df, num_proc), DEFAULT_PARTITIONS_PER_PROCESS)
+    return parts if parts <= limit else None
+
+
 def _write(
     store: StoreBase,
     df: DataFrame,
@@ -273,9 +313,11 @@ def _write(
     validation_col: str | None,
     fraction: float,
     seed: int,
-    partitions: int,
+    partitions: int | None,
     drop_invalid: bool,
     rank_imports: tuple[str, ...] = (),
+    *,
+    slices: int = 1,
 ) -> DatasetMetadata:
     frame, has_split = training_frame(
         df, columns, validation_col, fraction, seed, partitions, by_content=True
@@ -294,6 +336,7 @@ def _write(
         row_group_bytes=ROW_GROUP_BYTES,
         max_file_bytes=MAX_FILE_BYTES,
         rank_imports=rank_imports,
+        slices=slices,
     )
     dirs = [d for d in (train_dir, val_dir) if d]
     existed = {d for d in dirs if store.exists(d)}

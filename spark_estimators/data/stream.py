@@ -187,15 +187,9 @@ def keeps_partitions(df: DataFrame, num_proc: int) -> bool:
     partition count can change at run time (adaptive execution), which a barrier stage of
     ``num_proc`` ranks cannot follow; Spark Connect sessions always repartition.
     """
-    jdf = getattr(df, "_jdf", None)
-    if jdf is None:  # Spark Connect
-        return False
-    try:
-        if "Exchange" in jdf.queryExecution().executedPlan().toString():
-            return False
-        return int(jdf.rdd().getNumPartitions()) == num_proc
-    except Exception:  # planning failed here: repartition as usual, let the job report it
-        return False
+    from spark_estimators.data.columns import plain_partitions
+
+    return plain_partitions(df) == num_proc
 
 
 #: Params that only shape the Parquet copy, refused with data="stream" (not silently ignored).
