@@ -72,6 +72,9 @@ INLINE_LIMIT = PREFIX + "INLINE_LIMIT"
 #: "0" sends the negotiation rounds of same-host ranks through the backend, not Unix sockets
 #: (collective/backends/local_mesh.py).
 LOCAL_MESH = PREFIX + "LOCAL_MESH"
+#: "0" keeps DistributedOptimizer's last bucket on the engine's negotiated path every step
+#: (collective/torch/steady.py).
+STEADY_ALLREDUCE = PREFIX + "STEADY_ALLREDUCE"
 MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
 #: Secret that signs saved models and estimators (HMAC-SHA256 of ``stage.pkl``) and is required
 #: to load them; see core/persistence.py and docs/security.md.

@@ -254,3 +254,98 @@ def test_a_mesh_not_accepted_in_time_is_dropped_on_every_rank() -> None:
         assert _on_ranks(2, body, store) == [None, None]
     finally:
         done.set()
+
+
+def _message(payload: np.ndarray) -> memoryview:
+    raw = bytearray(local_mesh.HEADER_BYTES + payload.nbytes)
+    raw[local_mesh.HEADER_BYTES :] = payload.tobytes()
+    return memoryview(raw)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_exchange_delivers_every_ranks_bytes_between_negotiation_rounds(size: int) -> None:
+    """Raw rounds (the optimizer's steady state) and vector rounds share one numbering."""
+
+    def body(rank: int, store: Any) -> tuple[list[bool], np.ndarray, np.ndarray]:
+        mesh = _connect(rank, store, size)
+        assert mesh is not None
+        try:
+            oks, rows = [], np.zeros((size, 40_000), dtype=np.float32)
+            for i in range(3):
+                data = np.full(40_000, 10.0 * rank + i, dtype=np.float32)  # 160 KB
+                into = {p: memoryview(rows[p]).cast("B") for p in range(size) if p != rank}
+                oks.append(mesh.exchange(7, _message(data), into))
+            gathered = mesh.allgather(np.array([rank, 5], dtype=np.int64))
+            return oks, rows.copy(), gathered
+        finally:
+            mesh.close()
+
+    for rank, (oks, rows, gathered) in enumerate(_on_ranks(size, body)):
+        assert oks == [True, True, True]
+        for peer in range(size):
+            if peer != rank:  # the last round's bytes of every peer, in its row
+                np.testing.assert_array_equal(rows[peer], np.full(40_000, 10.0 * peer + 2))
+        np.testing.assert_array_equal(gathered, [[r, 5] for r in range(size)])
+
+
+def test_a_rank_that_negotiates_voids_the_raw_round_on_every_rank() -> None:
+    """Rank 2 negotiates (e.g. it called join()) while ranks 0, 1 send raw data: their exchange
+    returns False, rank 2's allgather runs again and meets their next vectors; no mixing."""
+
+    def body(rank: int, store: Any) -> object:
+        mesh = _connect(rank, store, 3)
+        assert mesh is not None
+        try:
+            vector = np.array([rank, 100 + rank], dtype=np.int64)
+            if rank == 2:
+                return mesh.allgather(vector)
+            rows = np.zeros((3, 1000), dtype=np.uint8)
+            into = {p: memoryview(rows[p]) for p in range(3) if p != rank}
+            ok = mesh.exchange(9, _message(np.full(1000, rank + 1, dtype=np.uint8)), into)
+            return ok, mesh.allgather(vector)  # the fallback: a negotiated round
+        finally:
+            mesh.close()
+
+    results = _on_ranks(3, body)
+    want = [[r, 100 + r] for r in range(3)]
+    for ok, gathered in results[:2]:
+        assert ok is False
+        np.testing.assert_array_equal(gathered, want)
+    np.testing.assert_array_equal(results[2], want)
+
+
+def test_raw_rounds_with_different_tags_are_void_and_the_mesh_stays_in_step() -> None:
+    def body(rank: int, store: Any) -> tuple[bool, bool]:
+        mesh = _connect(rank, store, 2)
+        assert mesh is not None
+        try:
+            rows = np.zeros((2, 64), dtype=np.uint8)
+            into = {1 - rank: memoryview(rows[1 - rank])}
+            length = 64 if rank == 0 else 32  # another bucket: another tag and length
+            first = mesh.exchange(3 + rank, _message(np.ones(length, np.uint8)), into)
+            second = mesh.exchange(3, _message(np.full(64, rank, np.uint8)), into)
+            assert rows[1 - rank].tolist() == [1 - rank] * 64
+            return first, second
+        finally:
+            mesh.close()
+
+    assert _on_ranks(2, body) == [(False, True), (False, True)]
+
+
+def test_same_tag_with_another_length_raises_out_of_step() -> None:
+    def body(rank: int, store: Any) -> str:
+        mesh = _connect(rank, store, 2)
+        assert mesh is not None
+        rows = np.zeros((2, 64), dtype=np.uint8)
+        length = 64 if rank == 0 else 32
+        try:
+            into = {1 - rank: memoryview(rows[1 - rank])[:length]}
+            mesh.exchange(5, _message(np.ones(length, np.uint8)), into)
+        except ConnectionError as exc:
+            return str(exc)
+        finally:
+            mesh.close()
+        return "no error"
+
+    messages = _on_ranks(2, body)
+    assert all("out of step" in m for m in messages), messages

@@ -39,6 +39,7 @@ The methods, in short::
     barrier()
     allgather_object(obj) -> list            default: pickle + allgather of bytes
     gather_vectors(vector) -> rows           the engine's negotiation round; default allgather
+    local_mesh() -> LocalMesh | None         Unix sockets to every rank when all share the host
     broadcast_object(obj, root) -> obj       default: pickle + broadcast of bytes
     zeros(numel, dtype, device) -> buf       what a joined rank contributes (default: numpy)
     mpi_threads_supported() -> bool          default False
@@ -54,11 +55,14 @@ import importlib
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import numpy as np
 
 from spark_estimators.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from spark_estimators.collective.backends.local_mesh import LocalMesh
 
 Buffer = Any  # a contiguous numpy.ndarray or torch.Tensor
 #: An object sent to every rank and received as the same kind of object.
@@ -243,6 +247,16 @@ class Backend(abc.ABC):
         length = vector.size
         gathered = self.allgather(vector.reshape(1, length), [1] * self.size)
         return np.asarray(gathered, dtype=np.int64).reshape(self.size, length)
+
+    def local_mesh(self) -> LocalMesh | None:
+        """The :class:`~.local_mesh.LocalMesh` of this group when it has one (default: None).
+
+        Its :meth:`~.local_mesh.LocalMesh.exchange` lets a caller holding the engine's
+        execution lock send raw data to every rank without a negotiation round (the
+        ``DistributedOptimizer``'s steady state); the mesh's void rounds keep it in step with
+        ranks that negotiate instead.
+        """
+        return None
 
     @abc.abstractmethod
     def barrier(self) -> None:

@@ -31,9 +31,16 @@ the mesh is then given up within the start timeout, ``init()`` still succeeds. E
 rank checks that the socket it reached belongs to its own user too. Set
 ``SPARK_ESTIMATORS_LOCAL_MESH=0`` to turn the mesh off. It needs Linux (abstract sockets).
 
-A message is a 16-byte header (the round number and the payload's bytes), then the payload. A
-peer that closes its socket, sends another round, or stays silent for the collective timeout
-raises an error. The engine turns it into a
+A message is a 24-byte header (the round number, a tag and the payload's bytes), then the
+payload. Tag 0 marks the engine's negotiation vectors (:meth:`LocalMesh.allgather`); any other
+tag a round of raw data that skips the negotiation (:meth:`LocalMesh.exchange`, the
+``DistributedOptimizer``'s steady state, :mod:`spark_estimators.collective.torch.steady`). A round
+in which the ranks' tags differ is *void* on every rank (each reads the others' whole messages,
+so the streams stay in step): ``allgather`` runs it again, ``exchange`` returns False and its
+caller falls back to a negotiated op. So a rank that negotiates (one that called ``join()``, or
+whose next op is another one) never mistakes raw data for a vector, or the reverse. A peer that
+closes its socket, sends another round, a message of another length under the same tag, or
+stays silent for the collective timeout raises an error. The engine turns it into a
 :class:`~spark_estimators.errors.CollectiveError` that breaks the group, as it does for any
 backend failure.
 """
@@ -59,11 +66,17 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<QQ")
+_HEADER = struct.Struct("<QQQ")  # round, tag, payload bytes
 _HELLO = struct.Struct("<Q16s")
 _KEY = "spark_estimators/mesh/"
 #: How long an accepted peer may take to send its hello (the ranks send it right after connect).
 HELLO_TIMEOUT_S = 5.0
+#: The tag of the engine's negotiation rounds (:meth:`LocalMesh.allgather`).
+NEGOTIATION = 0
+#: Bytes of the header in front of every message (what :meth:`LocalMesh.exchange` leaves free).
+HEADER_BYTES = _HEADER.size
+# A header announcing more than this is garbage, not a message to wait for.
+_MOST_BYTES = 1 << 34
 
 
 def enabled(rank_count: int, ranks_here: int) -> bool:
@@ -125,25 +138,81 @@ class LocalMesh:
         return cls(rank, size, peers, timeout)
 
     def allgather(self, vector: np.ndarray) -> np.ndarray:
-        """Every rank's ``vector`` (int64, the same length on all ranks) as rows in rank order."""
+        """Every rank's ``vector`` (int64, the same length on all ranks) as rows in rank order.
+
+        A void round (a peer sent raw data of :meth:`exchange`) is run again.
+        """
         mine = np.ascontiguousarray(vector, dtype=np.int64).reshape(-1)
-        payload = mine.tobytes()
+        message = bytearray(_HEADER.size + mine.nbytes)
+        message[_HEADER.size :] = mine.tobytes()
+        out = np.empty((self.size, mine.size), dtype=np.int64)
+        out[self.rank] = mine
+        rows = out.view(np.uint8)
+        into = {peer: memoryview(rows[peer]) for peer in self._peers}
+        while not self._exchange_round(NEGOTIATION, memoryview(message), into):
+            pass
+        return out
+
+    def exchange(self, tag: int, message: memoryview, into: dict[int, memoryview]) -> bool:
+        """Send ``message[HEADER_BYTES:]`` to every peer; receive each peer's into ``into[peer]``.
+
+        ``message`` leaves :data:`HEADER_BYTES` free in front (they are written here), ``tag``
+        (> 0) names what the bytes are; every ``into[peer]`` has the payload's length. True when
+        every rank sent ``tag``; False for a void round (some rank sent another tag: nothing of
+        ``into`` is valid, and every rank of the group returns False or runs its round again).
+        """
+        if tag <= NEGOTIATION:
+            raise ValueError(f"tag must be > {NEGOTIATION}, got {tag}")
+        return self._exchange_round(tag, message, into)
+
+    def _exchange_round(self, tag: int, message: memoryview, into: dict[int, memoryview]) -> bool:
+        """One round: send ``message`` (header filled here), read every peer's whole message."""
         self._round += 1
-        message = _HEADER.pack(self._round, len(payload)) + payload
+        payload_bytes = len(message) - _HEADER.size
+        _HEADER.pack_into(message, 0, self._round, tag, payload_bytes)
         expected = len(message)
-        sent = dict.fromkeys(self._peers, 0)
-        received = {peer: bytearray(expected) for peer in self._peers}
-        got = dict.fromkeys(self._peers, 0)
-        for peer, sock in self._peers.items():  # most rounds fit the socket buffer: no poll
+        peers = self._peers
+        sent = dict.fromkeys(peers, 0)
+        heads = {peer: bytearray(_HEADER.size) for peer in peers}
+        got = dict.fromkeys(peers, 0)
+        ends = dict.fromkeys(peers, expected)  # header + the peer's payload, once its header came
+        bodies: dict[int, memoryview] = {}
+        void = False
+        for peer, sock in peers.items():  # most rounds fit the socket buffer: no poll
             sent[peer] = _send(sock, message, 0, peer)
         deadline = time.monotonic() + self.timeout
-        pending = [p for p in self._peers if got[p] < expected or sent[p] < expected]
-        while pending:
+        pending = list(peers)
+        events: list[tuple[int, int]] = [(peers[p].fileno(), select.POLLIN) for p in pending]
+        while True:  # the first pass tries to read at once: the peers' data is often there
+            for fd, event in events:
+                peer, sock = self._by_fd[fd]
+                if event & select.POLLOUT and sent[peer] < expected:
+                    sent[peer] = _send(sock, message, sent[peer], peer)
+                readable = event & (select.POLLIN | select.POLLHUP | select.POLLERR)
+                if readable and got[peer] < ends[peer]:
+                    n = got[peer]
+                    if n < _HEADER.size:
+                        n = got[peer] = _receive(sock, heads[peer], n, peer)
+                        if n == _HEADER.size:
+                            body, end = self._body(peer, heads[peer], tag, payload_bytes, into)
+                            bodies[peer], ends[peer] = body, end
+                            void |= end < 0
+                            if end < 0:
+                                ends[peer] = -end
+                    if n >= _HEADER.size and n < ends[peer]:
+                        got[peer] = _HEADER.size + _receive(
+                            sock, bodies[peer], n - _HEADER.size, peer
+                        )
+                elif readable and sent[peer] < expected:
+                    raise ConnectionError(f"rank {peer} closed its local mesh connection")
+            pending = [p for p in pending if got[p] < ends[p] or sent[p] < expected]
+            if not pending:
+                return not void
             poll = select.poll()
             for peer in pending:
-                mask = select.POLLIN if got[peer] < expected else 0
+                mask = select.POLLIN if got[peer] < ends[peer] else 0
                 mask |= select.POLLOUT if sent[peer] < expected else 0
-                poll.register(self._peers[peer], mask)
+                poll.register(peers[peer], mask)
             left = deadline - time.monotonic()
             events = poll.poll(int(left * 1000) + 1) if left > 0 else []
             if not events and time.monotonic() >= deadline:
@@ -151,31 +220,23 @@ class LocalMesh:
                     f"rank(s) {pending} did not exchange local mesh round {self._round} within "
                     f"the collective timeout ({self.timeout:g} s)"
                 )
-            for fd, event in events:
-                peer, sock = self._by_fd[fd]
-                if event & select.POLLOUT and sent[peer] < expected:
-                    sent[peer] = _send(sock, message, sent[peer], peer)
-                readable = event & (select.POLLIN | select.POLLHUP | select.POLLERR)
-                if readable and got[peer] < expected:
-                    got[peer] = _receive(sock, received[peer], got[peer], peer)
-                    if got[peer] >= _HEADER.size:  # a wrong length must not wait for bytes
-                        self._check_header(peer, received[peer], len(payload))
-                elif readable and sent[peer] < expected:
-                    raise ConnectionError(f"rank {peer} closed its local mesh connection")
-            pending = [p for p in pending if got[p] < expected or sent[p] < expected]
-        out = np.empty((self.size, mine.size), dtype=np.int64)
-        out[self.rank] = mine
-        for peer, data in received.items():
-            out[peer] = np.frombuffer(data, dtype=np.int64, offset=_HEADER.size)
-        return out
 
-    def _check_header(self, peer: int, data: bytearray, payload_bytes: int) -> None:
-        round_, nbytes = _HEADER.unpack_from(data)
-        if round_ != self._round or nbytes != payload_bytes:
+    def _body(
+        self, peer: int, head: bytearray, tag: int, payload_bytes: int, into: dict[int, memoryview]
+    ) -> tuple[memoryview, int]:
+        """Where ``peer``'s payload goes and where its message ends (negative: a void round)."""
+        round_, their_tag, nbytes = _HEADER.unpack(head)
+        if round_ != self._round or (their_tag == tag and nbytes != payload_bytes):
             raise ConnectionError(
                 f"rank {peer} sent round {round_} with {nbytes} bytes where this rank is at "
                 f"round {self._round} with {payload_bytes} bytes (local mesh out of step)"
             )
+        if their_tag == tag:
+            return into[peer], _HEADER.size + nbytes
+        if nbytes > _MOST_BYTES:
+            raise ConnectionError(f"rank {peer} announced {nbytes} bytes (local mesh out of step)")
+        logger.debug("local mesh round %d void: rank %d sent tag %d", round_, peer, their_tag)
+        return memoryview(bytearray(nbytes)), -(_HEADER.size + nbytes)
 
     def close(self) -> None:
         """Close every connection (the peers' next round fails at once)."""
@@ -261,7 +322,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(data)
 
 
-def _send(sock: socket.socket, message: bytes, offset: int, peer: int) -> int:
+def _send(sock: socket.socket, message: bytes | memoryview, offset: int, peer: int) -> int:
     try:
         return offset + sock.send(memoryview(message)[offset:])
     except BlockingIOError:
@@ -270,7 +331,7 @@ def _send(sock: socket.socket, message: bytes, offset: int, peer: int) -> int:
         raise ConnectionError(f"rank {peer} closed its local mesh connection ({exc})") from exc
 
 
-def _receive(sock: socket.socket, into: bytearray, offset: int, peer: int) -> int:
+def _receive(sock: socket.socket, into: bytearray | memoryview, offset: int, peer: int) -> int:
     try:
         n = sock.recv_into(memoryview(into)[offset:])
     except BlockingIOError:

@@ -383,6 +383,10 @@ class TorchDistributedBackend(Backend):
             return self._mesh.allgather(vector)
         return super().gather_vectors(vector)
 
+    def local_mesh(self) -> local_mesh.LocalMesh | None:
+        """The Unix sockets of the negotiation rounds, when all ranks share this host."""
+        return self._mesh
+
     def alltoall(self, buf: Buffer, send_rows: Sequence[int], recv_rows: Sequence[int]) -> Buffer:
         """Exchange row blocks with every rank (``all_to_all_single``)."""
         import torch.distributed as dist

@@ -20,6 +20,9 @@ How it works (Horovod's design, with DDP-style static buckets):
 * ``step()`` (or ``synchronize()``) launches what is left (a parameter without a gradient
   contributes zeros, as in Horovod), waits for every bucket, writes the averaged gradients back
   and calls the wrapped optimizer's ``step``.
+* From the second step on, same-host ranks reduce the last bucket without the engine's
+  negotiation round when they all can (:mod:`.steady`: one Unix-socket round of the raw bytes,
+  bit for bit the engine's result; ranks not in step fall back to the engine's path).
 
 With ``backward_passes_per_step=k`` gradients accumulate locally over k backward passes and the
 sum is averaged across ranks once (Horovod's semantics, not divided by k).
@@ -37,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -52,6 +55,8 @@ from spark_estimators.collective.torch.arrays import (
 from spark_estimators.collective.torch.compression import Compression, Compressor
 from spark_estimators.collective.torch.grouped import sparse_allreduce_async
 from spark_estimators.collective.torch.ops import grouped_allreduce_async_
+from spark_estimators.collective.torch.optimizer_params import _parameter_names, _trainable
+from spark_estimators.collective.torch.steady import SteadyBucket
 from spark_estimators.errors import CollectiveError, ConfigurationError
 
 
@@ -161,6 +166,16 @@ class _DistributedOptimizer(_Wrapper):
         self._se_sparse_inflight: list[tuple[torch.Tensor, Handle]] = []
         self._se_should_sync = True
         self._se_synchronized = False
+        last = self._se_buckets[-1] if self._se_buckets else []
+        self._se_steady = None
+        if last and not local_only:
+            names = [self._se_names[id(p)] for p in last]
+            self._se_steady = SteadyBucket(
+                last, self._se_bucket_name(len(self._se_buckets) - 1, last), names, op,
+                1.0 / gradient_predivide_factor if op is ReduceOp.AVERAGE else 1.0,
+                gradient_predivide_factor if op is ReduceOp.AVERAGE else 1.0,
+                compression, process_set,
+            )  # fmt: skip
         self._se_hooks = (
             []
             if local_only
@@ -216,17 +231,19 @@ class _DistributedOptimizer(_Wrapper):
             pre, post = 1.0 / self._se_predivide, self._se_predivide
         else:
             pre, post = 1.0, 1.0
-        first = self._se_names[id(bucket[0])]
-        name = f"DistributedOptimizer.bucket{b}[{first}{', ...' if len(bucket) > 1 else ''}]"
         handle = grouped_allreduce_async_(
             [c for c, _ in compressed],
-            name=name,
+            name=self._se_bucket_name(b, bucket),
             op=self._se_op,
             prescale_factor=pre,
             postscale_factor=post,
             process_set=self._se_process_set,
         )
         self._se_inflight.append((bucket, handle, compressed))
+
+    def _se_bucket_name(self, b: int, bucket: list[torch.Tensor]) -> str:
+        first = self._se_names[id(bucket[0])]
+        return f"DistributedOptimizer.bucket{b}[{first}{', ...' if len(bucket) > 1 else ''}]"
 
     # -- public API --------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -238,8 +255,12 @@ class _DistributedOptimizer(_Wrapper):
         if self._se_local:  # not a member of the process set: local gradients as they are
             self._se_synchronized = True
             return
+        last, steady = len(self._se_buckets) - 1, self._se_steady
         with waited_ops():
             while self._se_next < len(self._se_buckets):
+                if self._se_next == last and steady is not None and steady.run():
+                    self._se_next, steady = last + 1, None  # reduced in place: nothing to wait
+                    continue
                 self._se_launch(self._se_next)
         inflight, self._se_inflight = self._se_inflight, []
         sparse, self._se_sparse_inflight = self._se_sparse_inflight, []
@@ -255,6 +276,8 @@ class _DistributedOptimizer(_Wrapper):
                         grad.copy_(self._se_compression.decompress(sent, ctx))
             for p, handle in sparse:
                 p.grad = handle.wait().coalesce()
+            if steady is not None:  # the engine reduced the last bucket: the next step may not
+                steady.negotiated()
         finally:
             for key in self._se_delay:
                 self._se_delay[key] = self._se_passes
@@ -335,40 +358,6 @@ class _AdasumOptimizer(_Wrapper):
             for p, start, (c, ctx) in zip(params, starts, sent):
                 p.copy_(start + self._se_compression.decompress(c, ctx))
         return loss
-
-
-def _trainable(param_groups: Sequence[Mapping[str, Iterable[torch.Tensor]]]) -> list[torch.Tensor]:
-    """The parameters that need gradients, each once, in the optimizer's order."""
-    params: list[torch.Tensor] = []
-    for group in param_groups:
-        for p in group["params"]:
-            if p.requires_grad and all(p is not q for q in params):
-                params.append(p)
-    return params
-
-
-def _parameter_names(
-    named_parameters: Iterable[tuple[str, torch.Tensor]] | None, params: Sequence[torch.Tensor]
-) -> dict[int, str]:
-    if named_parameters is None:
-        return {id(p): f"param.{i}" for i, p in enumerate(params)}
-    named = list(named_parameters)
-    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-        raise ConfigurationError(
-            "named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()"
-        )
-    names = [n for n, _ in named]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise ConfigurationError(f"named_parameters has duplicate names: {duplicates[:5]}")
-    by_id = {id(p): n for n, p in named}
-    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
-    if missing:
-        raise ConfigurationError(
-            f"named_parameters does not name {len(missing)} of the optimizer's parameters "
-            "(pass model.named_parameters() of the model whose parameters the optimizer holds)"
-        )
-    return {id(p): by_id[id(p)] for p in params}
 
 
 _CLASSES: dict[type | tuple[type, str], type] = {}

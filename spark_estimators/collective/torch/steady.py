@@ -1,0 +1,222 @@
+"""``DistributedOptimizer``'s steady state: the last bucket reduced without a negotiation round.
+
+A training loop reduces the same bucket of gradients step after step. Through the engine each
+step pays a negotiation round (the op's vector, the data inline in it, the plan, the packing and
+unpacking of the fused gradient, the request and its future): most of a small model's gradient
+allreduce is that Python work, not the bytes (issue 45: ~0.4 ms of CPU a step for 50 KB on the
+2-core machine, where a Unix socket moves them in ~20 us). Horovod skips its negotiation for ops
+it has seen before (the response cache); this is the same idea for the optimizer's last bucket.
+
+When it applies: every rank on this host connected by the local mesh
+(:meth:`~spark_estimators.collective.backends.base.Backend.local_mesh`), the bucket on the CPU
+in a numpy dtype, dense gradients, ``Compression.none`` or ``fp16``, op ``Average`` or ``Sum``,
+the bucket small enough to travel inline (``settings.inline_limit``), no autotune, and
+``SPARK_ESTIMATORS_STEADY_ALLREDUCE`` not ``0``. Elsewhere (other hosts, NCCL, MPI,
+hierarchical, a process set's subgroup, Adasum) the optimizer takes the engine's path as before.
+
+How: the first step of an optimizer goes through the engine (negotiated, so ranks with other
+models fail there with the usual mismatch error). From the second, ``synchronize()`` takes the
+engine's execution lock, runs whatever ops are still queued (those submitted before this one),
+copies the gradients into a wire buffer kept for the bucket (cast to float16 with
+``fp16``, times ``gradient_predivide_factor``'s prescale), and exchanges it with every rank in
+one mesh round tagged with a hash of the bucket (names, shapes, dtypes, op, scale factors).
+Every rank sums the rows in rank order with the engine's own inline reduction, so the result is
+bit for bit what the engine's inline path gives, then copies it back into the gradients.
+
+A rank that is not in the same place (one that called ``join()``, negotiates another op, or
+has another bucket, hence another tag) makes the round *void* on every rank (see
+:mod:`~spark_estimators.collective.backends.local_mesh`): the ranks of the steady round fall
+back to the engine's path for this step, where a real mismatch raises the usual error and a
+joined rank contributes zeros as in Horovod; they try again after a back-off (64 steps, then
+doubling). A peer that dies or stays silent fails the round as any collective op: the group is
+broken and a :class:`~spark_estimators.errors.CollectiveError` says what happened.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from spark_estimators import envvars as ev
+from spark_estimators.collective.backends.base import FLOATING_DTYPES, ReduceOp
+from spark_estimators.collective.backends.local_mesh import HEADER_BYTES
+from spark_estimators.collective.runtime import engine as _engine
+from spark_estimators.collective.runtime import settings as _settings
+from spark_estimators.collective.runtime.allreduce import Reduction, _reduce_rows
+from spark_estimators.collective.runtime.arrays import scale_array
+from spark_estimators.collective.runtime.process_sets import ProcessSet
+from spark_estimators.collective.runtime.requests import signature_hash
+from spark_estimators.collective.torch.compression import Compression, Compressor
+from spark_estimators.errors import CollectiveError
+
+#: Steps between a void round and the next try (doubled after each void, up to MOST_BACKOFF).
+BACKOFF = 64
+MOST_BACKOFF = 4096
+_NUMPY = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+
+
+class SteadyBucket:
+    """The steady-state exchange of one bucket (the optimizer's last) of one optimizer.
+
+    ``taken`` counts the steps reduced here, ``voided`` the tries that fell back.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        name: str,
+        names: Sequence[str],
+        op: ReduceOp,
+        pre: float,
+        post: float,
+        compression: type[Compressor],
+        process_set: ProcessSet | None,
+    ) -> None:
+        self.params = list(params)
+        self.name = name
+        self._reduction = Reduction(op, pre, post)
+        self._compression = compression
+        self._process_set = process_set
+        dtype = self.params[0].dtype
+        self._wire_dtype = torch.float16 if compression is Compression.fp16 else dtype
+        self.numel = sum(int(p.numel()) for p in self.params)
+        self.nbytes = self.numel * torch.empty((), dtype=self._wire_dtype).element_size()
+        self._signature = (
+            "DistributedOptimizer.steady",
+            tuple(names),
+            tuple(tuple(p.shape) for p in self.params),
+            str(dtype),
+            str(self._wire_dtype),
+            op.name,
+            float(pre),
+            float(post),
+        )
+        self.taken = 0
+        self.voided = 0
+        self._steps = 0
+        self._next_try = 0
+        self._backoff = BACKOFF
+        self._engine: _engine.Engine | None = None
+        self._armed = False  # the engine's path reduced this bucket once on self._engine
+        self._usable = False  # eligible() on self._engine's group, and the bucket fits inline
+        self._wire: Wire | None = None
+
+    def eligible(self) -> bool:
+        """What does not change between steps: device, dtype, compression, op, size, switch."""
+        p0 = self.params[0]
+        return (
+            ev.env_on(ev.STEADY_ALLREDUCE)
+            and p0.device.type == "cpu"
+            and self._wire_dtype in _NUMPY
+            and all(p.dtype == p0.dtype and p.device == p0.device for p in self.params)
+            and self._compression in (Compression.none, Compression.fp16)
+            and self._reduction.op in (ReduceOp.AVERAGE, ReduceOp.SUM)
+            and self.nbytes > 0
+        )
+
+    def negotiated(self) -> None:
+        """The engine's path reduced the bucket this step: later steps may skip negotiation."""
+        self._armed = True
+
+    def run(self) -> bool:
+        """Reduce the bucket's gradients in place; False: take the engine's path this step."""
+        self._steps += 1
+        engine = _engine.require("DistributedOptimizer", self._process_set)
+        if engine is not self._engine:  # first step, or a new init(): negotiate once again
+            self._engine, self._armed, self._wire = engine, False, None
+            fits = self.nbytes <= max(_settings.inline_limit(engine.backend.size), 512)
+            self._usable = fits and self.eligible() and engine.backend.local_mesh() is not None
+            return False
+        if not (self._armed and self._usable) or self._steps < self._next_try:
+            return False
+        mesh = engine.backend.local_mesh()
+        if mesh is None or engine.tuner is not None:
+            return False
+        size = engine.backend.size
+        grads = []
+        for p in self.params:
+            if p.grad is None:  # not used this step here; other ranks may have a gradient
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse:
+                return False
+            grads.append(p.grad.detach())
+        wire = self._wire
+        if wire is None:
+            wire = self._wire = Wire(self, engine.backend.rank, size)
+        torch._foreach_copy_(wire.views, grads)
+        if self._reduction.prescale != 1.0:
+            scale_array(wire.typed, self._reduction.prescale)
+        start = time.perf_counter_ns()
+        with engine._exec_lock:  # noqa: SLF001 - the mesh is the engine's: one round at a time
+            while engine._backlog:  # noqa: SLF001 - ops submitted before this one run first
+                engine._run_next()  # noqa: SLF001
+            if engine.broken is not None:
+                return False  # the engine's path raises the group's error
+            try:
+                done = mesh.exchange(wire.tag, wire.message, wire.into)
+            except Exception as exc:  # noqa: BLE001 - every failure breaks the group
+                error = _failed(self.name, engine, exc)
+                engine._broken = error  # noqa: SLF001 - the mesh is out of step now
+                raise error from exc
+        if not done:
+            self.voided += 1
+            self._next_try = self._steps + self._backoff
+            self._backoff = min(2 * self._backoff, MOST_BACKOFF)
+            return False
+        wire.rows[wire.rank] = wire.payload
+        native = (
+            self._reduction.op is ReduceOp.AVERAGE
+            and engine.backend.native_average
+            and self._reduction.prescale == self._reduction.postscale == 1.0
+            and wire.dtype in FLOATING_DTYPES
+        )
+        wire_op, post = self._reduction.on_wire(size, native)
+        wire.typed[...] = _reduce_rows(wire.rows, wire.dtype, self.numel, wire_op, size, post)
+        torch._foreach_copy_(grads, wire.views)
+        self.taken += 1
+        if engine.timeline is not None:
+            info: dict[str, object] = {"dtype": wire.dtype, "steady": True}
+            engine.timeline.record(self.name, "ALLREDUCE", engine.set_id, start, start,
+                                   time.perf_counter_ns(), info)  # fmt: skip
+        return True
+
+
+class Wire:
+    """The buffers of a bucket's steady rounds.
+
+    What is sent (header room, then the payload) and the rows received, one per rank.
+    """
+
+    def __init__(self, bucket: SteadyBucket, rank: int, size: int) -> None:
+        self.rank = rank
+        self.dtype = _NUMPY[bucket._wire_dtype]  # noqa: SLF001
+        tag = signature_hash(bucket._signature) & ((1 << 63) - 1)  # noqa: SLF001
+        self.tag = tag or 1
+        raw = np.zeros(HEADER_BYTES + bucket.nbytes, dtype=np.uint8)
+        self.message = memoryview(raw.data)
+        self.payload = raw[HEADER_BYTES:]
+        self.typed = self.payload.view(self.dtype)
+        flat = torch.from_numpy(self.typed)
+        self.views = [
+            v.view(p.shape)
+            for v, p in zip(flat.split([int(p.numel()) for p in bucket.params]), bucket.params)
+        ]
+        self.rows = np.zeros((size, bucket.nbytes), dtype=np.uint8)
+        self.into = {r: memoryview(self.rows[r]) for r in range(size) if r != rank}
+
+
+def _failed(name: str, engine: _engine.Engine, exc: BaseException) -> CollectiveError:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    hint = "a peer rank probably died or stopped calling collectives; check its log"
+    if isinstance(exc, TimeoutError):
+        hint = (
+            f"no peer answered within the collective timeout ({engine.backend.timeout:g} s, "
+            f"{ev.COLLECTIVE_TIMEOUT})"
+        )
+    return CollectiveError(
+        f"allreduce {name!r} (steady state, over the local mesh) failed on rank "
+        f"{engine.backend.rank}: {text}; {hint}"
+    )
