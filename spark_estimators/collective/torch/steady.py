@@ -161,6 +161,8 @@ class SteadyBucket:
                 error = _failed(self.name, engine, exc)
                 engine._broken = error  # noqa: SLF001 - the mesh is out of step now
                 raise error from exc
+        with engine._cv:  # noqa: SLF001 - a parked engine thread runs what came meanwhile
+            engine._ran_batch()  # noqa: SLF001
         if not done:
             self.voided += 1
             self._next_try = self._steps + self._backoff
