@@ -150,7 +150,8 @@ class LocalBackend(Backend):
 
     GPUs: every rank sees this machine's GPUs (``gpus``, or all that torch finds, in this
     order, as ``CUDA_VISIBLE_DEVICES``) and takes the one of ``local_rank % len(gpus)``, so
-    ranks share GPUs when there are more ranks than GPUs (Gloo allows that; NCCL does not).
+    ranks share GPUs when there are more ranks than GPUs (Gloo allows that; NCCL does not, so
+    ``collective_backend="auto"`` then takes Gloo, and ``"nccl"`` is refused with the fix).
 
     Parameters
     ----------

@@ -100,6 +100,11 @@ def init(
         name = _settings.resolve_backend(requested)
         # The MPI backend takes its rank and size from the communicator: no rendezvous address.
         topology = _settings.topology_from_env(rendezvous=name != "mpi")
+        if name == "nccl":
+            import torch
+
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            name = _settings.backend_for_host(name, requested, topology, gpus)
         cls = backend_class(name)
         impl = cls(
             topology,

@@ -13,12 +13,15 @@ without its launcher).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import socket
 
 from spark_estimators import envvars as ev
 from spark_estimators.collective.backends.base import Topology
 from spark_estimators.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 #: torchrun sets this next to GROUP_RANK (number of nodes); used when ours is absent.
 GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
@@ -134,6 +137,33 @@ def resolve_backend(name: str) -> str:
     raise ConfigurationError(
         "backend='auto' found neither torch (gloo/nccl) nor mpi4py (mpi); install one with "
         "pip install 'spark-estimators[torch]' or 'spark-estimators[mpi]'"
+    )
+
+
+def backend_for_host(name: str, requested: str, topology: Topology, gpus: int) -> str:
+    """``name`` once the host's ranks are known: NCCL needs a GPU of its own per rank.
+
+    With more ranks on this host than the ``gpus`` it sees (``LocalBackend(2)`` or ``local[2]``
+    on a one-GPU machine, or Spark tasks without GPU scheduling), NCCL refuses the group
+    ("invalid usage"). A one-host job that asked for ``auto`` takes Gloo, which carries CUDA
+    tensors and lets ranks share a GPU; otherwise (``nccl`` asked for, or several hosts, which
+    must all agree on the backend) the rank stops here with what to change.
+    """
+    if name != "nccl" or gpus == 0 or topology.local_size <= gpus:
+        return name  # no GPU at all: the NCCL backend itself says so
+    if requested == "auto" and topology.size == topology.local_size:
+        logger.info(
+            "collective backend auto: %d ranks share %d GPU(s) on this host, and NCCL needs "
+            "one per rank: using gloo",
+            topology.local_size,
+            gpus,
+        )
+        return "gloo"
+    raise ConfigurationError(
+        f"backend {requested!r} resolves to nccl, but {topology.local_size} ranks on host "
+        f"{topology.hostname or 'this host'} share {gpus} GPU(s), and NCCL needs one GPU per "
+        "rank: give each rank its own GPU (Spark: spark.task.resource.gpu.amount=1; "
+        "LocalBackend: num_proc <= GPUs), or use backend 'gloo'"
     )
 
 
