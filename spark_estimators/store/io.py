@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 _SPOOL_BYTES = 64 << 20
 _COPY_CHUNK = 8 << 20
+_READ_ATTEMPTS = 3
 
 
 class StoreIO:
@@ -114,12 +115,23 @@ class StoreIO:
 
     # ----------------------------------------------------------------------------- reading
     def read_bytes(self, path: str) -> bytes:
-        """The whole content of the file at ``path``."""
-        with (
-            self._io_errors("read", path),
-            self.filesystem.open_input_stream(self.fs_path(path)) as src,
-        ):
-            return bytes(src.read())
+        """The whole content of the file at ``path``.
+
+        A file replaced while it is read (an object store checks the version it opened: s3fs
+        raises ``FileExpired`` when a run lock's heartbeat rewrote it between the open and the
+        GET) is read again, up to ``_READ_ATTEMPTS`` times in all; a missing file is not.
+        """
+        attempt = 1
+        while True:
+            try:
+                with self.filesystem.open_input_stream(self.fs_path(path)) as src:
+                    return bytes(src.read())
+            except FileNotFoundError as exc:
+                raise StoreError(f"cannot read {path!r} in {self!r}: it does not exist") from exc
+            except OSError as exc:
+                if attempt >= _READ_ATTEMPTS or not self.exists(path):
+                    raise StoreError(f"cannot read {path!r} in {self!r}: {exc}") from exc
+            attempt += 1
 
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
         """The content of the file at ``path``, decoded."""
