@@ -37,8 +37,9 @@ _WRITE_BUFFER_BYTES = 1 << 20
 MIN_ROW_GROUP_ROWS = 64
 MAX_ROW_GROUP_ROWS = 1 << 20
 #: Values pyarrow encodes per inner batch (its default is 1,024): 64k cut the writer's CPU by
-#: ~12% on 32 float64 features (bench/RESULTS.md, issue 45 session 4); pages still close near
-#: pyarrow's 1 MiB data page size (at most one batch, 512 KiB of float64, past it).
+#: ~12% on 32 float64 features (bench/RESULTS.md, issue 45 session 4). pyarrow checks its 1 MiB
+#: data page size after each batch, so a page may run past it by up to one batch (512 KiB of
+#: float64); readers read whole row groups, so that changes nothing for them.
 WRITE_BATCH_VALUES = 1 << 16
 
 
