@@ -16,6 +16,15 @@ and microseconds per row. ``--features`` sets the number of float columns (32: t
 ``--cases vector`` or ``scalars`` runs one of the two. ``--shuffled`` adds a third write per
 round, prepare_data with the hash shuffle it used before issue 45 (``partitions_per_process=1``:
 the frame's 2 partitions are not 1 per process, so it shuffles to 2), printed as "shuffled".
+
+``--floors`` adds three same-run references that split a write's time (issue 45, session 4):
+"frame" is the user's DataFrame itself, its selected columns drained by Spark's ``noop`` writer
+(with ``--no-cache`` that is the 32 ``rand`` columns and the VectorAssembler: a cost any use of
+the frame pays, not the write's); "handoff" is the frame as prepare_data converts it
+(``vector_to_array``) sent through ``mapInArrow`` to a Python function that only counts the
+rows: what Spark charges any Python writer before it encodes a byte; "native" is Spark's own
+``write.parquet`` of those converted columns without a shuffle (no Python at all). Printed: each
+one's us/row, and prepare_data's own cost per row, ``(prepare_data - frame) / rows``.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ def main() -> None:
     parser.add_argument("--no-cache", action="store_true")
     parser.add_argument("--cases", default="vector,scalars")
     parser.add_argument("--shuffled", action="store_true")
+    parser.add_argument("--floors", action="store_true")
     args = parser.parse_args()
 
     from pyspark.ml.feature import VectorAssembler
@@ -93,6 +103,25 @@ def main() -> None:
     def base(frame: Any, features: list[str], tmp: str, n: int) -> Any:
         return frame.select(*features, "y").repartition(n).write.parquet(os.path.join(tmp, "b"))
 
+    def converted(frame: Any, features: list[str]) -> Any:
+        """The columns as prepare_data hands them to its writer (no shuffle, vectors as arrays)."""
+        from spark_estimators.data.columns import describe_columns, kind_of, training_frame
+
+        used = [*features, "y"]
+        kinds = {c: kind_of(frame, c) for c in used}
+        columns = describe_columns(frame, used, kinds, False, None)
+        return training_frame(frame, columns, None, 0.0, 42, None, by_content=True)[0]
+
+    floors = {label: converted(frame, features) for label, (frame, features) in datasets.items()}
+
+    def floor_case(name: str, label: str, tmp: str) -> Any:
+        frame, features = datasets[label]
+        if name == "frame":
+            return frame.select(*features, "y").write.format("noop").mode("overwrite").save()
+        if name == "handoff":
+            return floors[label].mapInArrow(count_rows, "n long").collect()
+        return floors[label].write.parquet(os.path.join(tmp, "n"))
+
     for rnd in range(args.rounds + 1):  # round 0 warms up Spark's Python workers
         for label, (frame, features) in datasets.items():
             if rnd == 0:
@@ -101,6 +130,7 @@ def main() -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 continue
             order = ["ours", "base"] + (["shuffled"] if args.shuffled else [])
+            order += ["frame", "handoff", "native"] if args.floors else []
             if not rnd % 2:
                 order.reverse()
             got = {}
@@ -110,6 +140,11 @@ def main() -> None:
                     got[name] = timed_jobs(spark, lambda: ours(frame, features, tmp))  # noqa: B023
                 elif name == "shuffled":
                     got[name] = timed_jobs(spark, lambda: ours(frame, features, tmp, 1))  # noqa: B023
+                elif name in ("frame", "handoff", "native"):
+                    got[name] = timed_jobs(
+                        spark,
+                        lambda: floor_case(name, label, tmp),  # noqa: B023
+                    )
                 else:
                     got[name] = timed_jobs(
                         spark,
@@ -129,6 +164,17 @@ def main() -> None:
                     f"{got['shuffled'][0] / args.rows * 1e6:.2f} us/row"
                     if args.shuffled
                     else ""
+                )
+                + (
+                    "; "
+                    + ", ".join(
+                        f"{n} {got[n][0]:.2f} s ({got[n][0] / args.rows * 1e6:.2f} us/row)"
+                        for n in ("frame", "handoff", "native")
+                    )
+                    + "; prepare_data's own "
+                    + f"{(got['ours'][0] - got['frame'][0]) / args.rows * 1e6:.2f} us/row"
+                    if args.floors
+                    else ""
                 ),
                 flush=True,
             )
@@ -145,8 +191,35 @@ def main() -> None:
                 f"median {label} shuffled: {shuf_med:.2f} s ({shuf_med / args.rows * 1e6:.2f} "
                 f"us/row), prepare_data / shuffled {ours_med / shuf_med:.2f}"
             )
+        if args.floors:
+            meds = {
+                n: statistics.median(times[f"{label} {n}"]) for n in ("frame", "handoff", "native")
+            }
+            own = statistics.median(
+                o - f for o, f in zip(times[f"{label} ours"], times[f"{label} frame"], strict=True)
+            )
+            print(
+                f"median {label} floors: "
+                + ", ".join(
+                    f"{n} {m:.2f} s ({m / args.rows * 1e6:.2f} us/row)" for n, m in meds.items()
+                )
+                + f"; prepare_data / native {ours_med / meds['native']:.2f}, "
+                f"prepare_data / handoff {ours_med / meds['handoff']:.2f}; "
+                "prepare_data's own (minus frame, per round) "
+                f"{own / args.rows * 1e6:.2f} us/row"
+            )
     print("load average at end:", os.getloadavg())
     spark.stop()
+
+
+def count_rows(batches: Any) -> Any:
+    """mapInArrow function of the "handoff" floor: receive every batch, write nothing."""
+    import pyarrow as pa
+
+    n = 0
+    for batch in batches:
+        n += batch.num_rows
+    yield pa.RecordBatch.from_pydict({"n": [n]})
 
 
 if __name__ == "__main__":

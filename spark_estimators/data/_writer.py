@@ -36,6 +36,11 @@ INFO_SCHEMA = "info string"
 _WRITE_BUFFER_BYTES = 1 << 20
 MIN_ROW_GROUP_ROWS = 64
 MAX_ROW_GROUP_ROWS = 1 << 20
+#: Values pyarrow encodes per inner batch (its default is 1,024): 64k cut the writer's CPU by
+#: ~12% on 32 float64 features (bench/RESULTS.md, issue 45 session 4). pyarrow checks its 1 MiB
+#: data page size after each batch, so a page may run past it by up to one batch (512 KiB of
+#: float64); readers read whole row groups, so that changes nothing for them.
+WRITE_BATCH_VALUES = 1 << 16
 
 
 def arrow_type(info: ColumnInfo) -> pa.DataType:
@@ -133,6 +138,7 @@ class _RollingParquetWriter:
                 # Min/max of float columns: no reader of ours uses them, and computing them was
                 # ~7% of the write's CPU on 32 float64 features (bench/RESULTS.md, issue 45).
                 write_statistics=_dictionary_columns(self._schema),
+                write_batch_size=WRITE_BATCH_VALUES,
             )
         # One call = one row group (the table is below pyarrow's row-group maximum).
         self._writer.write_table(table, row_group_size=max(table.num_rows, 1))
