@@ -38,11 +38,14 @@ def step_times(stamps: list[float], skip: int = 20) -> list[float]:
     return [b - a for a, b in zip(stamps[skip:], stamps[skip + 1 :], strict=False)]
 
 
-def _worker(task: tuple[int, int, int, list[int], int, int]) -> dict[str, float]:
-    """One rank's share: data built, barrier, the timed loop."""
+PARTS = ("forward + loss", "backward", "optimizer")
+
+
+def _worker(task: tuple[int, int, int, list[int], int, int, bool]) -> dict[str, Any]:
+    """One rank's share: data built, barrier, the timed loop (``parts``: a clock between parts)."""
     import torch
 
-    rank, rows, nf, hidden, epochs, batch = task
+    rank, rows, nf, hidden, epochs, batch, parts = task
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.rand(rows, nf, generator=gen)
     y = (x * torch.arange(1, nf + 1, dtype=torch.float32)).sum(1, keepdim=True) / nf
@@ -57,6 +60,8 @@ def _worker(task: tuple[int, int, int, list[int], int, int]) -> dict[str, float]
     loss_fn = torch.nn.MSELoss()
     _BARRIER.wait()
     stamps: list[float] = []
+    times: list[tuple[float, float, float]] = []
+    clock = time.perf_counter
     t0, cpu0 = time.perf_counter(), time.process_time()
     loss_sum = torch.zeros((), dtype=torch.float64)
     for _ in range(epochs):
@@ -64,15 +69,31 @@ def _worker(task: tuple[int, int, int, list[int], int, int]) -> dict[str, float]
         xs, ys = x[perm], y[perm]
         for start in range(0, rows, batch):
             xb, yb = xs[start : start + batch], ys[start : start + batch]
-            opt.zero_grad()
-            loss = loss_fn(model(xb), yb)
-            loss.backward()
-            opt.step()
+            if parts:  # the same loop with a clock between the parts (step_profile --breakdown)
+                a = clock()
+                opt.zero_grad()
+                loss = loss_fn(model(xb), yb)
+                b = clock()
+                loss.backward()
+                c = clock()
+                opt.step()
+                times.append((b - a, c - b, clock() - c))
+            else:
+                opt.zero_grad()
+                loss = loss_fn(model(xb), yb)
+                loss.backward()
+                opt.step()
             loss_sum += loss.detach().to(torch.float64) * len(xb)
             stamps.append(time.perf_counter())
     total, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     float(loss_sum)
+    out: dict[str, Any] = {}
+    if parts:
+        out["parts"] = {
+            p: 1e3 * statistics.median(t[i] for t in times[20:]) for i, p in enumerate(PARTS)
+        }
     return {
+        **out,
         "loop_s": total,
         "steps": len(stamps),
         "step_ms": 1e3 * statistics.median(step_times(stamps)),
@@ -89,16 +110,21 @@ class Floor:
         self.ranks = ranks
         self.pool = ctx.Pool(ranks, initializer=_init, initargs=(ctx.Barrier(ranks),))
 
-    def measure(self, cfg: dict[str, Any], batch: int = BATCH) -> dict[str, float]:
+    def measure(
+        self, cfg: dict[str, Any], batch: int = BATCH, parts: bool = False
+    ) -> dict[str, Any]:
+        """One round; ``parts``: also worker 0's median ms of each of :data:`PARTS`."""
         share = cfg["rows"] // self.ranks
         tasks = [
-            (rank, share, cfg["features"], list(cfg["hidden"]), cfg["epochs"], batch)
+            (rank, share, cfg["features"], list(cfg["hidden"]), cfg["epochs"], batch, parts)
             for rank in range(self.ranks)
         ]
         # chunksize 1 and a barrier in each task: each worker takes exactly one rank
         out = self.pool.map(_worker, tasks, chunksize=1)
         slow = max(out, key=lambda r: r["loop_s"])
+        extra = {"parts": out[0]["parts"]} if parts else {}
         return {
+            **extra,
             "total_s": slow["loop_s"],
             "step_ms": statistics.median(r["step_ms"] for r in out),
             "mean_step_ms": slow["mean_step_ms"],

@@ -14,7 +14,9 @@ interval between optimizer steps of rank 0 (steps 21.. of the epoch) and of the 
 ratio (target <= 1.3), and each side's training time. ``--breakdown`` trains ours through a
 ``train_minibatch_fn`` that does what the rank loop does with a clock between the parts
 (between steps: the reader's hand-off and the loop's own work; forward + loss; backward with the
-gradient hooks; the gradient allreduce; the optimizer) and prints rank 0's median of each.
+gradient hooks; the gradient allreduce; the optimizer) and prints rank 0's median of each, and
+the floor's of its parts (forward + loss, backward, optimizer). Each round also prints rank 0's
+CPU time per step by thread (from ``/proc``).
 """
 
 from __future__ import annotations
@@ -55,17 +57,51 @@ def write_rows(path: str, rows: int, nf: int, files: int = 4) -> None:
         pq.write_table(table, os.path.join(path, f"part-{i}.parquet"))
 
 
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, summed by thread name.
+
+    Python threads by their ``threading`` name (with digits dropped), the others (torch's, Gloo's)
+    by their OS name.
+    """
+    import re
+    import threading
+
+    names = {t.native_id: re.sub(r"\d+", "", t.name) for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        name = names.get(int(tid)) or stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 class StepClock:
-    """Rank callback: rank 0's step intervals and its train pass (seconds) into ``path``."""
+    """Rank callback: rank 0's step intervals and its train pass (seconds) into ``path``.
+
+    Also the CPU time per step of each of rank 0's threads (``thread_cpu_ms``, by thread name:
+    the training thread, the reader's, the collective engine's, ...), from step 20 to the last
+    multiple of 200 (read while the epoch's threads still run).
+    """
 
     def __init__(self, path: str) -> None:
         self.path, self.stamps, self.begin, self.cpu = path, [], 0.0, 0.0
+        self.threads: list[tuple[int, dict[str, float]]] = []
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any]) -> None:
         self.stamps, self.begin, self.cpu = [], time.perf_counter(), time.process_time()
+        self.threads = []
 
     def on_train_batch_end(self, step: int, logs: dict[str, Any]) -> None:
         self.stamps.append(time.perf_counter())
+        n = len(self.stamps)
+        if n == 20 or n % 200 == 0:
+            self.threads = [*self.threads[:1], (n, thread_cpu())]
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any]) -> None:
         import spark_estimators.collective.torch as hvd
@@ -73,6 +109,10 @@ class StepClock:
         if hvd.rank() != 0:
             return
         gaps = [b - a for a, b in zip(self.stamps[20:], self.stamps[21:], strict=False)]
+        (n0, first), (n1, last) = self.threads[0], self.threads[-1]
+        threads = {
+            name: 1e3 * (cpu - first.get(name, 0.0)) / max(n1 - n0, 1) for name, cpu in last.items()
+        }
         with open(self.path, "w") as f:
             json.dump(
                 {
@@ -81,6 +121,7 @@ class StepClock:
                     "steps": len(self.stamps),
                     # the rank process's CPU time per step (all its threads: reader, collective)
                     "cpu_step_ms": 1e3 * (time.process_time() - self.cpu) / len(self.stamps),
+                    "thread_cpu_ms": {k: v for k, v in threads.items() if v >= 0.005},
                 },
                 f,
             )
@@ -204,7 +245,7 @@ def main() -> None:
             if case == "ours":
                 res[case] = ours(store, work, rnd, args.breakdown)
             else:
-                res[case] = floor.measure(CFG)  # type: ignore[union-attr]
+                res[case] = floor.measure(CFG, parts=args.breakdown)  # type: ignore[union-attr]
         if "ours" in res:
             r = res["ours"]
             print(
@@ -213,6 +254,11 @@ def main() -> None:
                 f"train {r['train_s']:.2f} s, "
                 f"fit {r['total_s']:.2f} s",
                 flush=True,
+            )
+            busy = sorted(r["thread_cpu_ms"].items(), key=lambda kv: -kv[1])
+            print(
+                f"round {rnd}: rank 0's CPU per step by thread (ms): "
+                + ", ".join(f"{k} {v:.3f}" for k, v in busy)
             )
         if "parts" in res.get("ours", {}):
             parts = res["ours"]["parts"]
@@ -226,6 +272,11 @@ def main() -> None:
                 f"round {rnd}: floor step {f['step_ms']:.3f} ms, CPU {f['cpu_step_ms']:.3f} "
                 f"ms/step, train {f['total_s']:.2f} s"
             )
+            if "parts" in f:
+                print(
+                    f"round {rnd}: floor's step parts (worker 0's medians, ms): "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in f["parts"].items())
+                )
         if len(res) == 2:
             ratios.append(res["ours"]["step_ms"] / res["floor"]["step_ms"])
             cpu_ratios.append(res["ours"]["cpu_step_ms"] / res["floor"]["cpu_step_ms"])
