@@ -52,7 +52,7 @@ from spark_estimators.collective.runtime.requests import Agreement, Kind, Reques
 #: Most batches remembered.
 CAPACITY = 64
 #: Most bytes of buffers the remembered batches hold together.
-MOST_BYTES = 256 << 20
+MOST_BYTES = 64 << 20
 #: Most bytes a data round sends to each peer (larger batches take the tag round).
 DATA_BYTES = 8 << 20
 #: Rounds a batch skips the cache after a void round (doubled after each, up to MOST_BACKOFF).
