@@ -22,6 +22,7 @@ time:
   (``spark_estimators.collective.tensorflow.allreduce(t, op=Sum)``, out of place) vs the torch
   adapter's out-of-place ``allreduce(t, op=Sum)`` on a torch tensor (target: >= 0.9x).
 
+``--rounds-json PATH`` writes every round's seconds (ours per backend, horovod's) as JSON.
 ``--small`` runs only the 100 x 4 KiB cases (issue 45's target: async <= 1.2x our grouped call
 and <= horovod 0.28.1's async median). ``--horovod-python PATH`` (the python of the horovod
 virtualenv of bench/README.md) also runs horovod's side of those cases, bench/allreduce_horovod.py
@@ -229,6 +230,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="only the 100 x 4 KiB cases")
     parser.add_argument("--horovod-python", help="python of the horovod 0.28.1 virtualenv")
     parser.add_argument("--blocks", type=int, default=1, help="alternate ours/horovod N times")
+    parser.add_argument("--rounds-json", help="write every round (seconds, ours and horovod) here")
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
     rounds: dict[str, dict[str, list[float]]] = {b: {} for b in backends}
@@ -242,6 +244,9 @@ def main() -> None:
         if args.horovod_python:
             for name, values in _horovod(args.horovod_python, args.repeats, args.num_proc).items():
                 hvd_rounds.setdefault(name, []).extend(values)
+    if args.rounds_json:
+        every = {"ours": rounds, "horovod": hvd_rounds}
+        Path(args.rounds_json).write_text(json.dumps(every, indent=1))
     timings = {
         b: {name: (statistics.median(v), min(v)) for name, v in per_case.items()}
         for b, per_case in rounds.items()

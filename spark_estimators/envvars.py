@@ -73,7 +73,7 @@ INLINE_LIMIT = PREFIX + "INLINE_LIMIT"
 #: (collective/backends/local_mesh.py).
 LOCAL_MESH = PREFIX + "LOCAL_MESH"
 #: "0" keeps DistributedOptimizer's last bucket on the engine's negotiated path every step
-#: (collective/torch/steady.py).
+#: (collective/torch/steady.py) and turns off the engine's response cache (runtime/cache.py).
 STEADY_ALLREDUCE = PREFIX + "STEADY_ALLREDUCE"
 MAX_FRAME_BYTES = PREFIX + "MAX_FRAME_BYTES"
 #: Secret that signs saved models and estimators (HMAC-SHA256 of ``stage.pkl``) and is required

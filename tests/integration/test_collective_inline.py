@@ -98,7 +98,8 @@ def _limits_suite() -> dict:
 
 @pytest.fixture(scope="module")
 def inline():
-    return run_local(_inline_suite, num_proc=2)
+    # The negotiation's room and backend calls: without the response cache (its own tests).
+    return run_local(_inline_suite, num_proc=2, env={"SPARK_ESTIMATORS_STEADY_ALLREDUCE": "0"})
 
 
 def test_room_grows_after_the_first_large_allreduce(inline):

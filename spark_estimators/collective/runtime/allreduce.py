@@ -209,7 +209,7 @@ class _Static:
         self.fusion = None
         if self.numel > 0:
             key = (id(ops), dtype, device, int(wire_op), prescale, post)
-            self.fusion = Fusion(key, self.numel * itemsize(dtype), _run_fused)
+            self.fusion = Fusion(key, self.numel * itemsize(dtype), _run_fused, _pack_fused)
         # The engine sends it inline when it fits the negotiation's current room.
         self.inline = dtype in _NUMPY_DTYPES and self.numel > 0 and device == "cpu"
 
@@ -294,6 +294,17 @@ def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequen
             ops.scale_(flat, first.post)
         ops.unpack(flat, outputs)
     return [p.outputs for p in parts]
+
+
+def _pack_fused(requests: Sequence[Request], out: np.ndarray) -> None:
+    """Write the (prescaled) data of ``requests`` into ``out`` (bytes), as inline payloads."""
+    parts: list[_FusedPart] = [r.part for r in requests]
+    first = parts[0].static
+    typed = out.view(np.dtype(first.dtype))
+    flat = first.ops.adopt(typed, parts[0].inputs[0])  # the same memory
+    first.ops.pack_into([x for p in parts for x in p.inputs], flat)
+    if first.prescale != 1.0:
+        scale_array(typed, first.prescale)
 
 
 _ALLREDUCE = Kind.ALLREDUCE.name

@@ -50,6 +50,9 @@ class ArrayOps(Protocol):
     def pack(self, xs: Sequence[Buffer]) -> Buffer:
         """Copy ``xs`` into one flat fusion buffer and return it."""
 
+    def pack_into(self, xs: Sequence[Buffer], flat: Buffer) -> None:
+        """Copy ``xs`` one after the other into the flat buffer ``flat`` (their total size)."""
+
     def unpack(self, flat: Buffer, outs: Sequence[Buffer]) -> None:
         """Copy a packed buffer back into ``outs``."""
 
@@ -142,11 +145,15 @@ class NumpyOps:
             buf = np.empty(total, dtype=dtype)
             self._fusion[dtype.name] = buf
         flat = buf[:total]
+        self.pack_into(xs, flat)
+        return flat
+
+    def pack_into(self, xs: Sequence[np.ndarray], flat: np.ndarray) -> None:
+        """Copy ``xs`` one after the other into ``flat`` (their total size)."""
         offset = 0
         for x in xs:
             flat[offset : offset + x.size] = x.reshape(-1)
             offset += x.size
-        return flat
 
     def unpack(self, flat: np.ndarray, outs: Sequence[np.ndarray]) -> None:
         """Copy a packed buffer back into ``outs``."""

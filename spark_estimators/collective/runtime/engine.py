@@ -3,42 +3,34 @@
 Why a thread: asynchronous ops (``allreduce_async_`` from gradient hooks) must run while the
 caller keeps computing, and running every op in submission order keeps the order of ops
 identical on all ranks, which collectives need. A *blocking* op submitted while nothing is
-queued is executed directly in the caller's thread (under the same execution lock), which saves
-two thread hand-offs; otherwise it queues behind the ops submitted before it. Likewise a thread
-that waits for a queued op (``synchronize``) runs the queue up to that op itself.
+queued runs directly in the caller's thread (under the same execution lock), which saves two
+thread hand-offs; a thread that waits for a queued op (``synchronize``) runs the queue up to it.
 
 Negotiation (how mismatches become errors instead of hangs): before each op the ranks allgather
-a small int64 vector: op kind, a hash of the op's signature (name, dtype, shapes, reduction,
-root, scale factors), and what a joined rank needs to take part (element count, dtype, device,
-wire op). If the non-joined ranks disagree, every rank learns it from the same gathered
-vectors, all of them exchange readable descriptions in one more round, and all raise
-:class:`~spark_estimators.errors.CollectiveError` naming the tensor and each rank's view of it.
-The group stays usable afterwards. Cost: one small allgather per op (per fused bucket).
+a small int64 vector (:mod:`.negotiation`): op kind, a hash of the op's signature (name, dtype,
+shapes, reduction, root, scale factors), and what a joined rank needs to take part. If the
+non-joined ranks disagree, every rank learns it from the same gathered vectors, all exchange
+readable descriptions in one more round and raise
+:class:`~spark_estimators.errors.CollectiveError` naming the tensor and each rank's view of it;
+the group stays usable. A small CPU allreduce travels inside that allgather (*inline*, reduced
+locally in rank order): one round trip instead of two; the room (up to
+``SPARK_ESTIMATORS_INLINE_LIMIT``) follows the recent rounds, computed from the vectors only.
+A batch of allreduces negotiated before runs again from the response cache (:mod:`.cache`):
+one round of the local mesh under the batch's tag instead of the negotiation.
 
-Inline allreduces: a CPU allreduce whose data fits the vector's payload room travels inside that
-allgather and is reduced locally in rank order (the same on every rank): one round trip instead
-of two, and cheaper than Gloo's ring on a small job. The room (``INLINE_BYTES`` up to
-``SPARK_ESTIMATORS_INLINE_LIMIT``, default ``1 MiB / size`` capped at 256 KiB) follows the recent
-rounds' largest inline-able allreduce, computed on every rank from the gathered vectors only
-(see :mod:`.negotiation`), so a training loop pays one round trip per step from its second on.
-
-Fusion (Horovod's tensor fusion and cycle time): asynchronous allreduces queue up while the
-caller keeps submitting. While the oldest queued op is an allreduce whose batch could still
-grow, the engine thread waits until no new op has come for ``cycle_time``
-(``SPARK_ESTIMATORS_CYCLE_TIME`` / ``HOROVOD_CYCLE_TIME``, milliseconds, default 1, Horovod's
-default), or less as soon as someone waits for a result (``synchronize``, ``wait``, a blocking
-op) or polls one. (Horovod's thread wakes every cycle; waiting for a quiet cycle instead keeps a
-burst of per-parameter submissions, which takes longer than a cycle in Python, in one round.)
-Then it negotiates the head op together with the allreduces queued right behind it that share
-its dtype, device, reduction and scaling, up to the fusion threshold
-(``SPARK_ESTIMATORS_FUSION_THRESHOLD`` / ``HOROVOD_FUSION_THRESHOLD``, bytes, default 128 MiB;
-0 disables fusion), and runs the prefix that every rank listed identically as one reduction of
-one packed buffer (see :mod:`.negotiation`). Horovod's coordinator can also fuse ops that ranks
-submitted in different orders; here the order must be the same on every rank (it already had
-to be), and a different order fails with the mismatch error below instead of hanging.
+Fusion (Horovod's tensor fusion and cycle time): while the oldest queued op is an allreduce
+whose batch could still grow, the engine thread waits until no new op has come for
+``cycle_time`` (``SPARK_ESTIMATORS_CYCLE_TIME`` / ``HOROVOD_CYCLE_TIME``, ms, default 1), or
+less as soon as someone waits for a result or polls one (a burst of per-parameter submissions,
+longer than a cycle in Python, stays one round). Then it negotiates the head op with the
+allreduces queued behind it that share its dtype, device, reduction and scaling, up to the
+fusion threshold (``SPARK_ESTIMATORS_FUSION_THRESHOLD`` / ``HOROVOD_FUSION_THRESHOLD``, bytes,
+default 128 MiB; 0: no fusion), and runs the prefix every rank listed identically as one
+reduction of one packed buffer. The order must be the same on every rank (unlike Horovod's
+coordinator); a different order fails with the mismatch error instead of hanging.
 
 Join: a rank that called ``join()`` keeps negotiating; while others still run allreduces it
-contributes zeros (so ``Average`` still divides by ``size()``, as in Horovod) and barriers pass.
+contributes zeros (``Average`` still divides by ``size()``, as in Horovod) and barriers pass.
 Other ops raise on the non-joined ranks. ``join()`` returns the rank that joined last.
 
 Failures: an exception from the backend (a peer died, the collective timeout passed) fails the
@@ -52,21 +44,23 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
 from spark_estimators.collective.runtime import failures, settings
 from spark_estimators.collective.runtime import negotiation as neg
+from spark_estimators.collective.runtime.cache import ResponseCache
 from spark_estimators.collective.runtime.futures import OpFuture, claim_name
 from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request, Tuner
 from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 class _Recoverable(SparkEstimatorsError):
@@ -119,6 +113,8 @@ class Engine:
         #: The :class:`~.timeline.Timeline` recording the ops, or None.
         self.timeline: Timeline | None = None
         self.tuner: Tuner | None = None  #: autotune (:mod:`.autotune`) while it tunes
+        #: Batches negotiated before, run again without negotiation (:mod:`.cache`), or None.
+        self.cache = ResponseCache(backend) if ResponseCache.wanted(backend) else None
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -204,6 +200,30 @@ class Engine:
                 if future.done() or self._run_next() == 0:
                     return
 
+    def run_exclusive(
+        self, fn: Callable[[], _T], failed: Callable[[BaseException], CollectiveError]
+    ) -> _T | None:
+        """Call ``fn()`` in this thread with the group to itself, after every op submitted before.
+
+        For exchanges outside the engine's ops (the optimizer's steady state over the local
+        mesh). None, without calling ``fn``, when the group is broken (the engine's path raises
+        why). An exception from ``fn`` breaks the group: ``failed(exc)`` is raised instead.
+        """
+        with self._exec_lock:
+            try:
+                while self._backlog:  # the ops submitted before run first, in order
+                    self._run_next()
+                if self._broken is not None:
+                    return None
+                try:
+                    return fn()
+                except Exception as exc:
+                    error = self._broken = failed(exc)
+                    raise error from exc
+            finally:
+                with self._cv:
+                    self._ran_batch()  # a parked engine thread runs what came meanwhile
+
     def stop(self, timeout: float | None = None) -> bool:
         """Stop the thread after the queued ops; False when it did not stop within ``timeout``."""
         if self._closed:
@@ -259,7 +279,7 @@ class Engine:
         with self._cv:
             if not self._backlog:
                 return 0
-            batch = self._batch(self._backlog)
+            batch = neg.fusion_batch(self._backlog, self.fusion_threshold)
         done = 1
         try:
             done = self._run(batch)
@@ -291,48 +311,22 @@ class Engine:
         waited_for = None
         while True:
             with self._cv:
-                if not self._backlog or not self._can_grow(self._backlog):
+                if not self._backlog or not neg.can_grow(self._backlog, self.fusion_threshold):
                     return waited_for
                 head, last = self._backlog[0], self._backlog[-1]
                 # Clear first, then look: a waiter or poll arriving after the look sets it.
                 self._urgent.clear()
                 hurry = self._waiters > 0 or self._flushes != self._flushes_seen or self._closed
                 self._flushes_seen = self._flushes
+                remaining = last.queued_ns / 1e9 + self.cycle_time - time.perf_counter()
+                if remaining <= 0 and not hurry and self.cache is not None:
+                    remaining += self.cache.patience(self._backlog, self.cycle_time)
             if waited_for is not None and head is not waited_for:
                 return waited_for  # a waiter ran it meanwhile
-            remaining = last.queued_ns / 1e9 + self.cycle_time - time.perf_counter()
             if hurry or remaining <= 0:
                 return waited_for
             waited_for = head
             self._urgent.wait(remaining)
-
-    def _batch(self, pending: deque[Request]) -> list[Request]:
-        """The head and the queued requests right behind it that it may be fused with."""
-        head = pending[0]
-        fusion = head.fusion
-        batch = [head]
-        if fusion is None or self.fusion_threshold <= 0:
-            return batch
-        total = fusion.nbytes
-        for request in itertools.islice(pending, 1, neg.MAX_SLOTS):
-            other = request.fusion
-            if other is None or other.key != fusion.key:
-                break
-            if total + other.nbytes > self.fusion_threshold:
-                break
-            batch.append(request)
-            total += other.nbytes
-        return batch
-
-    def _can_grow(self, pending: deque[Request]) -> bool:
-        """True when one more queued request could still join the head's batch."""
-        fusion = pending[0].fusion
-        if fusion is None or self.fusion_threshold <= 0:
-            return False
-        batch = self._batch(pending)
-        if len(batch) < len(pending) or len(batch) >= neg.MAX_SLOTS:
-            return False  # the batch already ends at a request that cannot join it
-        return sum(r.fusion.nbytes for r in batch if r.fusion) < self.fusion_threshold
 
     def _run(self, batch: list[Request]) -> int:
         """Negotiate ``batch`` and run the agreed part; settles those futures (never raises).
@@ -356,10 +350,14 @@ class Engine:
             if head.kind is Kind.JOIN:
                 timeline = None  # join() is not an op of the timeline
                 results = [self._join()]
+            elif self.cache and not self.tuner and (cached := self.cache.run(batch)) is not None:
+                ran, results = batch, cached
             else:
                 count, agreement = self._negotiate_batch(batch, times)
                 ran = batch[:count]
                 results = self._execute(ran, agreement)
+                if self.cache is not None:
+                    self.cache.learn(ran, agreement, self._negotiation.agreed_limit)
         except _Recoverable as exc:
             error = exc.error
         except (CollectiveError, ConfigurationError) as exc:

@@ -32,6 +32,7 @@ follows the longest batch of the last ``ROOM_WINDOW`` rounds that had more than 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,6 +95,8 @@ class Negotiation:
         self.room = INLINE_BYTES
         #: Requests the next vector can list.
         self.slots = MIN_SLOTS
+        #: The smallest limit of the last round's ranks: repeated batches up to it go inline.
+        self.agreed_limit = limit
         self._room_wants: deque[int] = deque(maxlen=ROOM_WINDOW)
         self._slot_wants: deque[int] = deque(maxlen=ROOM_WINDOW)
         # The slot count of the vectors of the round in flight: update() may change
@@ -167,7 +170,7 @@ class Negotiation:
 
     def update(self, vectors: np.ndarray) -> None:
         """Set the next round's sizes from this round's vectors (the same on every rank)."""
-        limit = int(vectors[:, LIMIT].min())
+        limit = self.agreed_limit = int(vectors[:, LIMIT].min())
         wants = [int(w) for w in vectors[:, WANT] if 0 < w <= limit]
         self._room_wants.append(max(wants, default=0))
         self.room = max(INLINE_BYTES, -(-max(self._room_wants) // 8) * 8)
@@ -175,6 +178,34 @@ class Negotiation:
         if wanted > 1:  # rounds of single ops (blocking ones, metrics) leave the slots as they are
             self._slot_wants.append(wanted)
             self.slots = min(MAX_SLOTS, max(MIN_SLOTS, max(self._slot_wants)))
+
+
+def fusion_batch(pending: Sequence[Request], threshold: int) -> list[Request]:
+    """The head of ``pending`` and the queued requests right behind it it may be fused with."""
+    head = pending[0]
+    fusion = head.fusion
+    batch = [head]
+    if fusion is None or threshold <= 0:
+        return batch
+    total = fusion.nbytes
+    for request in itertools.islice(pending, 1, MAX_SLOTS):
+        other = request.fusion
+        if other is None or other.key != fusion.key or total + other.nbytes > threshold:
+            break
+        batch.append(request)
+        total += other.nbytes
+    return batch
+
+
+def can_grow(pending: Sequence[Request], threshold: int) -> bool:
+    """True when one more queued request could still join the head's batch."""
+    fusion = pending[0].fusion
+    if fusion is None or threshold <= 0:
+        return False
+    batch = fusion_batch(pending, threshold)
+    if len(batch) < len(pending) or len(batch) >= MAX_SLOTS:
+        return False  # the batch already ends at a request that cannot join it
+    return sum(r.fusion.nbytes for r in batch if r.fusion) < threshold
 
 
 def active_ranks(vectors: np.ndarray) -> list[int]:

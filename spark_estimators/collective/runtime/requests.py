@@ -70,12 +70,14 @@ class Fusion:
     Requests with equal ``key`` (this process only: framework, dtype, device, reduction,
     scaling) may run as one: ``run(requests, agreement)`` reduces them together (each
     request's own data is its ``part``) and returns each request's result, in order. Requests
-    of one repeated op may share one ``Fusion``.
+    of one repeated op may share one ``Fusion``. ``pack(requests, out)`` (optional) writes
+    their (prescaled) data into the ``uint8`` array ``out``, as their inline payloads would be.
     """
 
     key: tuple[Hashable, ...]
     nbytes: int
     run: Callable[[Sequence[Request], Agreement], Sequence[object]]
+    pack: Callable[[Sequence[Request], np.ndarray], None] | None = None
 
 
 class Request:

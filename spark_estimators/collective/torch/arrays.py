@@ -161,9 +161,13 @@ class TorchOps:
             buf = torch.empty(total, dtype=key[0], device=key[1])
             self._fusion[key] = buf
         flat = buf[:total]
+        self.pack_into(xs, flat)
+        return flat
+
+    def pack_into(self, xs: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+        """Copy ``xs`` one after the other into the 1-D tensor ``flat`` (their total size)."""
         # 1-D tensors go in as they are (a reshape per tensor costs more than the copy).
         torch.cat([x if x.dim() == 1 else x.reshape(-1) for x in xs], out=flat)
-        return flat
 
     def unpack(self, flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         """Copy a packed buffer back into ``outs``."""

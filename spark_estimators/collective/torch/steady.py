@@ -150,19 +150,14 @@ class SteadyBucket:
         if self._reduction.prescale != 1.0:
             scale_array(wire.typed, self._reduction.prescale)
         start = time.perf_counter_ns()
-        with engine._exec_lock:  # noqa: SLF001 - the mesh is the engine's: one round at a time
-            while engine._backlog:  # noqa: SLF001 - ops submitted before this one run first
-                engine._run_next()  # noqa: SLF001
-            if engine.broken is not None:
-                return False  # the engine's path raises the group's error
-            try:
-                done = mesh.exchange(wire.tag, wire.message, wire.into)
-            except Exception as exc:  # noqa: BLE001 - every failure breaks the group
-                error = _failed(self.name, engine, exc)
-                engine._broken = error  # noqa: SLF001 - the mesh is out of step now
-                raise error from exc
-        with engine._cv:  # noqa: SLF001 - a parked engine thread runs what came meanwhile
-            engine._ran_batch()  # noqa: SLF001
+        # The mesh is the engine's: one round at a time, after the ops submitted before this one;
+        # None: the group is broken (the engine's path raises its error).
+        done = engine.run_exclusive(
+            lambda: mesh.exchange(wire.tag, wire.message, wire.into),
+            lambda exc: _failed(self.name, engine, exc),
+        )
+        if done is None:
+            return False
         if not done:
             self.voided += 1
             self._next_try = self._steps + self._backoff
