@@ -19,6 +19,8 @@ def _duplicates() -> dict:
     import torch
 
     import spark_estimators.collective.torch as hvd
+    from spark_estimators.collective.runtime import engine as _engine
+    from spark_estimators.errors import CollectiveError
 
     hvd.init()
     seen: dict = {}
@@ -29,12 +31,20 @@ def _duplicates() -> dict:
             "broadcast": lambda t, n: hvd.broadcast_async(t, root_rank=0, name=n),
         }[op]
         tensor = torch.full((3,), float(hvd.rank() + 1))
-        first = submit(tensor, f"dup.{op}")
-        try:
-            submit(tensor, f"dup.{op}")
-            seen[op] = "accepted"
-        except ValueError as exc:
-            seen[op] = str(exc)
+
+        def submit_twice(submit=submit, tensor=tensor, name=f"dup.{op}"):
+            first = submit(tensor, name)
+            try:
+                submit(tensor, name)
+                return first, "accepted"
+            except ValueError as exc:
+                return first, str(exc)
+
+        # Under the engine's lock no batch runs, so the first op is still in flight when the
+        # second is submitted (without it, a rank descheduled between the two submissions could
+        # see the first done and its name free: flaky under load).
+        engine = _engine.require("test", None)
+        first, seen[op] = engine.run_exclusive(submit_twice, lambda e: CollectiveError(str(e)))
         result = hvd.synchronize(first)
         seen[op + ".result"] = result.tolist()
         again = submit(tensor, f"dup.{op}")  # the name is free once the first op is done
