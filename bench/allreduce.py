@@ -134,7 +134,11 @@ def _tf_cases() -> dict[str, Any]:
 
 
 def _bench(
-    backend: str, repeats: int, tensorflow: bool = False, small_only: bool = False
+    backend: str,
+    repeats: int,
+    tensorflow: bool = False,
+    small_only: bool = False,
+    no_raw: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -168,6 +172,8 @@ def _bench(
         cases.update(_tf_cases())
     if small_only:
         cases = {k: v for k, v in cases.items() if k in SMALL_CASES}
+    if no_raw:  # the rounds horovod's side runs: its cases only, nothing between them
+        cases = {k: v for k, v in cases.items() if k not in raw_cases}
     times: dict[str, list[float]] = {name: [] for name in cases}
     order = random.Random(0)  # same sequence on every rank
     for round_ in range(repeats + 1):  # round 0 warms up
@@ -229,6 +235,12 @@ def main() -> None:
     parser.add_argument("--tensorflow", action="store_true", help="add the TF adapter cases")
     parser.add_argument("--small", action="store_true", help="only the 100 x 4 KiB cases")
     parser.add_argument("--horovod-python", help="python of the horovod 0.28.1 virtualenv")
+    parser.add_argument(
+        "--no-raw",
+        action="store_true",
+        help="leave out the raw torch.distributed cases, so ours runs the rounds horovod's side "
+        "runs (a raw Gloo allreduce of 400 KB between them slowed our next round by ~1.5x)",
+    )
     parser.add_argument("--blocks", type=int, default=1, help="alternate ours/horovod N times")
     parser.add_argument("--rounds-json", help="write every round (seconds, ours and horovod) here")
     args = parser.parse_args()
@@ -237,8 +249,8 @@ def main() -> None:
     hvd_rounds: dict[str, list[float]] = {}
     for _ in range(args.blocks if args.horovod_python else 1):
         for b in backends:
-            job = run_local(_bench, num_proc=args.num_proc, backend=b,
-                            args=(b, args.repeats, args.tensorflow, args.small))[0]  # fmt: skip
+            bench_args = (b, args.repeats, args.tensorflow, args.small, args.no_raw)
+            job = run_local(_bench, num_proc=args.num_proc, backend=b, args=bench_args)[0]
             for name, values in job.items():
                 rounds[b].setdefault(name, []).extend(values)
         if args.horovod_python:
