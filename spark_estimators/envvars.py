@@ -105,11 +105,12 @@ HOROVOD_AUTOTUNE_WARMUP_SAMPLES = "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"
 HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE = "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"
 HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES = "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"
 HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE = "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE"
+#: The engine's response cache (collective/runtime/cache.py): most batches it keeps; 0 turns it off.
+HOROVOD_CACHE_CAPACITY = "HOROVOD_CACHE_CAPACITY"
 #: Horovod variables read nowhere here, with what to do instead (a warning names them).
 IGNORED_HOROVOD: dict[str, str] = {
     "HOROVOD_TIMELINE_MARK_CYCLES": "cycles are not marked in the timeline (each op's "
     "QUEUE and NEGOTIATE events show its wait)",
-    "HOROVOD_CACHE_CAPACITY": "there is no response cache (negotiation is one allgather)",
     "HOROVOD_CPU_OPERATIONS": "choose the backend with backend='gloo'|'mpi' in run()/launch",
     "HOROVOD_CONTROLLER": "choose the backend with backend='gloo'|'mpi' in run()/launch",
     "HOROVOD_LOG_LEVEL": "configure logging.getLogger('spark_estimators') instead",

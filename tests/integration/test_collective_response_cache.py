@@ -159,9 +159,11 @@ def test_ranks_out_of_step_fall_back_to_negotiation_errors_and_join() -> None:
     assert outs[0]["after_diverged"] == (1, 1)
     assert outs[1]["after_diverged"] == (1, 0)
     assert outs[0]["alone"] == [[1.0] * 4, [2.0] * 5]  # rank 1 contributed zeros
-    # the mismatch voided rank 0's cached try (then a back-off); no round beside join() is cached
+    # the mismatch voided rank 0's cached try; the error left no back-off (nothing was learnt),
+    # so the next [4, 5] came from the cache on both ranks; rank 0's try beside join() was void
     assert outs[0]["before_join"][1] == 2
-    assert outs[0]["end"][0] == outs[0]["before_join"][0]
+    assert [out["end"][0] - out["before_join"][0] for out in outs] == [1, 1]
+    assert outs[0]["end"][1] == 3 and outs[1]["end"][1] == 0
 
 
 def _peer_dies() -> dict[str, Any]:
@@ -213,3 +215,60 @@ def test_a_dead_peer_fails_the_cached_round_at_once_with_a_clear_error() -> None
     assert out["seconds"] < 30  # the socket's end, not the 60 s collective timeout
     assert out["counts"][0] == 1  # the second step came from the cache
     assert "the collective group is broken" in out["later"], out["later"]
+
+
+def _back_in_step() -> dict[str, Any]:
+    import torch
+
+    import spark_estimators.collective.torch as hvd
+
+    hvd.init()
+    rank, out = hvd.rank(), {}
+
+    def run(sizes: list[int]) -> None:
+        handles = [hvd.allreduce_async_(torch.ones(n) * (rank + 1), op=hvd.Sum) for n in sizes]
+        for h in handles:
+            hvd.synchronize(h)
+
+    for _ in range(3):
+        run([4, 5])
+    out["armed"] = _counters()
+    # Rank 1 joins while rank 0 tries the cached batch (void on rank 0 only), then both join.
+    if rank == 0:
+        run([4, 5])
+    hvd.join()
+    out["after_join"] = _counters()
+    for _ in range(40):
+        run([4, 5])
+    out["end"] = _counters()
+    hvd.shutdown()
+    return out
+
+
+def test_ranks_that_tried_a_batch_apart_meet_in_the_cache_again() -> None:
+    """The back-off after a fall back is set by the negotiation, the same on every rank: set by
+    the void try alone (rank 0 only), it kept the ranks' tries apart for good (none taken)."""
+    outs = run_local(_back_in_step, num_proc=2, env=LONG_CYCLE)
+    assert [out["armed"] for out in outs] == [(2, 0), (2, 0)]
+    assert outs[0]["after_join"] == (2, 1) and outs[1]["after_join"] == (2, 0)
+    taken = [out["end"][0] - out["after_join"][0] for out in outs]
+    assert taken[0] == taken[1] >= 30, outs  # 40 rounds less a back-off of 4 (+1)
+    assert outs[0]["end"][1] == 1 and outs[1]["end"][1] == 0  # no void try since
+
+
+def _capacity() -> object:
+    import spark_estimators.collective.torch as hvd
+    from spark_estimators.collective.runtime import engine as eng
+
+    hvd.init()
+    engine = eng.current()
+    assert engine is not None
+    cache = engine.cache
+    hvd.shutdown()
+    return None if cache is None else cache.capacity
+
+
+def test_horovod_cache_capacity_sizes_the_cache_and_zero_turns_it_off() -> None:
+    assert run_local(_capacity, 2, env={ev.HOROVOD_CACHE_CAPACITY: "0"}) == [None, None]
+    assert run_local(_capacity, 2, env={ev.HOROVOD_CACHE_CAPACITY: "8"}) == [8, 8]
+    assert run_local(_capacity, 2) == [64, 64]

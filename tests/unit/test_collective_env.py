@@ -71,8 +71,9 @@ def test_bad_horovod_values_name_the_variable(env):
 
 def test_ignored_horovod_variables_come_with_a_reason(env):
     assert settings.ignored_horovod_variables() == {}
-    env.setenv("HOROVOD_CACHE_CAPACITY", "1024")
+    env.setenv("HOROVOD_TIMELINE_MARK_CYCLES", "1")
     env.setenv("HOROVOD_CYCLE_TIME", "3.5")  # honoured since issue 25: not listed
+    env.setenv("HOROVOD_CACHE_CAPACITY", "1024")  # honoured since issue 45: not listed
     for name in (
         "HOROVOD_AUTOTUNE",
         "HOROVOD_AUTOTUNE_LOG",
@@ -81,8 +82,8 @@ def test_ignored_horovod_variables_come_with_a_reason(env):
     ):  # honoured since issue 46: not listed
         env.setenv(name, "1")
     ignored = settings.ignored_horovod_variables()
-    assert sorted(ignored) == ["HOROVOD_CACHE_CAPACITY"]
-    assert "no response cache" in ignored["HOROVOD_CACHE_CAPACITY"]
+    assert sorted(ignored) == ["HOROVOD_TIMELINE_MARK_CYCLES"]
+    assert "cycles are not marked" in ignored["HOROVOD_TIMELINE_MARK_CYCLES"]
 
 
 @pytest.mark.parametrize(
@@ -140,3 +141,12 @@ def test_timeline_file_is_valid_json_after_each_flush(tmp_path):
     assert events[-1]["args"]["process_set"] == 1
     merged = timeline.merge([str(tmp_path / "t.rank0.json")] * 2, str(tmp_path / "m.json"))
     assert len(json.loads(open(merged).read())["traceEvents"]) == 2 * len(events)
+
+
+@pytest.mark.parametrize("raw", ["-1", "many", "2.5"])
+def test_a_bad_horovod_cache_capacity_is_refused_naming_it(env, raw):
+    from spark_estimators.collective.runtime import cache
+
+    env.setenv("HOROVOD_CACHE_CAPACITY", raw)
+    with pytest.raises(ConfigurationError, match=rf"CACHE_CAPACITY='{raw}' must be a whole number"):
+        cache.capacity()

@@ -340,24 +340,23 @@ class Engine:
             if head.future.set_running_or_notify_cancel():
                 head.future.set_exception(failures.broken_error(head, self._broken, self.backend))
             return 1
-        timeline = self.timeline
-        start = time.perf_counter_ns()
-        times = [start]
-        ran = batch[:1]
+        timeline, cache = self.timeline, None if self.tuner else self.cache
+        times, ran = [time.perf_counter_ns()], batch[:1]
+        round_ = self._round  # the same on every rank: see ResponseCache.learn
         results: Sequence[object] = []
         error: BaseException | None = None
         try:
             if head.kind is Kind.JOIN:
                 timeline = None  # join() is not an op of the timeline
                 results = [self._join()]
-            elif self.cache and not self.tuner and (cached := self.cache.run(batch)) is not None:
+            elif cache and (cached := cache.run(batch, round_)) is not None:
                 ran, results = batch, cached
             else:
                 count, agreement = self._negotiate_batch(batch, times)
                 ran = batch[:count]
                 results = self._execute(ran, agreement)
                 if self.cache is not None:
-                    self.cache.learn(ran, agreement, self._negotiation.agreed_limit)
+                    self.cache.learn(ran, agreement, self._negotiation.agreed_limit, round_)
         except _Recoverable as exc:
             error = exc.error
         except (CollectiveError, ConfigurationError) as exc:
