@@ -74,18 +74,16 @@ def capacity() -> int:
     ``HOROVOD_CACHE_CAPACITY`` (Horovod's knob; ``0`` turns the cache off), else :data:`CAPACITY`.
     """
     name = ev.HOROVOD_CACHE_CAPACITY
+    problem = (
+        f"{name}={os.environ.get(name)!r} must be a whole number >= 0 (the response cache's "
+        "most batches; 0 turns it off)"
+    )
     try:
         value = ev.env_int(name, CAPACITY)
     except ValueError as exc:
-        value = -1
-        cause: Exception | None = exc
-    else:
-        cause = None
+        raise ConfigurationError(problem) from exc
     if value < 0:
-        raise ConfigurationError(
-            f"{name}={os.environ.get(name)!r} must be a whole number >= 0 (the response cache's "
-            "most batches; 0 turns it off)"
-        ) from cause
+        raise ConfigurationError(problem)
     return value
 
 
