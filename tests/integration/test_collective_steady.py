@@ -127,7 +127,8 @@ def _out_of_step() -> dict[str, Any]:
     out["voided"] = opt._se_steady.voided
     out["after"] = hvd.allreduce(torch.tensor([rank + 1.0]), op=hvd.Sum, name="after").item()
     # join(): rank 1 stops; rank 0's next step is void, then averaged with zeros (Horovod).
-    c = _model(2)
+    # (Another width: a bucket of a's shapes has a's tag, whose void above set its back-off.)
+    c = _model(2, width=40)
     opt_c = _optimizer(c)
     _steps(c, opt_c, 2)
     if rank == 1:
@@ -157,6 +158,43 @@ def test_ranks_out_of_step_fall_back_to_the_engine_errors_and_join() -> None:
         assert out["join"] == 0  # rank 0 joined last
     assert outs[0]["halved"] is True
     assert outs[0]["join_voided"] == 1
+
+
+def _steps_after_join(early_steps: int, later_steps: int) -> dict[str, Any]:
+    import spark_estimators.collective.torch as hvd
+
+    hvd.init()
+    model = _model(0)
+    opt = _optimizer(model)
+    _steps(model, opt, 3)
+    # Rank 1 runs out of data first: rank 0 steps alone (its first try is void, the joined rank
+    # contributes zeros), so the ranks' optimizer step counts differ from here on.
+    if hvd.rank() == 0:
+        _steps(model, opt, early_steps, seed=1)
+    last = hvd.join()
+    taken = opt._se_steady.taken
+    _steps(model, opt, later_steps, seed=2)  # the next epoch: both ranks step again
+    out = {
+        "last": last,
+        "voided": opt._se_steady.voided,
+        "taken_later": opt._se_steady.taken - taken,
+    }
+    hvd.shutdown()
+    return out
+
+
+def test_ranks_whose_steps_differ_after_join_meet_in_the_steady_state_again() -> None:
+    """The back-off after a void round is counted in the mesh's rounds, the same on every rank:
+    counted in each rank's own optimizer steps, the ranks' tries never met again after a
+    ``join()`` (0 of 200 steps taken)."""
+    early, later = 10, 200
+    outs = run_local(_steps_after_join, num_proc=2, args=(early, later))
+    assert [out["last"] for out in outs] == [0, 0]  # rank 0 joined last
+    assert outs[0]["voided"] >= 1  # rank 0's try beside the joined rank
+    # Every rank takes the same steps from the steady state, most of them: at most the back-off
+    # (64 mesh rounds, each a negotiated step) and a few voids pass before the tries meet.
+    assert outs[0]["taken_later"] == outs[1]["taken_later"]
+    assert outs[0]["taken_later"] >= later - 70, outs
 
 
 def _peer_dies() -> dict[str, Any]:

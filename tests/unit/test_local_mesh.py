@@ -349,3 +349,52 @@ def test_same_tag_with_another_length_raises_out_of_step() -> None:
 
     messages = _on_ranks(2, body)
     assert all("out of step" in m for m in messages), messages
+
+
+def test_a_void_raw_tag_backs_off_for_the_same_rounds_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``due(tag)``: after a void round, the tag waits BACKOFF mesh rounds on every rank (also
+    the rank that only negotiated), doubling for a void in a row; a taken round resets it."""
+    monkeypatch.setattr(local_mesh, "BACKOFF", 4)
+
+    def body(rank: int, store: Any) -> list[object]:
+        mesh = _connect(rank, store, 3)
+        assert mesh is not None
+        vector = np.array([rank], dtype=np.int64)
+        rows = np.zeros((3, 8), dtype=np.uint8)
+        into = {p: memoryview(rows[p]) for p in range(3) if p != rank}
+        seen: list[object] = []
+
+        def void_round() -> None:  # ranks 0, 1 try tag 9; rank 2 negotiates (e.g. joined)
+            if rank < 2:
+                seen.append(mesh.exchange(9, _message(np.ones(8, np.uint8)), into))
+            mesh.allgather(vector)  # the fallback; rank 2's runs the void round again
+            seen.append(mesh.due(9))
+
+        def wait() -> None:  # negotiated rounds until tag 9 is due again
+            waited = 0
+            while not mesh.due(9):
+                mesh.allgather(vector)
+                waited += 1
+            seen.append(waited)
+
+        try:
+            void_round()
+            wait()
+            void_round()  # a void in a row: twice the wait
+            wait()
+            seen.append(mesh.exchange(9, _message(np.full(8, rank, np.uint8)), into))
+            seen.append(mesh.due(9))
+            void_round()  # after a taken round: the first wait again
+            wait()
+            seen.append(mesh.due(7))  # another tag was never void
+            return seen
+        finally:
+            mesh.close()
+
+    results = _on_ranks(3, body)
+    # ranks 0, 1: (exchange, due) per void round, the wait, ...; rank 2 has no failed exchange
+    assert results[0] == results[1] == [False, False, 4, False, False, 8, True, True,
+                                        False, False, 4, True]  # fmt: skip
+    assert results[2] == [False, 4, False, 8, True, True, False, 4, True]

@@ -77,6 +77,12 @@ NEGOTIATION = 0
 HEADER_BYTES = _HEADER.size
 # A header announcing more than this is garbage, not a message to wait for.
 _MOST_BYTES = 1 << 34
+#: Mesh rounds a raw tag is not tried after a void round it was in (:meth:`LocalMesh.due`);
+#: doubled for each void in a row, up to MOST_BACKOFF; back to this after a round it was taken.
+BACKOFF = 64
+MOST_BACKOFF = 4096
+# Most tags whose back-off a mesh keeps (the oldest is forgotten first, the same on every rank).
+_MOST_BACKED_OFF = 256
 
 
 def enabled(rank_count: int, ranks_here: int) -> bool:
@@ -96,6 +102,9 @@ class LocalMesh:
         for sock in peers.values():
             sock.setblocking(False)
         self._round = 0
+        # raw tag -> (first mesh round it is tried again, its next back-off): see due()
+        self._backoff: dict[int, tuple[int, int]] = {}
+        self._void_tags: set[int] = set()  # the other tags of the round in progress
 
     @classmethod
     def connect(
@@ -165,6 +174,36 @@ class LocalMesh:
             raise ValueError(f"tag must be > {NEGOTIATION}, got {tag}")
         return self._exchange_round(tag, message, into)
 
+    def due(self, tag: int) -> bool:
+        """Whether a raw round of ``tag`` is worth trying now: none void in its back-off.
+
+        A rank that does not send ``tag`` (it negotiates, called ``join()``, or reduces another
+        bucket) makes that round void on every rank; trying every step would then cost a void
+        round each. So after a void round, every raw tag in it waits :data:`BACKOFF` rounds,
+        doubling for each void in a row, and a round taken with the tag resets it. Every rank
+        reads every message of every round, so every rank knows the same tags of every void
+        round and counts the same rounds: the answer is the same on every rank at the same
+        round, whichever rank tried. (Counted per rank, e.g. in optimizer steps, the back-offs
+        of ranks whose steps differ, after ``join()``, would never let their tries meet.)
+        """
+        entry = self._backoff.get(tag)
+        return entry is None or self._round >= entry[0]
+
+    def _settle(self, tag: int, void: bool) -> None:
+        """Update the back-off of the raw tags of the round just ended (see :meth:`due`)."""
+        backoff = self._backoff
+        if not void:
+            if tag != NEGOTIATION:
+                backoff.pop(tag, None)
+            return
+        tags, self._void_tags = self._void_tags | {tag}, set()
+        tags.discard(NEGOTIATION)
+        for raw in sorted(tags):
+            _, wait = backoff.pop(raw, (0, BACKOFF))
+            backoff[raw] = (self._round + 1 + wait, min(2 * wait, MOST_BACKOFF))
+        while len(backoff) > _MOST_BACKED_OFF:
+            del backoff[next(iter(backoff))]
+
     def _exchange_round(self, tag: int, message: memoryview, into: dict[int, memoryview]) -> bool:
         """One round: send ``message`` (header filled here), read every peer's whole message."""
         self._round += 1
@@ -207,6 +246,7 @@ class LocalMesh:
                     raise ConnectionError(f"rank {peer} closed its local mesh connection")
             pending = [p for p in pending if got[p] < ends[p] or sent[p] < expected]
             if not pending:
+                self._settle(tag, void)
                 return not void
             poll = select.poll()
             for peer in pending:
@@ -236,6 +276,7 @@ class LocalMesh:
         if nbytes > _MOST_BYTES:
             raise ConnectionError(f"rank {peer} announced {nbytes} bytes (local mesh out of step)")
         logger.debug("local mesh round %d void: rank %d sent tag %d", round_, peer, their_tag)
+        self._void_tags.add(their_tag)
         return memoryview(bytearray(nbytes)), -(_HEADER.size + nbytes)
 
     def close(self) -> None:

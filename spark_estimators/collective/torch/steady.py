@@ -27,9 +27,11 @@ A rank that is not in the same place (one that called ``join()``, negotiates ano
 has another bucket, hence another tag) makes the round *void* on every rank (see
 :mod:`~spark_estimators.collective.backends.local_mesh`): the ranks of the steady round fall
 back to the engine's path for this step, where a real mismatch raises the usual error and a
-joined rank contributes zeros as in Horovod; they try again after a back-off (64 steps, then
-doubling). A peer that dies or stays silent fails the round as any collective op: the group is
-broken and a :class:`~spark_estimators.errors.CollectiveError` says what happened.
+joined rank contributes zeros as in Horovod. They try again after a back-off of 64 rounds of
+the mesh, doubling for each void in a row (``LocalMesh.due``): every rank counts the same
+rounds, so ranks whose steps differ (after ``join()``) still try in the same rounds. A peer that
+dies or stays silent fails the round as any collective op: the group is broken and a
+:class:`~spark_estimators.errors.CollectiveError` says what happened.
 """
 
 from __future__ import annotations
@@ -52,9 +54,6 @@ from spark_estimators.collective.runtime.requests import signature_hash
 from spark_estimators.collective.torch.compression import Compression, Compressor
 from spark_estimators.errors import CollectiveError
 
-#: Steps between a void round and the next try (doubled after each void, up to MOST_BACKOFF).
-BACKOFF = 64
-MOST_BACKOFF = 4096
 _NUMPY = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
 
 
@@ -96,9 +95,6 @@ class SteadyBucket:
         )
         self.taken = 0
         self.voided = 0
-        self._steps = 0
-        self._next_try = 0
-        self._backoff = BACKOFF
         self._engine: _engine.Engine | None = None
         self._armed = False  # the engine's path reduced this bucket once on self._engine
         self._usable = False  # eligible() on self._engine's group, and the bucket fits inline
@@ -123,14 +119,13 @@ class SteadyBucket:
 
     def run(self) -> bool:
         """Reduce the bucket's gradients in place; False: take the engine's path this step."""
-        self._steps += 1
         engine = _engine.require("DistributedOptimizer", self._process_set)
         if engine is not self._engine:  # first step, or a new init(): negotiate once again
             self._engine, self._armed, self._wire = engine, False, None
             fits = self.nbytes <= max(_settings.inline_limit(engine.backend.size), 512)
             self._usable = fits and self.eligible() and engine.backend.local_mesh() is not None
             return False
-        if not (self._armed and self._usable) or self._steps < self._next_try:
+        if not (self._armed and self._usable):
             return False
         mesh = engine.backend.local_mesh()
         if mesh is None or engine.tuner is not None:
@@ -150,18 +145,18 @@ class SteadyBucket:
         if self._reduction.prescale != 1.0:
             scale_array(wire.typed, self._reduction.prescale)
         start = time.perf_counter_ns()
-        # The mesh is the engine's: one round at a time, after the ops submitted before this one;
+
+        # The mesh is the engine's: one round at a time, after the ops submitted before this one,
+        # where every rank has seen the same rounds (the back-off is decided there, alike on all).
+        def attempt() -> str:
+            if not mesh.due(wire.tag):
+                return "later"
+            return "taken" if mesh.exchange(wire.tag, wire.message, wire.into) else "void"
+
         # None: the group is broken (the engine's path raises its error).
-        done = engine.run_exclusive(
-            lambda: mesh.exchange(wire.tag, wire.message, wire.into),
-            lambda exc: _failed(self.name, engine, exc),
-        )
-        if done is None:
-            return False
-        if not done:
-            self.voided += 1
-            self._next_try = self._steps + self._backoff
-            self._backoff = min(2 * self._backoff, MOST_BACKOFF)
+        outcome = engine.run_exclusive(attempt, lambda exc: _failed(self.name, engine, exc))
+        if outcome != "taken":
+            self.voided += outcome == "void"
             return False
         wire.rows[wire.rank] = wire.payload
         native = (
