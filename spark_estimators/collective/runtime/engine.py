@@ -155,7 +155,8 @@ class Engine:
                 f"{request.kind.name.lower()} {request.name!r}: the collective layer was shut "
                 "down; call init() again first"
             )
-        request.future = OpFuture(self)
+        if not request.settles_itself:
+            request.future = OpFuture(self)
         if blocking and not self._backlog:
             # Waiting for the lock is no worse than waiting for the engine thread to run it.
             with self._exec_lock:

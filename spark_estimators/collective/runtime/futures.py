@@ -166,9 +166,37 @@ class OpFuture(Future[Any]):
 class Handle:
     """An asynchronous op in flight; pass it to ``synchronize()`` or ``poll()``.
 
-    It covers one or more engine requests (a grouped op with several dtypes is one request
-    per dtype). ``finish`` runs in the caller's thread in :meth:`wait` and turns the list of
-    request results into the op's return value (e.g. decompresses it).
+    What every async op returns: :class:`FuturesHandle` (one or more engine requests), or the
+    request itself when one object is the op, its future and its handle (the per-tensor
+    allreduce, :class:`~spark_estimators.collective.runtime.allreduce.AllreduceOp`).
+    """
+
+    __slots__ = ()
+    name: str
+
+    def wait(self) -> Any:
+        """Block until the op finished and return its result (raises the op's error)."""
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        """True when the op has finished."""
+        raise NotImplementedError
+
+    def poll(self) -> bool:
+        """True when the op has finished; else the engine is asked to run it soon."""
+        raise NotImplementedError
+
+    def then(self, fn: Callable[[_T], object]) -> Handle:
+        """A handle of the same op whose :meth:`wait` returns ``fn`` of this one's result."""
+        raise NotImplementedError
+
+
+class FuturesHandle(Handle):
+    """The :class:`Handle` of one or more engine requests (their futures).
+
+    A grouped op with several dtypes is one request per dtype. ``finish`` runs in the caller's
+    thread in :meth:`wait` and turns the list of request results into the op's return value
+    (e.g. decompresses it).
     """
 
     __slots__ = ("_finish", "_futures", "name")
@@ -193,6 +221,8 @@ class Handle:
                 flush()
         return False
 
+    poll = done
+
     def wait(self) -> Any:
         """Block until the op finished and return its result (raises the op's error)."""
         futures = self._futures
@@ -202,7 +232,7 @@ class Handle:
 
     def then(self, fn: Callable[[_T], object]) -> Handle:
         """A handle of the same op whose :meth:`wait` returns ``fn`` of this one's result."""
-        return Handle(self._futures, self.name, lambda results: fn(self._result(results)))
+        return FuturesHandle(self._futures, self.name, lambda results: fn(self._result(results)))
 
     def _result(self, results: list[object]) -> Any:
         if self._finish is not None:

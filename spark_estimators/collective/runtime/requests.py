@@ -92,8 +92,11 @@ class Request:
     after the quoted name, formatted only when someone reads it; ``signature_hash`` may be
     given when the caller knows it (an op repeated step after step).
 
-    A plain class with slots: allreduces submitted one per tensor make one per op.
+    A plain class with slots. ``settles_itself``: the request is its own future (the engine
+    makes none; see :class:`~spark_estimators.collective.runtime.allreduce.AllreduceOp`).
     """
+
+    settles_itself = False
 
     __slots__ = ("kind", "name", "signature", "execute", "_description", "_detail", "numel",
                  "dtype", "device", "wire_op", "dim0", "inline", "fusion", "part", "future",
