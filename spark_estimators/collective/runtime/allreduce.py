@@ -279,7 +279,7 @@ class AllreduceOp(Request, OpFuture, Handle):
         return self.static.engine
 
     @property
-    def future(self) -> Future[Any]:  # type: ignore[override]
+    def future(self) -> OpFuture:  # type: ignore[override]
         """The op itself (it is its own future)."""
         return self
 

@@ -90,7 +90,8 @@ class Engine:
         # Held while ops run (engine thread or caller). Submitted ops wait in _backlog, in
         # submission order; only the holder of _exec_lock takes them out, from the front.
         self._exec_lock = threading.Lock()
-        self._cv = threading.Condition()
+        self._queue_lock = threading.RLock()  # _cv's: submit() takes it without the Condition
+        self._cv = threading.Condition(self._queue_lock)
         # Notified after every settled batch (see futures.OpFuture).
         self._done_cv = threading.Condition(threading.Lock())
         self._backlog: deque[Request] = deque()
@@ -168,8 +169,10 @@ class Engine:
                         self._ran_batch()
                     return request.future
         request.queued_ns = time.perf_counter_ns()
-        with self._cv:
-            claim_name(self._in_flight, request)
+        with self._queue_lock:
+            if request.name in self._in_flight:
+                claim_name(self._in_flight, request)  # raises
+            self._in_flight.add(request.name)
             self._backlog.append(request)
             if self._idle:  # else the engine thread looks at the queue when its wait ends
                 self._idle = False
@@ -338,8 +341,7 @@ class Engine:
         head = request = batch[0]
         if self._broken is not None:
             self._release(batch[:1])
-            if head.future.set_running_or_notify_cancel():
-                head.future.set_exception(failures.broken_error(head, self._broken, self.backend))
+            head.future.settle(None, failures.broken_error(head, self._broken, self.backend))
             return 1
         timeline, cache = self.timeline, None if self.tuner else self.cache
         times, ran = [time.perf_counter_ns()], batch[:1]
@@ -369,12 +371,7 @@ class Engine:
             timeline.record_batch(ran, self.set_id, times, error)
         self._release(ran)  # before the futures settle: a waiter may reuse a name at once
         for i, settled in enumerate(ran):
-            if not settled.future.set_running_or_notify_cancel():
-                continue
-            if error is not None:
-                settled.future.set_exception(error)
-            else:
-                settled.future.set_result(results[i])
+            settled.future.settle(None if error is not None else results[i], error)
         with self._done_cv:  # one wake-up for the whole batch
             self._done_cv.notify_all()
         return len(ran)

@@ -107,6 +107,11 @@ class OpFuture(Future[Any]):
         self._exception = exception
         self._finish()
 
+    def settle(self, result: object, exception: BaseException | None) -> None:
+        """Settle with ``result``, or ``exception`` when not None (the engine, in one call)."""
+        self._result, self._exception = result, exception
+        self._finish()
+
     def _finish(self) -> None:
         self._state = _FINISHED
         callbacks = self._callbacks

@@ -12,13 +12,15 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from spark_estimators.collective.backends.base import ReduceOp
+
+if TYPE_CHECKING:
+    from spark_estimators.collective.runtime.futures import OpFuture
 
 
 class Kind(enum.IntEnum):
@@ -128,7 +130,7 @@ class Request:
         #: ``perf_counter_ns()`` when it entered the engine's queue (0: run without queueing).
         self.queued_ns = 0
         #: Set by :meth:`Engine.submit` (which returns it).
-        self.future: Future[Any]
+        self.future: OpFuture
 
     @property
     def description(self) -> str:
