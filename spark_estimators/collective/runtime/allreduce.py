@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
 
@@ -46,6 +46,8 @@ from spark_estimators.collective.runtime.requests import (
     cached_signature_hash,
 )
 from spark_estimators.errors import ConfigurationError
+
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -311,7 +313,7 @@ class AllreduceOp(Request, OpFuture, Handle):
         """Reduce this op alone (after negotiation, on the engine's thread)."""
         return _execute(self, agreement)
 
-    def wait(self) -> Any:
+    def wait(self) -> Buffer:
         """Block until the op finished and return the caller's tensor (raises the op's error)."""
         if self._state != _FINISHED:
             self._wait(None)
@@ -326,9 +328,9 @@ class AllreduceOp(Request, OpFuture, Handle):
         self._engine.flush()
         return False
 
-    def then(self, fn: Callable[[Any], object]) -> Handle:
+    def then(self, fn: Callable[[_T], object]) -> Handle:
         """A handle of this op whose :meth:`wait` returns ``fn`` of the caller's tensor."""
-        return FuturesHandle([self], self.name, lambda results: fn(self._tensor))
+        return FuturesHandle([self], self.name, lambda results: self._tensor).then(fn)
 
 
 def _payload(part: _FusedPart | AllreduceOp) -> np.ndarray:

@@ -54,8 +54,15 @@ from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
 from spark_estimators.collective.runtime import failures, settings
 from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime.cache import ResponseCache
-from spark_estimators.collective.runtime.futures import OpFuture, claim_name
-from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request, Tuner
+from spark_estimators.collective.runtime.futures import OpFuture
+from spark_estimators.collective.runtime.requests import (
+    JOINABLE,
+    Agreement,
+    Kind,
+    Request,
+    Tuner,
+    claim_name,
+)
 from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
@@ -170,9 +177,7 @@ class Engine:
                     return request.future
         request.queued_ns = time.perf_counter_ns()
         with self._queue_lock:
-            if request.name in self._in_flight:
-                claim_name(self._in_flight, request)  # raises
-            self._in_flight.add(request.name)
+            claim_name(self._in_flight, request)
             self._backlog.append(request)
             if self._idle:  # else the engine thread looks at the queue when its wait ends
                 self._idle = False

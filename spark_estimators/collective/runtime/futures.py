@@ -14,10 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
-
-if TYPE_CHECKING:
-    from spark_estimators.collective.runtime.requests import Request
+from typing import Any, Protocol, TypeVar
 
 logger = logging.getLogger("spark_estimators.collective.runtime.engine")
 
@@ -247,18 +244,3 @@ class FuturesHandle(Handle):
     def __repr__(self) -> str:
         state = "done" if all(f.done() for f in self._futures) else "pending"
         return f"Handle({self.name!r}, {state})"
-
-
-def claim_name(in_flight: set[str], request: Request) -> None:
-    """Add ``request``'s name to the names in flight; ``ValueError`` if it is there already.
-
-    A second op with the name of one still in flight is refused, as Horovod does (its
-    ``*_duplicate_name_error`` tests); the engine frees the name when the op settles.
-    """
-    if request.name in in_flight:
-        raise ValueError(
-            f"{request.kind.name.lower()} {request.name!r}: an op with this name is still in "
-            "flight on this rank; wait for it first (synchronize / wait) or give the new op "
-            "another name"
-        )
-    in_flight.add(request.name)

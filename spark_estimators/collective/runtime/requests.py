@@ -172,3 +172,18 @@ def signature_hash(signature: tuple[object, ...]) -> int:
     """A stable signed 64-bit hash of a signature tuple (same on every rank and run)."""
     digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+def claim_name(in_flight: set[str], request: Request) -> None:
+    """Add ``request``'s name to the names in flight; ``ValueError`` if it is there already.
+
+    A second op with the name of one still in flight is refused, as Horovod does (its
+    ``*_duplicate_name_error`` tests); the engine frees the name when the op settles.
+    """
+    if request.name in in_flight:
+        raise ValueError(
+            f"{request.kind.name.lower()} {request.name!r}: an op with this name is still in "
+            "flight on this rank; wait for it first (synchronize / wait) or give the new op "
+            "another name"
+        )
+    in_flight.add(request.name)

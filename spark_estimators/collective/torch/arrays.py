@@ -126,7 +126,9 @@ class TorchOps:
         return tuple(int(d) for d in x.shape)
 
     def static_key(self, x: torch.Tensor) -> Hashable:
-        """The dtype, device and shape."""
+        """The dtype, device and shape (no device for a CPU tensor: a new object per read)."""
+        if x.is_cpu:
+            return (x.dtype, x.shape)
         return (x.dtype, x.device, x.shape)
 
     def is_contiguous(self, x: torch.Tensor) -> bool:
