@@ -74,6 +74,9 @@ def test_static_keys_differ_where_the_kept_statics_must():
     assert t.static_key(a) != t.static_key(torch.ones(2, 2))
     assert t.static_key(a) != t.static_key(torch.ones(4, dtype=torch.float64))
     assert hash(t.static_key(a)) == hash(t.static_key(torch.zeros(4)))
+    meta = torch.ones(4, device="meta")  # another device: never the CPU tensor's key
+    assert t.static_key(a) != t.static_key(meta)
+    assert t.static_key(meta) == t.static_key(torch.zeros(4, device="meta"))
     n = NumpyOps()
     x = np.ones(4, dtype=np.float32)
     assert n.static_key(x) == n.static_key(np.zeros(4, dtype=np.float32))

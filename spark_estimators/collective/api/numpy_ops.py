@@ -19,7 +19,7 @@ from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.arrays import NumpyOps
 from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.forms import named, out_of_place, synchronized
-from spark_estimators.collective.runtime.futures import Handle
+from spark_estimators.collective.runtime.futures import FuturesHandle, Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.errors import CollectiveError
 
@@ -52,7 +52,7 @@ def synchronize(handle: Handle) -> Any:
 
 def poll(handle: Handle) -> bool:
     """True when the async op has finished (:func:`synchronize` will not block)."""
-    return handle.done()
+    return handle.poll()
 
 
 def _copy(array: np.ndarray, op: str) -> np.ndarray:
@@ -100,7 +100,7 @@ def _allreduce_start(blocking: bool, what: str, doc: str) -> Callable[..., Handl
         reduction = Reduction(_ops_resolve(op, average), prescale_factor, postscale_factor)
         call = Call(name, blocking, process_set)
         future = _allreduce.allreduce(_NUMPY, [arr], [arr], reduction, call)
-        return Handle([future], name or "allreduce", lambda results: results[0][0])
+        return FuturesHandle([future], name or "allreduce", lambda results: results[0][0])
 
     return named(start, what, doc)
 

@@ -12,9 +12,10 @@ The other ops are in :mod:`.ops`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -28,6 +29,14 @@ from spark_estimators.collective.runtime import adasum as _adasum
 from spark_estimators.collective.runtime import engine as eng
 from spark_estimators.collective.runtime.arrays import ArrayOps, numel_of, scale_array, write_result
 from spark_estimators.collective.runtime.call import Call
+from spark_estimators.collective.runtime.futures import (
+    _FINISHED,
+    _PENDING,
+    FuturesHandle,
+    Handle,
+    OpFuture,
+    OpRunner,
+)
 from spark_estimators.collective.runtime.negotiation import itemsize
 from spark_estimators.collective.runtime.requests import (
     Agreement,
@@ -37,6 +46,8 @@ from spark_estimators.collective.runtime.requests import (
     cached_signature_hash,
 )
 from spark_estimators.errors import ConfigurationError
+
+_T = TypeVar("_T")
 
 
 @dataclass(slots=True)
@@ -140,25 +151,27 @@ def allreduce_one(
     postscale: float,
     name: str | None,
     blocking: bool,
-) -> Future[Sequence[Buffer]]:
+    result: Buffer | None = None,
+) -> AllreduceOp:
     """Reduce the contiguous buffer ``x`` in place: the per-tensor hot path of :func:`allreduce`.
 
     ``allreduce_async_`` per gradient submits the same ops step after step: what depends only
     on the op's dtype, device, shape, reduction and name (the signature and its hash, the
     description, the fusion key...) is computed once per engine (:class:`_Static`) and each
-    call makes one request and one small part. ``op`` must not be Adasum.
+    call makes one object, the :class:`AllreduceOp` that is the request, its future and its
+    handle (``wait()`` returns ``result``, default ``x``). ``op`` must not be Adasum.
     """
-    display = name or engine.auto_name("allreduce")
     key = (ops.static_key(x), op, prescale, postscale, name)
+    display = name or engine.auto_name("allreduce")
     static = engine.statics.get(key)
     if not isinstance(static, _Static):
-        shape = ops.shape(x)
-        static = _Static(engine, ops, ops.dtype(x), ops.device(x), (shape,), op, prescale,
-                         postscale, name, display)  # fmt: skip
+        static = _Static(engine, ops, ops.dtype(x), ops.device(x), (ops.shape(x),), op,
+                         prescale, postscale, name, display)  # fmt: skip
         if len(engine.statics) < _STATICS_SIZE:
             engine.statics[key] = static
-    one = [x]
-    return engine.submit(static.request(display, _FusedPart(static, one, one)), blocking)
+    request = AllreduceOp(static, display, x, x if result is None else result)
+    engine.submit(request, blocking)
+    return request
 
 
 _STATICS_SIZE = 4096
@@ -172,8 +185,8 @@ class _Static:
     the op's name in errors).
     """
 
-    __slots__ = ("ops", "backend", "dtype", "device", "numel", "wire_op", "prescale", "post",
-                 "signature", "hash", "detail", "fusion", "inline")  # fmt: skip
+    __slots__ = ("engine", "ops", "backend", "dtype", "device", "numel", "wire_op", "prescale",
+                 "post", "signature", "hash", "detail", "fusion", "inline")  # fmt: skip
 
     def __init__(
         self,
@@ -198,7 +211,8 @@ class _Static:
             and dtype in FLOATING_DTYPES  # integers: sum, then scale and truncate as Horovod does
         )
         wire_op, post = Reduction(op, prescale, postscale).on_wire(backend.size, native)
-        self.ops, self.backend, self.dtype, self.device = ops, backend, dtype, device
+        self.engine, self.ops, self.backend = engine, ops, backend
+        self.dtype, self.device = dtype, device
         self.numel = sum(numel_of(s) for s in shapes)
         self.wire_op, self.prescale, self.post = wire_op, prescale, post
         op_name = op.name
@@ -231,42 +245,131 @@ class _FusedPart:
 
     def payload(self) -> np.ndarray:
         """The (prescaled) data of this rank as bytes, to travel inside the negotiation."""
-        inputs, st = self.inputs, self.static
-        ops = st.ops
-        one = len(inputs) == 1 and ops.is_contiguous(inputs[0])
-        data = np.array(
-            np.asarray(ops.flat_view(inputs[0]) if one else ops.pack(inputs)), copy=True
-        )
-        if st.prescale != 1.0:
-            scale_array(data, st.prescale)
-        return data.view(np.uint8)
+        return _payload(self)
 
     def execute(self, agreement: Agreement) -> Sequence[Buffer]:
         """Reduce this request alone (after negotiation, on the engine's thread)."""
-        inputs, outputs, st = self.inputs, self.outputs, self.static
-        ops, backend = st.ops, st.backend
-        if st.numel == 0:
-            return outputs
-        if agreement.payloads is not None:
-            reduced = _reduce_rows(
-                agreement.payloads, st.dtype, st.numel, st.wire_op, backend.size, st.post
-            )
-            return write_result(ops, reduced, inputs, outputs)
-        single = len(inputs) == 1 and ops.is_contiguous(outputs[0])
-        if single:
-            if outputs[0] is not inputs[0]:
-                ops.copy_(outputs[0], inputs[0])
-            flat = ops.flat_view(outputs[0])
-        else:
-            flat = ops.pack(inputs)
-        if st.prescale != 1.0:
-            ops.scale_(flat, st.prescale)
-        backend.allreduce(flat, st.wire_op)
-        if st.post != 1.0:
-            ops.scale_(flat, st.post)
-        if not single:
-            ops.unpack(flat, outputs)
+        return _execute(self, agreement)
+
+
+class AllreduceOp(Request, OpFuture, Handle):
+    """One per-tensor in-place allreduce: its request, its part, its future and its handle.
+
+    ``allreduce_async_`` per gradient makes one per tensor and step, so it is one object: what
+    a request of its kind shares (signature, hash, fusion, description) is read from its
+    :class:`_Static`, the engine settles it as its future (``future`` is itself) and the caller
+    waits on it as its handle (``synchronize`` returns the caller's tensor).
+    """
+
+    __slots__ = ("static", "inputs", "outputs", "_tensor", "_state", "_result", "_exception",
+                 "_callbacks")  # fmt: skip
+    kind = Kind.ALLREDUCE
+    dim0 = 0
+    settles_itself = True
+
+    def __init__(self, static: _Static, name: str, x: Buffer, tensor: Buffer) -> None:
+        # No Request/OpFuture __init__: the shared fields come from ``static``.
+        self.static, self.name, self._tensor = static, name, tensor
+        self.inputs = self.outputs = [x]
+        self.signature, self.numel, self.fusion = static.signature, static.numel, static.fusion
+        self.dtype, self.device, self.wire_op = static.dtype, static.device, static.wire_op
+        self._state, self._result, self._exception, self._callbacks = _PENDING, None, None, None
+        self.queued_ns = 0
+
+    @property
+    def _engine(self) -> OpRunner:  # type: ignore[override]
+        return self.static.engine
+
+    @property
+    def future(self) -> OpFuture:  # type: ignore[override]
+        """The op itself (it is its own future)."""
+        return self
+
+    @property
+    def part(self) -> AllreduceOp:  # type: ignore[override]
+        """The op itself (its buffers are its own)."""
+        return self
+
+    @property
+    def inline(self) -> Callable[[], np.ndarray] | None:  # type: ignore[override]
+        """:meth:`payload` when the op may travel inside the negotiation."""
+        return self.payload if self.static.inline else None
+
+    @property
+    def description(self) -> str:
+        """The op as errors and the timeline show it (name, dtype, shape...)."""
+        return f"{self.name!r} {self.static.detail}"
+
+    @property
+    def signature_hash(self) -> int:
+        """The hash of the signature (the static's)."""
+        return self.static.hash
+
+    def payload(self) -> np.ndarray:
+        """The (prescaled) data of this rank as bytes, to travel inside the negotiation."""
+        return _payload(self)
+
+    def execute(self, agreement: Agreement) -> Sequence[Buffer]:  # type: ignore[override]
+        """Reduce this op alone (after negotiation, on the engine's thread)."""
+        return _execute(self, agreement)
+
+    def wait(self) -> Buffer:
+        """Block until the op finished and return the caller's tensor (raises the op's error)."""
+        if self._state != _FINISHED:
+            self._wait(None)
+        if self._exception is not None:
+            raise self._exception
+        return self._tensor
+
+    def poll(self) -> bool:
+        """True when the op has finished; else the engine is asked to run it soon."""
+        if self._state == _FINISHED:
+            return True
+        self._engine.flush()
+        return False
+
+    def then(self, fn: Callable[[_T], object]) -> Handle:
+        """A handle of this op whose :meth:`wait` returns ``fn`` of the caller's tensor."""
+        return FuturesHandle([self], self.name, lambda results: self._tensor).then(fn)
+
+
+def _payload(part: _FusedPart | AllreduceOp) -> np.ndarray:
+    """``part``'s (prescaled) data as bytes, to travel inside the negotiation."""
+    inputs, st = part.inputs, part.static
+    ops = st.ops
+    one = len(inputs) == 1 and ops.is_contiguous(inputs[0])
+    data = np.array(np.asarray(ops.flat_view(inputs[0]) if one else ops.pack(inputs)), copy=True)
+    if st.prescale != 1.0:
+        scale_array(data, st.prescale)
+    return data.view(np.uint8)
+
+
+def _execute(part: _FusedPart | AllreduceOp, agreement: Agreement) -> Sequence[Buffer]:
+    """Reduce ``part``'s buffers alone (after negotiation, on the engine's thread)."""
+    inputs, outputs, st = part.inputs, part.outputs, part.static
+    ops, backend = st.ops, st.backend
+    if st.numel == 0:
         return outputs
+    if agreement.payloads is not None:
+        reduced = _reduce_rows(
+            agreement.payloads, st.dtype, st.numel, st.wire_op, backend.size, st.post
+        )
+        return write_result(ops, reduced, inputs, outputs)
+    single = len(inputs) == 1 and ops.is_contiguous(outputs[0])
+    if single:
+        if outputs[0] is not inputs[0]:
+            ops.copy_(outputs[0], inputs[0])
+        flat = ops.flat_view(outputs[0])
+    else:
+        flat = ops.pack(inputs)
+    if st.prescale != 1.0:
+        ops.scale_(flat, st.prescale)
+    backend.allreduce(flat, st.wire_op)
+    if st.post != 1.0:
+        ops.scale_(flat, st.post)
+    if not single:
+        ops.unpack(flat, outputs)
+    return outputs
 
 
 def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequence[Buffer]]:
@@ -275,7 +378,7 @@ def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequen
     Their inputs are packed in request order into one buffer, reduced with one backend call
     (or from the inline payloads), and unpacked into each request's outputs.
     """
-    parts: list[_FusedPart] = [r.part for r in requests]
+    parts: list[_FusedPart | AllreduceOp] = [r.part for r in requests]
     first = parts[0].static
     ops, backend = first.ops, first.backend
     outputs = [out for p in parts for out in p.outputs]
@@ -298,7 +401,7 @@ def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequen
 
 def _pack_fused(requests: Sequence[Request], out: np.ndarray) -> None:
     """Write the (prescaled) data of ``requests`` into ``out`` (bytes), as inline payloads."""
-    parts: list[_FusedPart] = [r.part for r in requests]
+    parts: list[_FusedPart | AllreduceOp] = [r.part for r in requests]
     first = parts[0].static
     typed = out.view(np.dtype(first.dtype))
     flat = first.ops.adopt(typed, parts[0].inputs[0])  # the same memory

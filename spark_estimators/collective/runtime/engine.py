@@ -54,8 +54,15 @@ from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
 from spark_estimators.collective.runtime import failures, settings
 from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime.cache import ResponseCache
-from spark_estimators.collective.runtime.futures import OpFuture, claim_name
-from spark_estimators.collective.runtime.requests import JOINABLE, Agreement, Kind, Request, Tuner
+from spark_estimators.collective.runtime.futures import OpFuture
+from spark_estimators.collective.runtime.requests import (
+    JOINABLE,
+    Agreement,
+    Kind,
+    Request,
+    Tuner,
+    claim_name,
+)
 from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
@@ -90,7 +97,8 @@ class Engine:
         # Held while ops run (engine thread or caller). Submitted ops wait in _backlog, in
         # submission order; only the holder of _exec_lock takes them out, from the front.
         self._exec_lock = threading.Lock()
-        self._cv = threading.Condition()
+        self._queue_lock = threading.RLock()  # _cv's: submit() takes it without the Condition
+        self._cv = threading.Condition(self._queue_lock)
         # Notified after every settled batch (see futures.OpFuture).
         self._done_cv = threading.Condition(threading.Lock())
         self._backlog: deque[Request] = deque()
@@ -155,7 +163,8 @@ class Engine:
                 f"{request.kind.name.lower()} {request.name!r}: the collective layer was shut "
                 "down; call init() again first"
             )
-        request.future = OpFuture(self)
+        if not request.settles_itself:
+            request.future = OpFuture(self)
         if blocking and not self._backlog:
             # Waiting for the lock is no worse than waiting for the engine thread to run it.
             with self._exec_lock:
@@ -167,7 +176,7 @@ class Engine:
                         self._ran_batch()
                     return request.future
         request.queued_ns = time.perf_counter_ns()
-        with self._cv:
+        with self._queue_lock:
             claim_name(self._in_flight, request)
             self._backlog.append(request)
             if self._idle:  # else the engine thread looks at the queue when its wait ends
@@ -337,8 +346,7 @@ class Engine:
         head = request = batch[0]
         if self._broken is not None:
             self._release(batch[:1])
-            if head.future.set_running_or_notify_cancel():
-                head.future.set_exception(failures.broken_error(head, self._broken, self.backend))
+            head.future.settle(None, failures.broken_error(head, self._broken, self.backend))
             return 1
         timeline, cache = self.timeline, None if self.tuner else self.cache
         times, ran = [time.perf_counter_ns()], batch[:1]
@@ -368,12 +376,7 @@ class Engine:
             timeline.record_batch(ran, self.set_id, times, error)
         self._release(ran)  # before the futures settle: a waiter may reuse a name at once
         for i, settled in enumerate(ran):
-            if not settled.future.set_running_or_notify_cancel():
-                continue
-            if error is not None:
-                settled.future.set_exception(error)
-            else:
-                settled.future.set_result(results[i])
+            settled.future.settle(None if error is not None else results[i], error)
         with self._done_cv:  # one wake-up for the whole batch
             self._done_cv.notify_all()
         return len(ran)

@@ -14,10 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
-
-if TYPE_CHECKING:
-    from spark_estimators.collective.runtime.requests import Request
+from typing import Any, Protocol, TypeVar
 
 logger = logging.getLogger("spark_estimators.collective.runtime.engine")
 
@@ -107,6 +104,11 @@ class OpFuture(Future[Any]):
         self._exception = exception
         self._finish()
 
+    def settle(self, result: object, exception: BaseException | None) -> None:
+        """Settle with ``result``, or ``exception`` when not None (the engine, in one call)."""
+        self._result, self._exception = result, exception
+        self._finish()
+
     def _finish(self) -> None:
         self._state = _FINISHED
         callbacks = self._callbacks
@@ -166,9 +168,37 @@ class OpFuture(Future[Any]):
 class Handle:
     """An asynchronous op in flight; pass it to ``synchronize()`` or ``poll()``.
 
-    It covers one or more engine requests (a grouped op with several dtypes is one request
-    per dtype). ``finish`` runs in the caller's thread in :meth:`wait` and turns the list of
-    request results into the op's return value (e.g. decompresses it).
+    What every async op returns: :class:`FuturesHandle` (one or more engine requests), or the
+    request itself when one object is the op, its future and its handle (the per-tensor
+    allreduce, :class:`~spark_estimators.collective.runtime.allreduce.AllreduceOp`).
+    """
+
+    __slots__ = ()
+    name: str
+
+    def wait(self) -> Any:
+        """Block until the op finished and return its result (raises the op's error)."""
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        """True when the op has finished."""
+        raise NotImplementedError
+
+    def poll(self) -> bool:
+        """True when the op has finished; else the engine is asked to run it soon."""
+        raise NotImplementedError
+
+    def then(self, fn: Callable[[_T], object]) -> Handle:
+        """A handle of the same op whose :meth:`wait` returns ``fn`` of this one's result."""
+        raise NotImplementedError
+
+
+class FuturesHandle(Handle):
+    """The :class:`Handle` of one or more engine requests (their futures).
+
+    A grouped op with several dtypes is one request per dtype. ``finish`` runs in the caller's
+    thread in :meth:`wait` and turns the list of request results into the op's return value
+    (e.g. decompresses it).
     """
 
     __slots__ = ("_finish", "_futures", "name")
@@ -193,6 +223,8 @@ class Handle:
                 flush()
         return False
 
+    poll = done
+
     def wait(self) -> Any:
         """Block until the op finished and return its result (raises the op's error)."""
         futures = self._futures
@@ -202,7 +234,7 @@ class Handle:
 
     def then(self, fn: Callable[[_T], object]) -> Handle:
         """A handle of the same op whose :meth:`wait` returns ``fn`` of this one's result."""
-        return Handle(self._futures, self.name, lambda results: fn(self._result(results)))
+        return FuturesHandle(self._futures, self.name, lambda results: fn(self._result(results)))
 
     def _result(self, results: list[object]) -> Any:
         if self._finish is not None:
@@ -212,18 +244,3 @@ class Handle:
     def __repr__(self) -> str:
         state = "done" if all(f.done() for f in self._futures) else "pending"
         return f"Handle({self.name!r}, {state})"
-
-
-def claim_name(in_flight: set[str], request: Request) -> None:
-    """Add ``request``'s name to the names in flight; ``ValueError`` if it is there already.
-
-    A second op with the name of one still in flight is refused, as Horovod does (its
-    ``*_duplicate_name_error`` tests); the engine frees the name when the op settles.
-    """
-    if request.name in in_flight:
-        raise ValueError(
-            f"{request.kind.name.lower()} {request.name!r}: an op with this name is still in "
-            "flight on this rank; wait for it first (synchronize / wait) or give the new op "
-            "another name"
-        )
-    in_flight.add(request.name)

@@ -12,13 +12,15 @@ from __future__ import annotations
 import enum
 import hashlib
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from spark_estimators.collective.backends.base import ReduceOp
+
+if TYPE_CHECKING:
+    from spark_estimators.collective.runtime.futures import OpFuture
 
 
 class Kind(enum.IntEnum):
@@ -92,8 +94,11 @@ class Request:
     after the quoted name, formatted only when someone reads it; ``signature_hash`` may be
     given when the caller knows it (an op repeated step after step).
 
-    A plain class with slots: allreduces submitted one per tensor make one per op.
+    A plain class with slots. ``settles_itself``: the request is its own future (the engine
+    makes none; see :class:`~spark_estimators.collective.runtime.allreduce.AllreduceOp`).
     """
+
+    settles_itself = False
 
     __slots__ = ("kind", "name", "signature", "execute", "_description", "_detail", "numel",
                  "dtype", "device", "wire_op", "dim0", "inline", "fusion", "part", "future",
@@ -125,7 +130,7 @@ class Request:
         #: ``perf_counter_ns()`` when it entered the engine's queue (0: run without queueing).
         self.queued_ns = 0
         #: Set by :meth:`Engine.submit` (which returns it).
-        self.future: Future[Any]
+        self.future: OpFuture
 
     @property
     def description(self) -> str:
@@ -167,3 +172,18 @@ def signature_hash(signature: tuple[object, ...]) -> int:
     """A stable signed 64-bit hash of a signature tuple (same on every rank and run)."""
     digest = hashlib.blake2b(repr(signature).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little", signed=True)
+
+
+def claim_name(in_flight: set[str], request: Request) -> None:
+    """Add ``request``'s name to the names in flight; ``ValueError`` if it is there already.
+
+    A second op with the name of one still in flight is refused, as Horovod does (its
+    ``*_duplicate_name_error`` tests); the engine frees the name when the op settles.
+    """
+    if request.name in in_flight:
+        raise ValueError(
+            f"{request.kind.name.lower()} {request.name!r}: an op with this name is still in "
+            "flight on this rank; wait for it first (synchronize / wait) or give the new op "
+            "another name"
+        )
+    in_flight.add(request.name)

@@ -64,7 +64,11 @@ def dtype_device_groups(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
 
 # Set while a blocking function runs: the ops it starts are waited for at once, so the engine
 # may run them in this thread when it is idle (see Engine.submit).
-_local = threading.local()
+class _Waited(threading.local):
+    blocking = False  # each thread starts outside waited_ops
+
+
+_local = _Waited()
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -76,7 +80,7 @@ def waited_ops() -> Iterator[None]:
     The engine then skips the hand-off to its thread (two thread wake-ups per op, which cost
     more than a small op itself on a busy machine).
     """
-    previous = getattr(_local, "blocking", False)
+    previous = _local.blocking
     _local.blocking = True
     try:
         yield
@@ -97,7 +101,7 @@ def waited(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 
 def in_waited_ops() -> bool:
     """True inside :func:`waited_ops`: ops started now are submitted as blocking."""
-    return bool(getattr(_local, "blocking", False))
+    return _local.blocking
 
 
 class TorchOps:
@@ -122,7 +126,9 @@ class TorchOps:
         return tuple(int(d) for d in x.shape)
 
     def static_key(self, x: torch.Tensor) -> Hashable:
-        """The dtype, device and shape."""
+        """The dtype, device and shape (no device for a CPU tensor: a new object per read)."""
+        if x.is_cpu:
+            return (x.dtype, x.shape)
         return (x.dtype, x.device, x.shape)
 
     def is_contiguous(self, x: torch.Tensor) -> bool:

@@ -31,7 +31,7 @@ from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.forms import named, synchronized
-from spark_estimators.collective.runtime.futures import Handle
+from spark_estimators.collective.runtime.futures import FuturesHandle, Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
     _TORCH,
@@ -87,7 +87,7 @@ def allgather_async(
     """Start an allgather; see :func:`allgather`."""
     t = as_tensor(tensor, "allgather_async")
     future = _ops.allgather(_TORCH, t, Call(name, in_waited_ops(), process_set))
-    return Handle([future], name or "allgather")
+    return FuturesHandle([future], name or "allgather")
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -137,7 +137,7 @@ def _broadcast_start(in_place: bool, what: str, doc: str) -> Callable[..., Handl
         out = t if in_place else torch.empty_like(t, memory_format=torch.contiguous_format)
         result = tensor if in_place else out
         future = _ops.broadcast(_TORCH, t, out, root_rank, Call(name, in_waited_ops(), process_set))
-        return Handle([future], name or "broadcast", lambda results: result)
+        return FuturesHandle([future], name or "broadcast", lambda results: result)
 
     return named(start, what, doc)
 
@@ -222,7 +222,7 @@ def alltoall_async(
             return out
         return out, _received_splits(received, splits)
 
-    return Handle([future], name or "alltoall", finish)
+    return FuturesHandle([future], name or "alltoall", finish)
 
 
 class _AlltoallFunction(torch.autograd.Function):
@@ -286,7 +286,7 @@ def reducescatter_async(
     future = _ops.reducescatter(
         _TORCH, compressed, reduction, Call(name, in_waited_ops(), process_set)
     )
-    return Handle(
+    return FuturesHandle(
         [future], name or "reducescatter", lambda results: compression.decompress(results[0], ctx)
     )
 

@@ -22,7 +22,7 @@ from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import ops as _ops
 from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.call import Call
-from spark_estimators.collective.runtime.futures import Handle
+from spark_estimators.collective.runtime.futures import FuturesHandle, Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
     _TORCH,
@@ -65,7 +65,7 @@ def grouped_allgather_async(
         _ops.allgather(_TORCH, t, Call(n, blocking, process_set))
         for t, n in zip(ts, _names(name, len(ts)), strict=True)
     ]
-    return Handle(futures, name or "grouped_allgather", lambda results: list(results))
+    return FuturesHandle(futures, name or "grouped_allgather", lambda results: list(results))
 
 
 class _GroupedAllgatherFunction(torch.autograd.Function):
@@ -197,7 +197,7 @@ def grouped_reducescatter_async(
     ts = _tensors(tensors, "grouped_reducescatter_async")
     reduction = Reduction(reducescatter_op(op), prescale_factor, postscale_factor)
     futures = _reducescatter_each(ts, _names(name, len(ts)), reduction, process_set)
-    return Handle(futures, name or "grouped_reducescatter", lambda results: list(results))
+    return FuturesHandle(futures, name or "grouped_reducescatter", lambda results: list(results))
 
 
 @waited
@@ -237,7 +237,7 @@ def grouped_reducescatter(
 
 
 # -- sparse ----------------------------------------------------------------------------------
-class SparseHandle(Handle):
+class SparseHandle(FuturesHandle):
     """The handle of :func:`sparse_allreduce_async`; also callable, as Horovod's is."""
 
     __slots__ = ()

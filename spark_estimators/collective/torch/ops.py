@@ -28,7 +28,7 @@ from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.call import Call
 from spark_estimators.collective.runtime.forms import named, synchronized
-from spark_estimators.collective.runtime.futures import Handle
+from spark_estimators.collective.runtime.futures import FuturesHandle, Handle
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.torch.arrays import (
     _TORCH,
@@ -57,7 +57,7 @@ def synchronize(handle: Handle) -> object:
 
 def poll(handle: Handle) -> bool:
     """True when the async op has finished."""
-    return handle.done()
+    return handle.poll()
 
 
 # -- allreduce -------------------------------------------------------------------------------
@@ -78,7 +78,7 @@ def _grouped_allreduce_async(
     if len(inputs) == 1:  # allreduce_async_ per tensor (a hot path): nothing to group
         call = Call(name, in_waited_ops(), process_set)
         one = _allreduce.allreduce(_TORCH, inputs, outputs, reduction, call)
-        return Handle([one], name or "grouped_allreduce", finish)
+        return FuturesHandle([one], name or "grouped_allreduce", finish)
     futures: list[Future[Sequence[torch.Tensor]]] = []
     groups = dtype_device_groups(inputs)
     for g, idx in enumerate(groups):
@@ -92,7 +92,7 @@ def _grouped_allreduce_async(
                 Call(label, in_waited_ops() and len(groups) == 1, process_set),
             )
         )
-    return Handle(futures, name or "grouped_allreduce", finish)
+    return FuturesHandle(futures, name or "grouped_allreduce", finish)
 
 
 def _grouped_allreduce_start(in_place: bool, what: str, doc: str) -> Callable[..., Handle]:
@@ -208,11 +208,10 @@ def _allreduce_async_(
             tensor, average, name, op, prescale_factor, postscale_factor, process_set
         )  # fmt: skip
     x = tensor.detach() if tensor.requires_grad else tensor
-    future = _allreduce.allreduce_one(
+    return _allreduce.allreduce_one(
         _engine.require("allreduce", process_set), _TORCH, x, resolved, prescale_factor,
-        postscale_factor, name, in_waited_ops(),
+        postscale_factor, name, in_waited_ops(), tensor,
     )  # fmt: skip
-    return Handle([future], name or "grouped_allreduce", lambda results: tensor)
 
 
 allreduce_async_ = named(
