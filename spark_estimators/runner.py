@@ -58,13 +58,15 @@ from spark_estimators.task.stream_spill import StreamTaskSettings
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from spark_estimators.data._writer import PartitionWriter
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 ABORT_GRACE_S = 5.0
 #: The barrier stage's result rows.
-TASK_SCHEMA = "index long, rank long, seconds double"
+TASK_SCHEMA = "index long, rank long, seconds double, copy string"
 
 __all__ = ["ADMISSION_WAIT_S", "EventCallback", "check_admission", "launch", "run"]
 
@@ -79,6 +81,13 @@ class StreamSource(Protocol):
     @property
     def split_col(self) -> str | None:
         """The column that flags validation rows, if any."""
+
+    @property
+    def copy(self) -> PartitionWriter | None:
+        """``data="parquet+stream"``: the writer of the store's Parquet copy, else None."""
+
+    def finished(self, reports: list[str]) -> None:
+        """Every rank succeeded: each task's copy report (``""`` without a copy)."""
 
 
 def _resolve_backend(backend: str | None, use_mpi: bool | None, use_gloo: bool | None) -> str:
@@ -246,7 +255,9 @@ def launch(
         from spark_estimators.driver.pmi import serve_mpi_job
 
         pmi = serve_mpi_job(svc, driver_host)
-    stream = None if stream_input is None else StreamTaskSettings(stream_input.split_col)
+    stream = None
+    if stream_input is not None:
+        stream = StreamTaskSettings(stream_input.split_col, copy=stream_input.copy)
     # the estimators' ranks: forked from a zygote with their modules imported (task/spare.py)
     config = task_config(job, svc, options, stream, preimport=spare.preimports(fn))
     # data="stream": the tasks map over the training data itself (one partition per rank).
@@ -264,6 +275,8 @@ def launch(
     SPARK_CONSOLE_BAR.mute()
     try:
         results = _Barrier(spark_job, svc, options, streaming=stream_input is not None).run()
+        if stream_input is not None:  # every rank and task succeeded
+            stream_input.finished([row["copy"] or "" for row in spark_job.rows])
         return cast("list[T]", results)  # what the ranks' fn returned
     finally:
         SPARK_CONSOLE_BAR.unmute()
