@@ -53,12 +53,10 @@ from spark_estimators.errors import (
 )
 from spark_estimators.task import spare
 from spark_estimators.task.spark_task import barrier_task
-from spark_estimators.task.stream_spill import StreamTaskSettings
+from spark_estimators.task.stream_spill import CopyPlan, StreamTaskSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
-
-    from spark_estimators.data._writer import PartitionWriter
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +81,7 @@ class StreamSource(Protocol):
         """The column that flags validation rows, if any."""
 
     @property
-    def copy(self) -> PartitionWriter | None:
+    def copy(self) -> CopyPlan | None:
         """``data="parquet+stream"``: the writer of the store's Parquet copy, else None."""
 
     def finished(self, reports: list[str]) -> None:

@@ -199,7 +199,10 @@ class TrainingRun:
             return self._prepare(df, store)  # finds it (and logs so), as data="parquet" would
         meta = self._stream(df)
         source = meta.source
-        copy = plan_stream_copy(self._num_proc(), store, meta, key, source.kept_partitions)
+        columns = list(meta.columns.values())
+        copy = plan_stream_copy(
+            self._num_proc(), store, columns, meta.has_val, key, source.kept_partitions
+        )
         meta.source = dataclasses.replace(source, copy_target=copy)
         return meta
 

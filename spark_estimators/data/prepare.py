@@ -67,7 +67,7 @@ import math
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.data._writer import INFO_SCHEMA, PartitionWriter
 from spark_estimators.data.cache_key import compute_cache_key
@@ -246,7 +246,7 @@ def content_params(
     sample_weight_col: str | None,
     validation: float | str | None,
     seed: int | None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The preparation params that change a dataset's rows (part of its cache key).
 
     ``compress_sparse`` and ``drop_invalid_rows`` are False here; ``prepare_data`` sets them.
@@ -266,7 +266,7 @@ def dataset_key(
     df: DataFrame,
     num_proc: int,
     store: StoreBase,
-    params: dict[str, Any],
+    params: dict[str, object],
     partitions_per_process: int | None = None,
 ) -> tuple[str, int | None]:
     """``prepare_data``'s cache key of ``df`` and its unshuffled partition count (or None).
@@ -326,7 +326,7 @@ def _write(
     idx: str,
     cache_key: str,
     columns: list[ColumnInfo],
-    params: dict[str, Any],
+    params: dict[str, object],
     validation_col: str | None,
     fraction: float,
     seed: int,

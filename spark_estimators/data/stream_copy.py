@@ -29,7 +29,7 @@ import json
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.data._writer import PartitionWriter
 from spark_estimators.data.columns import SPLIT_COL
@@ -47,8 +47,6 @@ from spark_estimators.store.base import StoreBase
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-    from spark_estimators.data.stream import StreamMetadata
-
 logger = logging.getLogger(__name__)
 
 
@@ -60,12 +58,12 @@ class StreamCopy:
     idx: str
     cache_key: str
     columns: list[ColumnInfo]
-    params: dict[str, Any]
+    params: dict[str, object]
     writer: PartitionWriter
     dirs: list[str]
     existed: set[str]
     #: What the metadata's params add to the content params (layout, provenance).
-    params_extra: dict[str, Any] = field(default_factory=dict)
+    params_extra: dict[str, object] = field(default_factory=dict)
 
     def publish(self, reports: list[str]) -> DatasetMetadata | None:
         """Every rank and task succeeded: publish what the tasks wrote (or log why not)."""
@@ -124,7 +122,7 @@ def copy_key(
     validation: float | str | None,
     sample_weight_col: str | None,
     seed: int = 42,
-) -> tuple[str, dict[str, Any], bool]:
+) -> tuple[str, dict[str, object], bool]:
     """``prepare_data``'s cache key for these params, the content params, whether unshuffled.
 
     No job runs: the arguments are checked as ``prepare_data`` checks them (schema only).
@@ -148,21 +146,22 @@ def published_copy(store: StoreBase, cache_key: str) -> DatasetMetadata | None:
 def plan_stream_copy(
     num_proc: int,
     store: StoreBase,
-    meta: StreamMetadata,
-    key: tuple[str, dict[str, Any], bool],
+    columns: list[ColumnInfo],
+    has_val: bool,
+    key: tuple[str, dict[str, object], bool],
     kept_partitions: bool,
 ) -> StreamCopy:
     """The copy the tasks of a ``data="parquet+stream"`` fit write (driver; no job).
 
-    ``meta`` is :func:`~spark_estimators.data.stream.prepare_stream`'s description of the
-    DataFrame, ``key`` its :func:`copy_key`; ``kept_partitions``: the stream keeps the
-    DataFrame's partitions (no round-robin), so each task writes its partition in ``num_proc``
-    slices (module docs).
+    ``columns`` and ``has_val`` are :func:`~spark_estimators.data.stream.prepare_stream`'s
+    description of the DataFrame (its stream metadata), ``key`` its :func:`copy_key`;
+    ``kept_partitions``: the stream keeps the DataFrame's partitions (no round-robin), so each
+    task writes its partition in ``num_proc`` slices (module docs).
     """
     cache_key, params, unshuffled = key
     idx = cache_key[:16]
     train_dir = store.get_train_data_path(idx)
-    val_dir = store.get_val_data_path(idx) if meta.has_val else None
+    val_dir = store.get_val_data_path(idx) if has_val else None
     dirs = [d for d in (train_dir, val_dir) if d]
     slices = num_proc if kept_partitions else 1
     writer = PartitionWriter(
@@ -170,8 +169,8 @@ def plan_stream_copy(
         train_dir=train_dir,
         val_dir=val_dir,
         token=uuid.uuid4().hex[:10],
-        columns=tuple(meta.columns.values()),
-        split_col=SPLIT_COL if meta.has_val else None,
+        columns=tuple(columns),
+        split_col=SPLIT_COL if has_val else None,
         drop_invalid=False,
         row_group_bytes=ROW_GROUP_BYTES,
         max_file_bytes=MAX_FILE_BYTES,
@@ -181,7 +180,7 @@ def plan_stream_copy(
         store=store,
         idx=idx,
         cache_key=cache_key,
-        columns=list(meta.columns.values()),
+        columns=list(columns),
         params=params,
         writer=writer,
         dirs=dirs,

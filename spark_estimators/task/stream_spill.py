@@ -40,7 +40,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from spark_estimators.errors import StoreError
 
@@ -48,14 +48,32 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from pyspark import BarrierTaskContext
 
-    from spark_estimators.data._writer import PartitionSink, PartitionWriter
-
 #: Environment variable naming the notification pipe's fd in the rank process.
 STREAM_FD_ENV = "SPARK_ESTIMATORS_STREAM_FD"
 #: Environment variable of the rank process: the path of the notification FIFO.
 STREAM_FIFO_ENV = "SPARK_ESTIMATORS_STREAM_FIFO"
 #: Bytes of Arrow data per spill segment (the first segment is cut after one batch).
 SEGMENT_BYTES = 4 << 20
+
+
+class CopySink(Protocol):
+    """One partition's Parquet writers (:class:`~spark_estimators.data._writer.PartitionSink`)."""
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        """Check and write one batch."""
+
+    def close(self) -> list[str]:
+        """Finish the files; the driver's lines."""
+
+    def abort(self) -> None:
+        """Delete every file written."""
+
+
+class CopyPlan(Protocol):
+    """The copy's writer settings (:class:`~spark_estimators.data._writer.PartitionWriter`)."""
+
+    def open(self, part: int, attempt: int) -> CopySink:
+        """The writers of partition ``part``, task attempt ``attempt``."""
 
 
 @dataclass(frozen=True)
@@ -67,7 +85,7 @@ class StreamTaskSettings:
 
     split_col: str | None = None
     segment_bytes: int = SEGMENT_BYTES
-    copy: PartitionWriter | None = None
+    copy: CopyPlan | None = None
 
 
 class ParquetCopy:
@@ -81,10 +99,10 @@ class ParquetCopy:
         The Spark partition and task attempt (they name the files).
     """
 
-    def __init__(self, plan: PartitionWriter, part: int, attempt: int) -> None:
+    def __init__(self, plan: CopyPlan, part: int, attempt: int) -> None:
         self.error: str | None = None
         self._lines: list[str] = []
-        self._sink: PartitionSink | None = None
+        self._sink: CopySink | None = None
         try:
             self._sink = plan.open(part, attempt)
         except (StoreError, OSError) as exc:
