@@ -318,10 +318,11 @@ def run_streaming_rank(
                 copy.write(batch)
         else:
             writer.finish()
-        if copy is not None and (not done.is_set() or outcome.get("code") == 0):
+        going = not done.is_set() or outcome.get("code") == 0
+        if not exchanged and going:
+            _exchange_totals(ctx, writer)  # first: the ranks wait for it to end their epoch
+        if copy is not None and going:
             copy.close()  # its last row groups and footers, while the rank may still train
-        if not exchanged and (not done.is_set() or outcome.get("code") == 0):
-            _exchange_totals(ctx, writer)
         thread.join()
         if copy is not None:
             if errors or outcome.get("code") != 0:
