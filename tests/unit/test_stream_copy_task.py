@@ -56,11 +56,20 @@ def settings(tmp_path):
     return StreamTaskSettings(copy=plan)
 
 
+def join_rank_thread():
+    """Wait until the task's rank thread has ended (its ``done`` event is set by then)."""
+    for thread in threading.enumerate():
+        if thread.name == "se-stream-rank":
+            thread.join(30)
+            assert not thread.is_alive()
+
+
 def batches_after(rank_ended, n_batches=5, rows=100):
-    """The first batch at once, the others only once the rank has ended."""
+    """The first batch at once, the others only once the rank (and its thread) has ended."""
     for b in range(n_batches):
         if b == 1:
             assert rank_ended.wait(30)
+            join_rank_thread()
         yield pa.RecordBatch.from_pydict({"x": [float(b * rows + i) for i in range(rows)]})
 
 
