@@ -53,7 +53,7 @@ from spark_estimators.errors import (
 )
 from spark_estimators.task import spare
 from spark_estimators.task.spark_task import barrier_task
-from spark_estimators.task.stream_spill import StreamTaskSettings
+from spark_estimators.task.stream_spill import CopyPlan, StreamTaskSettings
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -64,7 +64,7 @@ T = TypeVar("T")
 
 ABORT_GRACE_S = 5.0
 #: The barrier stage's result rows.
-TASK_SCHEMA = "index long, rank long, seconds double"
+TASK_SCHEMA = "index long, rank long, seconds double, copy string"
 
 __all__ = ["ADMISSION_WAIT_S", "EventCallback", "check_admission", "launch", "run"]
 
@@ -79,6 +79,13 @@ class StreamSource(Protocol):
     @property
     def split_col(self) -> str | None:
         """The column that flags validation rows, if any."""
+
+    @property
+    def copy(self) -> CopyPlan | None:
+        """``data="parquet+stream"``: the writer of the store's Parquet copy, else None."""
+
+    def finished(self, reports: list[str]) -> None:
+        """Every rank succeeded: each task's copy report (``""`` without a copy)."""
 
 
 def _resolve_backend(backend: str | None, use_mpi: bool | None, use_gloo: bool | None) -> str:
@@ -246,7 +253,9 @@ def launch(
         from spark_estimators.driver.pmi import serve_mpi_job
 
         pmi = serve_mpi_job(svc, driver_host)
-    stream = None if stream_input is None else StreamTaskSettings(stream_input.split_col)
+    stream = None
+    if stream_input is not None:
+        stream = StreamTaskSettings(stream_input.split_col, copy=stream_input.copy)
     # the estimators' ranks: forked from a zygote with their modules imported (task/spare.py)
     config = task_config(job, svc, options, stream, preimport=spare.preimports(fn))
     # data="stream": the tasks map over the training data itself (one partition per rank).
@@ -264,6 +273,8 @@ def launch(
     SPARK_CONSOLE_BAR.mute()
     try:
         results = _Barrier(spark_job, svc, options, streaming=stream_input is not None).run()
+        if stream_input is not None:  # every rank and task succeeded
+            stream_input.finished([row["copy"] or "" for row in spark_job.rows])
         return cast("list[T]", results)  # what the ranks' fn returned
     finally:
         SPARK_CONSOLE_BAR.unmute()

@@ -8,7 +8,9 @@ file, in this order (each step is a method below, in the same order):
 1. checks: the DataFrame, every Param (``est._validate_params``), the store is writable, the
    cluster has the task slots, the run id is this fit's alone (``store.lock.hold_run``);
 2. data: Parquet in the store (``data.prepare_data``, reused when its cache key matches) or, with
-   ``data="stream"``, the DataFrame the training stage reads itself (``data.stream``);
+   ``data="stream"``, the DataFrame the training stage reads itself (``data.stream``); with
+   ``data="parquet+stream"`` both: the stage reads the DataFrame and writes the Parquet copy,
+   published after the launch succeeded (``data.stream_copy``);
    :meth:`TrainingRun.fit_on_parquet` starts from a dataset already in the store instead;
 3. spec: the picklable TrainSpec of every rank: the fields every framework shares (built here
    once), the start epoch and history of ``checkpoint.json`` (hot start), the framework's own
@@ -23,6 +25,7 @@ file, in this order (each step is a method below, in the same order):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import uuid
 from typing import TYPE_CHECKING, TypeVar
@@ -38,6 +41,7 @@ from spark_estimators.core.spec import TrainSpec
 from spark_estimators.core.tracking import MlflowTracker
 from spark_estimators.data import load_dataset_metadata, prepare_data
 from spark_estimators.data.stream import StreamMetadata, prepare_stream
+from spark_estimators.data.stream_copy import copy_key, plan_stream_copy, published_copy
 from spark_estimators.errors import ConfigurationError, TrainingFailedError
 from spark_estimators.store.lock import hold_run
 from spark_estimators.task import spare
@@ -89,8 +93,11 @@ class TrainingRun:
             checks.explain_null_vectors(df, est.getFeatureCols() + est.getLabelCols()),
             SPARK_CONSOLE_BAR.muted(),  # no stage bar between a fit's lines (issue 27)
         ):
-            if est.getOrDefault("data") == "stream":  # no Parquet copy: the ranks read df
+            mode = est.getOrDefault("data")
+            if mode == "stream":  # no Parquet copy: the ranks read df
                 return self._train(self._stream(df), store)
+            if mode == "parquet+stream":  # the ranks read df while its tasks write the copy
+                return self._train(self._stream_with_copy(df, store), store)
             return self._train(self._prepare(df, store), store)
 
     def fit_on_parquet(self, dataset_idx: str | None = None) -> SparkModel:
@@ -172,6 +179,33 @@ class TrainingRun:
         meta.source = source  # the driver's DataFrame for the launch (never pickled)
         return meta
 
+    def _stream_with_copy(self, df: DataFrame, store: Store) -> FitData:
+        """``data="parquet+stream"``: the stream and the copy its tasks write.
+
+        When the store has the copy already (``prepare_data``'s cache key), the fit reads it as
+        ``data="parquet"`` does, with no job before training: there is nothing to write.
+        """
+        est = self.est
+        key = copy_key(
+            self._num_proc(),
+            store,
+            df,
+            est.getFeatureCols(),
+            est.getLabelCols(),
+            est.getValidation(),
+            est.getSampleWeightCol(),
+        )
+        if published_copy(store, key[0]) is not None:
+            return self._prepare(df, store)  # finds it (and logs so), as data="parquet" would
+        meta = self._stream(df)
+        source = meta.source
+        columns = list(meta.columns.values())
+        copy = plan_stream_copy(
+            self._num_proc(), store, columns, meta.has_val, key, source.kept_partitions
+        )
+        meta.source = dataclasses.replace(source, copy_target=copy)
+        return meta
+
     def _prepared(self, store: Store, dataset_idx: str | None) -> DatasetMetadata:
         """A prepared dataset of the store; else Parquet anyone wrote at its train/val paths."""
         est = self.est
@@ -213,6 +247,19 @@ class TrainingRun:
         return model
 
     def _launch(
+        self, data: FitData, store: Store, run_id: str, tracker: MlflowTracker | None
+    ) -> list[RankResult]:
+        """The ranks' results; a failed ``data="parquet+stream"`` fit removes its copy's files."""
+        source = data.source if isinstance(data, StreamMetadata) else None
+        copy = getattr(source, "copy_target", None)
+        try:
+            return self._launch_attempts(data, store, run_id, tracker)
+        except BaseException:
+            if copy is not None:
+                copy.discard()
+            raise
+
+    def _launch_attempts(
         self, data: FitData, store: Store, run_id: str, tracker: MlflowTracker | None
     ) -> list[RankResult]:
         """The ranks' results; an elastic fit relaunches a failed attempt from its checkpoint."""

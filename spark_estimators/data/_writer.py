@@ -169,7 +169,8 @@ class _RollingParquetWriter:
         return self.files
 
     def abort(self) -> None:
-        """Close and delete everything this writer wrote."""
+        """Close and delete everything this writer wrote (rows not yet written are dropped)."""
+        self._pending, self._pending_rows = [], 0
         try:
             self._close_file()
         finally:
@@ -205,48 +206,19 @@ class PartitionWriter:
 
         ctx = TaskContext.get()
         part, attempt = (ctx.partitionId(), ctx.attemptNumber()) if ctx else (0, 0)
-        stem = f"part-{part:05d}-{self.token}-a{attempt}"
-        fs = self.spec.create()
-        schema = stored_schema(self.columns)
-        writers: dict[tuple[str, int], _RollingParquetWriter] = {}
-        for split, dir_url in (("train", self.train_dir), ("val", self.val_dir)):
-            if dir_url is None:
-                continue
-            dir_fs = self.spec.to_fs_path(dir_url)
-            if self.spec.needs_directories:
-                with _store_errors(dir_url):
-                    fs.create_dir(dir_fs, recursive=True)
-            for k in range(self.slices):
-                name = stem if self.slices == 1 else f"s{k:03d}-{stem}"
-                writers[split, k] = _RollingParquetWriter(
-                    fs, dir_url, dir_fs, name, schema, self.row_group_bytes, self.max_file_bytes
-                )
-        stats: dict[str, Any] = {"rows_in": 0, "dropped": 0, "invalid": {}, "bad_length": {}}
-        failed = False
-        with _store_errors(self.train_dir):
-            try:
-                for batch in batches:
-                    stats["rows_in"] += batch.num_rows
-                    out, val_mask, bad = self._convert(batch, schema, stats)
-                    failed = failed or bad
-                    if failed or out.num_rows == 0:
-                        continue  # keep counting problems, stop writing
-                    rows = out.num_rows
-                    for k in range(self.slices):
-                        lo, hi = k * rows // self.slices, (k + 1) * rows // self.slices
-                        part_mask = None if val_mask is None else val_mask[lo:hi]
-                        self._write_rows(writers, k, out.slice(lo, hi - lo), part_mask)
-                if failed:
-                    for w in writers.values():
-                        w.abort()
-                files = [(split, w.close()) for (split, _), w in writers.items()]
-            except BaseException:
-                for w in writers.values():
-                    w.abort()
-                raise
-        lines = [json.dumps({"split": s, **f}) for s, fl in files for f in fl]
-        lines.append(json.dumps({"stats": stats, "partition": part}))
+        sink = self.open(part, attempt)
+        try:
+            for batch in batches:
+                sink.write(batch)
+            lines = sink.close()
+        except BaseException:
+            sink.abort()
+            raise
         yield pa.RecordBatch.from_pydict({"info": lines})
+
+    def open(self, part: int, attempt: int) -> PartitionSink:
+        """The writers of partition ``part`` (task attempt ``attempt``), ready for its batches."""
+        return PartitionSink(self, part, attempt)
 
     @staticmethod
     def _write_rows(
@@ -314,6 +286,76 @@ class PartitionWriter:
             flags = batch.column(self.split_col).to_numpy(zero_copy_only=False).astype(bool)
             val_mask = flags[~drop] if any_drop else flags
         return out, val_mask, False
+
+
+class PartitionSink:
+    """One partition's writers: :meth:`write` checks, converts, splits and writes each batch.
+
+    :meth:`close` returns the lines the driver collects (one JSON line per file written, then one
+    of statistics); a partition with null/NaN values or rows of a wrong length writes no files,
+    only counts them. Used by :class:`PartitionWriter` (``prepare_data``'s ``mapInArrow``) and by
+    ``data="parquet+stream"``'s barrier tasks (:mod:`spark_estimators.task.stream_spill`).
+    OSErrors of the store are raised as :class:`~spark_estimators.errors.StoreError`.
+    """
+
+    def __init__(self, plan: PartitionWriter, part: int, attempt: int) -> None:
+        self.plan = plan
+        self.part = part
+        self.schema = stored_schema(plan.columns)
+        self.stats: dict[str, Any] = {"rows_in": 0, "dropped": 0, "invalid": {}, "bad_length": {}}
+        self.failed = False
+        stem = f"part-{part:05d}-{plan.token}-a{attempt}"
+        fs = plan.spec.create()
+        self._writers: dict[tuple[str, int], _RollingParquetWriter] = {}
+        for split, dir_url in (("train", plan.train_dir), ("val", plan.val_dir)):
+            if dir_url is None:
+                continue
+            dir_fs = plan.spec.to_fs_path(dir_url)
+            if plan.spec.needs_directories:
+                with _store_errors(dir_url):
+                    fs.create_dir(dir_fs, recursive=True)
+            for k in range(plan.slices):
+                name = stem if plan.slices == 1 else f"s{k:03d}-{stem}"
+                self._writers[split, k] = _RollingParquetWriter(
+                    fs,
+                    dir_url,
+                    dir_fs,
+                    name,
+                    self.schema,
+                    plan.row_group_bytes,
+                    plan.max_file_bytes,
+                )
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        """Check and write one Arrow batch of the partition (after a bad row: only count)."""
+        plan = self.plan
+        self.stats["rows_in"] += batch.num_rows
+        with _store_errors(plan.train_dir):
+            out, val_mask, bad = plan._convert(batch, self.schema, self.stats)
+            self.failed = self.failed or bad
+            if self.failed or out.num_rows == 0:
+                return  # keep counting problems, stop writing
+            rows = out.num_rows
+            for k in range(plan.slices):
+                lo, hi = k * rows // plan.slices, (k + 1) * rows // plan.slices
+                part_mask = None if val_mask is None else val_mask[lo:hi]
+                plan._write_rows(self._writers, k, out.slice(lo, hi - lo), part_mask)
+
+    def close(self) -> list[str]:
+        """Finish the files; the driver's lines (the files, then the statistics)."""
+        with _store_errors(self.plan.train_dir):
+            if self.failed:
+                self.abort()
+            files = [(split, w.close()) for (split, _), w in self._writers.items()]
+        lines = [json.dumps({"split": s, **f}) for s, fl in files for f in fl]
+        lines.append(json.dumps({"stats": self.stats, "partition": self.part}))
+        return lines
+
+    def abort(self) -> None:
+        """Close and delete every file written (errors are not raised: a failure is on its way)."""
+        for w in self._writers.values():
+            with contextlib.suppress(Exception):
+                w.abort()
 
 
 @contextlib.contextmanager

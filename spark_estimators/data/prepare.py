@@ -62,18 +62,16 @@ still give every rank several row groups to shuffle; many more, smaller files on
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import threading
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from spark_estimators.data._writer import INFO_SCHEMA, PartitionWriter
 from spark_estimators.data.cache_key import compute_cache_key
 from spark_estimators.data.columns import (
-    EMPTY_MESSAGE,
     SPLIT_COL,
     check_args,
     describe_columns,
@@ -81,13 +79,9 @@ from spark_estimators.data.columns import (
     plain_partitions,
     training_frame,
 )
-from spark_estimators.data.metadata import (
-    ColumnInfo,
-    DatasetMetadata,
-    ParquetFileInfo,
-    now_iso,
-)
-from spark_estimators.errors import ConfigurationError, StoreError
+from spark_estimators.data.metadata import ColumnInfo, DatasetMetadata
+from spark_estimators.data.publication import discard, load_complete, publish, written_dataset
+from spark_estimators.errors import StoreError
 from spark_estimators.store.base import StoreBase
 
 if TYPE_CHECKING:
@@ -185,23 +179,15 @@ def prepare_data(
     features, labels, validation_col, fraction = plan
     used = features + labels + ([sample_weight_col] if sample_weight_col else [])
     kinds = {name: kind_of(df, name) for name in used}
-    params = {
-        "feature_cols": features,
-        "label_cols": labels,
-        "sample_weight_col": sample_weight_col,
-        "validation": validation,
-        "seed": seed if fraction else None,
-        "compress_sparse": bool(compress_sparse),
-        "drop_invalid_rows": bool(drop_invalid_rows),
-    }
-    unshuffled = unshuffled_partitions(df, num_proc, partitions_per_process)
-    cache_key = compute_cache_key(df, params, store)
-    if unshuffled is not None:  # the layout mixes rows for num_proc ranks only: its own key
-        cache_key = hashlib.sha256(f"{cache_key}:slices={num_proc}".encode()).hexdigest()
+    params = content_params(
+        features, labels, sample_weight_col, validation, seed if fraction else None
+    )
+    params.update(compress_sparse=bool(compress_sparse), drop_invalid_rows=bool(drop_invalid_rows))
+    cache_key, unshuffled = dataset_key(df, num_proc, store, params, partitions_per_process)
     idx = cache_key[:16]
     log = logger.info if verbose else logger.debug
     with _lock_for(idx):
-        cached = _load_complete(store, idx, cache_key)
+        cached = load_complete(store, idx, cache_key)
         if cached is not None:
             if check_columns is not None:
                 check_columns(dict(cached.columns))
@@ -238,7 +224,7 @@ def prepare_data(
             slices=num_proc if unshuffled is not None else 1,
         )
         meta.params.update(num_proc=num_proc, partitions=partitions, shuffled=unshuffled is None)
-        published = _publish(store, meta)
+        published = publish(store, meta)
     log(
         "prepare_data: dataset %s: %d train rows (%d files, %.1f MB), %d val rows in %s",
         idx,
@@ -254,20 +240,51 @@ def prepare_data(
     return published
 
 
+def content_params(
+    features: list[str],
+    labels: list[str],
+    sample_weight_col: str | None,
+    validation: float | str | None,
+    seed: int | None,
+) -> dict[str, object]:
+    """The preparation params that change a dataset's rows (part of its cache key).
+
+    ``compress_sparse`` and ``drop_invalid_rows`` are False here; ``prepare_data`` sets them.
+    """
+    return {
+        "feature_cols": features,
+        "label_cols": labels,
+        "sample_weight_col": sample_weight_col,
+        "validation": validation,
+        "seed": seed,
+        "compress_sparse": False,
+        "drop_invalid_rows": False,
+    }
+
+
+def dataset_key(
+    df: DataFrame,
+    num_proc: int,
+    store: StoreBase,
+    params: dict[str, object],
+    partitions_per_process: int | None = None,
+) -> tuple[str, int | None]:
+    """``prepare_data``'s cache key of ``df`` and its unshuffled partition count (or None).
+
+    A write without a shuffle mixes rows for ``num_proc`` ranks only: its key adds ``num_proc``
+    (module docs, 4). ``data="parquet+stream"`` publishes its copy under the same key, so a
+    later ``prepare_data`` of the same DataFrame and params finds it.
+    """
+    unshuffled = unshuffled_partitions(df, num_proc, partitions_per_process)
+    cache_key = compute_cache_key(df, params, store)
+    if unshuffled is not None:  # the layout mixes rows for num_proc ranks only: its own key
+        cache_key = hashlib.sha256(f"{cache_key}:slices={num_proc}".encode()).hexdigest()
+    return cache_key, unshuffled
+
+
 def _lock_for(idx: str) -> threading.Lock:
     with _locks_guard:
         return _locks.setdefault(idx, threading.Lock())
-
-
-def _load_complete(store: StoreBase, idx: str, cache_key: str) -> DatasetMetadata | None:
-    path = store.get_dataset_metadata_path(idx)
-    if not store.exists(path):
-        return None
-    meta = DatasetMetadata.from_json(store.read_text(path))
-    if meta.cache_key != cache_key:
-        logger.warning("dataset %s in %r has another cache key; preparing it again", idx, store)
-        return None
-    return meta
 
 
 # ------------------------------------------------------------------------ shapes and write
@@ -309,7 +326,7 @@ def _write(
     idx: str,
     cache_key: str,
     columns: list[ColumnInfo],
-    params: dict[str, Any],
+    params: dict[str, object],
     validation_col: str | None,
     fraction: float,
     seed: int,
@@ -343,60 +360,14 @@ def _write(
     try:
         rows = frame.mapInArrow(writer, INFO_SCHEMA).collect()
     except BaseException as exc:  # a failed task, a cancelled job, an interrupt in a notebook
-        _discard(store, dirs, token, existed)
+        discard(store, dirs, token, existed)
         store_error = _executor_store_error(exc) if isinstance(exc, Exception) else None
         if store_error is None:
             raise
         raise StoreError(f"{store_error} (on an executor, in {store!r})") from exc
     lines = [r[0] for r in rows]
-    files: dict[str, list[ParquetFileInfo]] = {"train": [], "val": []}
-    invalid: dict[str, int] = {}
-    bad_length: dict[str, list[Any]] = {}
-    dropped = 0
-    for line in lines:
-        d = json.loads(line)
-        if "stats" in d:
-            for name, n in d["stats"]["invalid"].items():
-                invalid[name] = invalid.get(name, 0) + n
-            for name, (n, example) in d["stats"]["bad_length"].items():
-                count, seen = bad_length.get(name, [0, None])
-                bad_length[name] = [count + n, seen if seen is not None else example]
-            dropped += d["stats"]["dropped"]
-        else:
-            files[d["split"]].append(ParquetFileInfo.from_dict(d))
-    problem = _bad_data_error(columns, invalid, bad_length, drop_invalid)
-    if problem is None and not files["train"] and not files["val"] and not dropped:
-        problem = ConfigurationError(EMPTY_MESSAGE)  # no sample job ran to find it before
-    if problem is not None or not files["train"]:
-        _discard(store, dirs, token, existed)  # nothing of this preparation stays
-    else:
-        _sweep(store, dirs, token, files)  # files of failed task attempts
-    if problem is not None:
-        raise problem
-    if dropped:
-        logger.warning(
-            "prepare_data: dropped %d rows with null or NaN values (%s)",
-            dropped,
-            ", ".join(f"{k}: {v}" for k, v in sorted(invalid.items())),
-        )
-    if not files["train"]:
-        raise ConfigurationError(
-            f"no training rows were written (validation={params['validation']!r}, "
-            f"{dropped} rows dropped); lower the validation share or check the data"
-        )
-    return DatasetMetadata(
-        dataset_idx=idx,
-        cache_key=cache_key,
-        columns={c.name: c for c in columns},
-        feature_cols=list(params["feature_cols"]),
-        label_cols=list(params["label_cols"]),
-        sample_weight_col=params["sample_weight_col"],
-        train_path=train_dir,
-        val_path=val_dir,
-        train_files=sorted(files["train"], key=lambda f: f.path),
-        val_files=sorted(files["val"], key=lambda f: f.path),
-        params={**params, "dropped_rows": dropped},
-        created_at=now_iso(),
+    return written_dataset(
+        store, idx, cache_key, columns, params, lines, token, dirs, existed, drop_invalid
     )
 
 
@@ -407,65 +378,3 @@ def _executor_store_error(exc: BaseException) -> str | None:
         if marker in line:
             return line.split(marker, 1)[1].strip()
     return None
-
-
-def _bad_data_error(
-    columns: list[ColumnInfo],
-    invalid: dict[str, int],
-    bad_length: dict[str, list[Any]],
-    drop_invalid: bool,
-) -> ConfigurationError | None:
-    sizes = {c.name: c.size for c in columns}
-    if bad_length:
-        name, (count, example) = min(bad_length.items())
-        return ConfigurationError(
-            f"column {name!r} has {count} row(s) whose length differs from {sizes[name]} (e.g. "
-            f"{example}); every row of an array or vector column must have the same length"
-        )
-    if invalid and not drop_invalid:
-        detail = ", ".join(f"{name!r}: {n}" for name, n in sorted(invalid.items()))
-        return ConfigurationError(
-            f"null or NaN values in rows of column(s) {detail} (rows per column); fill or drop "
-            "them first (df.na.fill / df.na.drop), or pass drop_invalid_rows=True to drop them"
-        )
-    return None
-
-
-def _sweep(
-    store: StoreBase, dirs: list[str], token: str, keep: dict[str, list[ParquetFileInfo]]
-) -> None:
-    """Delete this preparation's files that the result does not name (failed attempts)."""
-    kept = {f.path.rsplit("/", 1)[1] for files in keep.values() for f in files}
-    for d in dirs:
-        for name in store.listdir(d):
-            if f"-{token}-" in name and name not in kept:
-                store.delete(f"{d.rstrip('/')}/{name}")
-
-
-def _discard(store: StoreBase, dirs: list[str], token: str, existed: set[str]) -> None:
-    """Remove what a failed preparation wrote: its files, and the directories it created.
-
-    A directory that existed before (another process preparing the same dataset) or that holds
-    other files now is kept. Errors are logged, not raised: the failure being cleaned up after
-    is the one the caller reports.
-    """
-    try:
-        _sweep(store, dirs, token, {})
-        for d in dirs:
-            if d not in existed and store.exists(d) and not store.listdir(d):
-                store.delete(d)
-    except Exception as exc:
-        logger.warning("prepare_data: could not remove the partial output in %s: %s", dirs, exc)
-
-
-def _publish(store: StoreBase, meta: DatasetMetadata) -> DatasetMetadata:
-    """Write the metadata unless another process published this dataset first."""
-    path = store.get_dataset_metadata_path(meta.dataset_idx)
-    if store.exists(path):
-        theirs = DatasetMetadata.from_json(store.read_text(path))
-        if theirs.cache_key == meta.cache_key:
-            for f in meta.train_files + meta.val_files:
-                store.delete(f.path)
-            return theirs
-    meta.save(store)
-    return meta

@@ -26,11 +26,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
+    from spark_estimators.data._writer import PartitionWriter
+    from spark_estimators.data.stream_copy import StreamCopy
+
 from spark_estimators.data.metadata import SPLITS, ColumnInfo, ParquetFileInfo
 from spark_estimators.errors import ConfigurationError
 
-#: The bool column that marks validation rows on their way to the tasks (dropped there).
-DATA_MODES = ("parquet", "stream")
+#: Values of the estimators' ``data`` Param: a prepared copy, the stream, or the stream that
+#: also writes the copy (:mod:`spark_estimators.data.stream_copy`).
+DATA_MODES = ("parquet", "stream", "parquet+stream")
+#: The modes whose ranks read the stream.
+STREAM_MODES = ("stream", "parquet+stream")
 
 
 @dataclass
@@ -101,10 +107,26 @@ class StreamMetadata:
 
 @dataclass(frozen=True)
 class StreamInput:
-    """The DataFrame the training stage maps over (driver only) and its validation flag column."""
+    """The DataFrame the training stage maps over (driver only) and its validation flag column.
+
+    ``kept_partitions``: the DataFrame's own partitions, one per rank (no round-robin);
+    ``copy_target``: with ``data="parquet+stream"``, the Parquet copy its tasks write.
+    """
 
     dataframe: DataFrame
     split_col: str | None
+    kept_partitions: bool = False
+    copy_target: StreamCopy | None = None
+
+    @property
+    def copy(self) -> PartitionWriter | None:
+        """The tasks' Parquet writer (``data="parquet+stream"``), else None."""
+        return None if self.copy_target is None else self.copy_target.writer
+
+    def finished(self, reports: list[str]) -> None:
+        """Every rank and task succeeded: publish the copy the tasks wrote, if any."""
+        if self.copy_target is not None:
+            self.copy_target.publish(reports)
 
 
 def prepare_stream(
@@ -174,7 +196,7 @@ def prepare_stream(
         has_val=has_split,
         params={"validation": validation, "seed": seed if fraction else None},
     )
-    source = StreamInput(frame, SPLIT_COL if has_split else None)
+    source = StreamInput(frame, SPLIT_COL if has_split else None, partitions is None)
     return source, meta
 
 
@@ -192,7 +214,8 @@ def keeps_partitions(df: DataFrame, num_proc: int) -> bool:
     return plain_partitions(df) == num_proc
 
 
-#: Params that only shape the Parquet copy, refused with data="stream" (not silently ignored).
+#: Params that only shape the Parquet copy, refused with data="stream" and "parquet+stream"
+#: (not silently ignored; the latter writes the copy in the stream's layout, as is).
 _PARQUET_ONLY = {
     "partitionsPerProcess": (None, "partitions_per_process"),
     "compressSparseCols": (False, "compress_sparse_cols"),
@@ -206,19 +229,23 @@ def check_data_mode(est: Any) -> None:
     mode = est.getOrDefault("data")
     if mode not in DATA_MODES:
         raise ConfigurationError(f"data={mode!r} is invalid: expected one of {DATA_MODES}")
-    if mode != "stream":
+    if mode not in STREAM_MODES:
         return
     fix = "Use data='parquet' (the default) for it"
+    why = (
+        "no Parquet copy is written; each rank spills its rows to local disk"
+        if mode == "stream"
+        else "the copy is written as the rows stream to the ranks, one partition per rank"
+    )
     for name, (unset, keyword) in _PARQUET_ONLY.items():
         if est.hasParam(name) and est.getOrDefault(name) != unset:
             raise ConfigurationError(
-                f"{keyword}={est.getOrDefault(name)!r} has no effect with data='stream' (no "
-                f"Parquet copy is written; each rank spills its rows to local disk). {fix}, or "
-                f"leave {keyword} at {unset!r}"
+                f"{keyword}={est.getOrDefault(name)!r} has no effect with data={mode!r} ({why})."
+                f" {fix}, or leave {keyword} at {unset!r}"
             )
     if est.getOrDefault("reader") != "arrow":
         raise ConfigurationError(
-            f"reader={est.getOrDefault('reader')!r} reads Parquet; data='stream' has its own "
+            f"reader={est.getOrDefault('reader')!r} reads Parquet; data={mode!r} has its own "
             f"reader. {fix}, or leave reader='arrow'"
         )
     backend = est.getOrDefault("backend")
@@ -226,10 +253,17 @@ def check_data_mode(est: Any) -> None:
 
     if backend is not None and not isinstance(backend, SparkBackend):
         raise ConfigurationError(
-            f"backend={type(backend).__name__} cannot stream: data='stream' needs the Spark "
+            f"backend={type(backend).__name__} cannot stream: data={mode!r} needs the Spark "
             f"barrier stage of SparkBackend to read the DataFrame. {fix}"
         )
-    if est.getOrDefault("store") is None:
+    if mode == "parquet+stream" and est.getElastic():
+        raise ConfigurationError(
+            "elastic=True relaunches failed attempts from checkpoints, but data='parquet+stream' "
+            "writes its Parquet copy during one attempt and cannot resume it. Use "
+            "data='parquet' with elastic=True (the copy is written before training), or "
+            "elastic=False"
+        )
+    if mode == "stream" and est.getOrDefault("store") is None:
         for keyword, value in (
             ("run_id", est.getOrDefault("runId")),
             ("elastic", est.getElastic()),

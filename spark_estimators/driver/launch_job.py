@@ -54,7 +54,7 @@ from spark_estimators.task.stream_spill import StreamTaskSettings
 
 if TYPE_CHECKING:
     import pyarrow as pa
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import DataFrame, Row, SparkSession
 
 logger = logging.getLogger(__name__)
 
@@ -294,13 +294,15 @@ class SparkJob(Generic[StateT]):
         self._job = (tasks, task_fn, schema, barrier)
         self.done = False
         self.error: BaseException | None = None
+        #: The job's result rows once it succeeded (the tasks' reports).
+        self.rows: list[Row] = []
         self._thread = threading.Thread(target=self._run, name="se-spark-job", daemon=True)
 
     def _run(self) -> None:
         tasks, task_fn, schema, barrier = self._job
         try:
             start_job_group(self.spark, self.job_id, self.description)
-            tasks.mapInArrow(task_fn, schema, barrier=barrier).collect()
+            self.rows = tasks.mapInArrow(task_fn, schema, barrier=barrier).collect()
         except BaseException as exc:
             self.error = exc
         finally:

@@ -413,6 +413,7 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
     except Exception:
         executor_address = ""
     spare.ensure(config.preimport)  # a zygote's imports overlap the registration of all ranks
+    copy_report = ""  # data="parquet+stream": the task's share of the Parquet copy
     try:
         if config.stream is not None:  # the partition is the rank's data: spilled as it trains
             from spark_estimators.task.stream_spill import run_streaming_rank
@@ -422,7 +423,7 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
                 args = (executor_address, started, fifo, outcome)
                 return run_rank(index, attempt, gpus, config, *args)
 
-            rank = run_streaming_rank(config.stream, batches, ctx, start)
+            rank, copy_report = run_streaming_rank(config.stream, batches, ctx, start)
         else:
             for _ in batches:  # consume the (tiny) input partition
                 pass
@@ -430,5 +431,10 @@ def barrier_task(config: TaskConfig, batches: Iterator[Any]) -> Iterator[Any]:
     finally:
         spare.ensure(config.preimport)  # for the next fit this worker runs (if it died)
     yield pa.RecordBatch.from_pydict(
-        {"index": [index], "rank": [rank], "seconds": [time.time() - started]}
+        {
+            "index": [index],
+            "rank": [rank],
+            "seconds": [time.time() - started],
+            "copy": [copy_report],
+        }
     )

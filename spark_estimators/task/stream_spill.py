@@ -20,6 +20,14 @@ ranks need them to agree on the first epoch's step count (see
 and an open segment writer per split; the rank reads segments from disk. The spill directory is
 removed when the task ends, also when its rank failed; a task killed outright leaves it in Spark's
 local directory, which Spark removes with the executor.
+
+``data="parquet+stream"`` (:attr:`StreamTaskSettings.copy`): the same drain also hands every
+batch to ``prepare_data``'s Parquet writer (:class:`~spark_estimators.data._writer.PartitionSink`),
+which writes the partition into the dataset's directories in the store under names no reader
+picks up until the driver publishes the metadata. When the rank ends before its partition is
+read (a step limit), the drain goes on for the copy alone. A task returns its writer's report
+(:func:`run_streaming_rank`); a rank that failed or was stopped deletes what its task wrote. A
+store that refuses a file ends the copy (the report says why), not the training.
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+from spark_estimators.errors import StoreError
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -46,12 +56,90 @@ STREAM_FIFO_ENV = "SPARK_ESTIMATORS_STREAM_FIFO"
 SEGMENT_BYTES = 4 << 20
 
 
+class CopySink(Protocol):
+    """One partition's Parquet writers (:class:`~spark_estimators.data._writer.PartitionSink`)."""
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        """Check and write one batch."""
+
+    def close(self) -> list[str]:
+        """Finish the files; the driver's lines."""
+
+    def abort(self) -> None:
+        """Delete every file written."""
+
+
+class CopyPlan(Protocol):
+    """The copy's writer settings (:class:`~spark_estimators.data._writer.PartitionWriter`)."""
+
+    def open(self, part: int, attempt: int) -> CopySink:
+        """The writers of partition ``part``, task attempt ``attempt``."""
+
+
 @dataclass(frozen=True)
 class StreamTaskSettings:
-    """How a task spills: the validation flag column (None: all rows train) and segment size."""
+    """How a task spills: the validation flag column (None: all rows train) and segment size.
+
+    ``copy``: with ``data="parquet+stream"``, the writer of the store's Parquet copy.
+    """
 
     split_col: str | None = None
     segment_bytes: int = SEGMENT_BYTES
+    copy: CopyPlan | None = None
+
+
+class ParquetCopy:
+    """One partition's share of the Parquet copy, written beside the spill (or its failure).
+
+    Parameters
+    ----------
+    plan
+        ``prepare_data``'s writer settings (store, directories, token, columns, slices).
+    part, attempt
+        The Spark partition and task attempt (they name the files).
+    """
+
+    def __init__(self, plan: CopyPlan, part: int, attempt: int) -> None:
+        self.error: str | None = None
+        self._lines: list[str] = []
+        self._sink: CopySink | None = None
+        try:
+            self._sink = plan.open(part, attempt)
+        except (StoreError, OSError) as exc:
+            self.error = str(exc)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        """Write one batch; after a store error, nothing (the report carries the error)."""
+        if self._sink is None:
+            return
+        try:
+            self._sink.write(batch)
+        except (StoreError, OSError) as exc:
+            self.error = str(exc)
+            self.abort()
+
+    def close(self) -> None:
+        """Finish the files (called once the partition is read, while the rank may train on)."""
+        if self._sink is None:
+            return
+        try:
+            self._lines = self._sink.close()
+        except (StoreError, OSError) as exc:
+            self.error = str(exc)
+            self.abort()
+
+    def report(self) -> str:
+        """The JSON the driver gets: ``{"lines": [files..., stats]}`` or ``{"error": ...}``."""
+        if self.error is not None:
+            return json.dumps({"error": self.error})
+        return json.dumps({"lines": self._lines})
+
+    def abort(self) -> None:
+        """Delete every file of this share, closed or not (a failed rank, a store error)."""
+        if self._sink is not None:
+            self._sink.abort()
+            self._sink = None
+        self._lines = []
 
 
 def spill_parent() -> str | None:
@@ -177,10 +265,11 @@ def run_streaming_rank(
     batches: Iterator[pa.RecordBatch],
     ctx: BarrierTaskContext,
     run_rank: RankRunner,
-) -> int:
+) -> tuple[int, str]:
     """Start the rank (``run_rank(fifo_path, outcome)`` on a thread), spill ``batches`` for it.
 
-    Returns the rank. The totals are exchanged with every task (``ctx.allGather``) once the
+    Returns the rank and the Parquet copy's report (:meth:`ParquetCopy.report`; "" without
+    ``settings.copy``). The totals are exchanged with every task (``ctx.allGather``) once the
     partition is read, or as soon as the rank process has ended successfully (a step limit can
     end training before the data does); a rank that failed skips it, since the job is aborting
     and Spark cancels the other tasks.
@@ -194,6 +283,9 @@ def run_streaming_rank(
     read_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
     write_fd = os.open(fifo, os.O_WRONLY)
     writer = SpillWriter(directory, os.fdopen(write_fd, "w", encoding="utf-8"), settings)
+    copy = None
+    if settings.copy is not None:
+        copy = ParquetCopy(settings.copy, ctx.partitionId(), ctx.attemptNumber())
     done = threading.Event()
     ranks: list[int] = []
     errors: list[BaseException] = []
@@ -210,20 +302,46 @@ def run_streaming_rank(
 
     thread = threading.Thread(target=rank_main, name="se-stream-rank", daemon=True)
     thread.start()
+    report = ""
     try:
+        exchanged = False
         for batch in batches:
             if done.is_set():
-                break
+                if copy is None or outcome.get("code") != 0:
+                    break
+                if not exchanged:  # the rank is done: its peers may wait for the totals
+                    exchanged = _exchange_totals(ctx, writer)
+                copy.write(batch)  # the rest of the partition, for the copy alone
+                continue
             writer.write(batch)
+            if copy is not None:
+                copy.write(batch)
         else:
             writer.finish()
-        if not done.is_set() or outcome.get("code") == 0:
-            replies = ctx.allGather(json.dumps(writer.rows))
-            writer.totals([json.loads(r) for r in replies])
+        going = not done.is_set() or outcome.get("code") == 0
+        if not exchanged and going:
+            _exchange_totals(ctx, writer)  # first: the ranks wait for it to end their epoch
+        if copy is not None and going:
+            copy.close()  # its last row groups and footers, while the rank may still train
         thread.join()
+        if copy is not None:
+            if errors or outcome.get("code") != 0:
+                copy.abort()  # the fit fails: nothing of this share stays
+            report = copy.report()
+    except BaseException:
+        if copy is not None:
+            copy.abort()
+        raise
     finally:
         writer.close()
         shutil.rmtree(directory, ignore_errors=True)
     if errors:
         raise errors[0]
-    return ranks[0]
+    return ranks[0], report
+
+
+def _exchange_totals(ctx: BarrierTaskContext, writer: SpillWriter) -> bool:
+    """Every task's row counts, gathered from all tasks and told to this task's rank."""
+    replies = ctx.allGather(json.dumps(writer.rows))
+    writer.totals([json.loads(r) for r in replies])
+    return True

@@ -126,7 +126,9 @@ class DataParams(DeclaredParams):
     data = make_param(
         "data",
         "where the ranks read the DataFrame from: 'parquet' (default: a prepared copy in the "
-        "store) or 'stream' (the training stage reads the DataFrame itself, no copy)",
+        "store), 'stream' (the training stage reads the DataFrame itself, no copy) or "
+        "'parquet+stream' (the ranks read the stream while its tasks write the copy, which "
+        "later fits reuse)",
         TypeConverters.toString,
     )
     _defaults: ClassVar[dict[str, object]] = {
