@@ -431,6 +431,7 @@ def main() -> None:
         floor_name: [],
     }
     floor_ratios: list[float] = []
+    other_floor: dict[str, list[float]] = {stream_name: [], copy_name: []}
     step_ratios: list[float] = []
     ratios, hvd_ratios = [], []
     stream_ratios: dict[str, list[float]] = {ours_name: [], td_name: []}
@@ -479,6 +480,12 @@ def main() -> None:
                 f"ours' step / floor's step = {step_ratios[-1]:.2f}",
                 flush=True,
             )
+        for other in (stream_name, copy_name):
+            if floor_name in results and other in results:
+                other_floor[other].append(
+                    results[other]["total_s"] / results[floor_name]["total_s"]
+                )
+                print(f"round {rnd}: {other} / floor = {other_floor[other][-1]:.2f}", flush=True)
         if stream_name in results:
             parts = []
             for other in (ours_name, td_name):
@@ -540,6 +547,18 @@ def main() -> None:
             f"{statistics.median(floor_ratios[first:]):.2f}; ours' step / floor's step: median "
             f"{statistics.median(step_ratios[first:]):.2f}"
         )
+    for other, values in other_floor.items():
+        if values:
+            first = 1 if len(values) > 1 else 0
+            other_med = statistics.median(totals[other][first:])
+            floor_med = statistics.median(totals[floor_name][first:])
+            print(
+                f"{other} / floor per round: "
+                + ", ".join(f"{r:.2f}" for r in values)
+                + f"; median of {'warm rounds 2..' if first else 'all rounds'}: ratio of "
+                f"medians {other_med / floor_med:.2f}, median of ratios "
+                f"{statistics.median(values[first:]):.2f}"
+            )
     if floor is not None:
         floor.close()
     if hvd is not None:
