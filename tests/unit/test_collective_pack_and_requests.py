@@ -2,7 +2,9 @@
 
 In one process: the torch and numpy :class:`ArrayOps` pack tensors of any shape into one flat
 buffer and split it back into each (also from a buffer longer than the tensors, and into a
-non-contiguous output); ``static_key`` tells apart what the kept allreduce statics must tell
+non-contiguous output); the views of a fusion buffer kept per output layout, and the bulk copy's
+fallback; the inline rows reduced into a given buffer give the bits of a new array;
+``static_key`` tells apart what the kept allreduce statics must tell
 apart; a request's lazy description and its given signature hash.
 """
 
@@ -11,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from spark_estimators.collective.backends.base import ReduceOp
+from spark_estimators.collective.runtime.allreduce import _reduce_rows
 from spark_estimators.collective.runtime.arrays import NumpyOps
 from spark_estimators.collective.runtime.requests import Kind, Request, signature_hash
 
@@ -53,6 +57,79 @@ def test_torch_pack_reuses_its_buffer_and_grows_it():
     assert again.data_ptr() == first.data_ptr() and again.tolist() == [3.0, 3.0]
     grown = ops.pack([torch.ones(20)])
     assert grown.numel() == 20 and grown.tolist() == [1.0] * 20
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["foreach-copy", "copy-each"])
+def test_torch_unpack_from_the_fusion_buffer_keeps_views_per_layout(monkeypatch, bulk):
+    from spark_estimators.collective.torch import arrays
+
+    if not bulk:  # a torch without torch._foreach_copy_: one copy_ per tensor, same results
+        monkeypatch.setattr(arrays, "_FOREACH_COPY", None)
+    ops = _torch_ops()
+    xs = [torch.arange(int(np.prod(s)), dtype=torch.float32).reshape(s) + 10 * i
+          for i, s in enumerate(SHAPES)]  # fmt: skip
+    for factor in (2.0, 5.0):  # the second round reads the kept views: the new data
+        flat = ops.pack(xs)
+        flat.mul_(factor)
+        outs = [torch.zeros(s) for s in SHAPES]
+        ops.unpack(flat, outs)
+        assert all(torch.equal(o, x * factor) for o, x in zip(outs, xs, strict=True))
+    (layouts,) = ops._views.values()
+    assert list(layouts) == [tuple(torch.Size(s) for s in SHAPES)]
+    # Another layout over the same buffer, and a non-contiguous output among them.
+    base = torch.zeros(3, 2)
+    ops.scratch(xs[0], 5).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    other = torch.zeros(2)
+    ops.unpack(ops.scratch(xs[0], 5), [base[:, 1], other])
+    assert base.tolist() == [[0.0, 1.0], [0.0, 2.0], [0.0, 3.0]] and other.tolist() == [4.0, 5.0]
+    assert len(layouts) == 2
+    # Too short a head of the buffer raises, as a split of it does.
+    with pytest.raises(RuntimeError):
+        ops.unpack(ops.scratch(xs[0], 4), [torch.zeros(3), torch.zeros(2)])
+    # Growing the buffer drops its views (they would read the old memory).
+    grown = ops.pack([torch.full((100,), 7.0)] * 2)
+    assert ops._views == {}
+    outs = [torch.zeros(100), torch.zeros(10, 10)]
+    ops.unpack(grown, outs)
+    assert all(bool((o == 7.0).all()) for o in outs)
+
+
+def test_torch_scratch_is_the_fusion_buffer_and_numpy_shares_it():
+    ops = _torch_ops()
+    flat = ops.scratch(torch.ones(3), 6)
+    view = np.asarray(flat)
+    view[:] = np.arange(6)
+    assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert ops.pack([torch.ones(6)]).data_ptr() == flat.data_ptr()
+    n = NumpyOps()
+    assert np.shares_memory(n.scratch(np.ones(3), 6), n.pack([np.ones(6)]))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
+                                ReduceOp.PRODUCT])  # fmt: skip
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int32", "bool"])
+def test_reduce_rows_into_a_given_buffer_gives_the_bits_of_a_new_array(size, op, dtype):
+    if dtype == "bool" and op is ReduceOp.AVERAGE:
+        pytest.skip("refused before anything is sent")
+    rng = np.random.default_rng(size)
+    numel, width = 1000, 1000 * np.dtype(dtype).itemsize + 24  # rows wider than the batch
+    if dtype == "bool":
+        data = rng.random((size, numel)) < 0.3
+    elif dtype.startswith("int"):
+        data = rng.integers(-1000, 1000, (size, numel))
+    else:
+        data = rng.standard_normal((size, numel)) * (1 if dtype == "float16" else 100)
+    payloads = np.zeros((size, width), np.uint8)
+    payloads[:, : numel * np.dtype(dtype).itemsize] = data.astype(dtype).view(np.uint8)
+    for post in (1.0, 0.37):
+        if dtype == "bool" and post != 1.0:
+            continue
+        new = _reduce_rows(payloads, dtype, numel, op, size, post)
+        out = np.full(numel, 9, dtype=dtype)
+        given = _reduce_rows(payloads, dtype, numel, op, size, post, out=out)
+        assert np.shares_memory(given, out) and given.dtype == new.dtype
+        assert out.tobytes() == new.tobytes(), (op, dtype, size, post)
 
 
 def test_numpy_pack_and_unpack_round_trip_every_shape():

@@ -56,6 +56,9 @@ class ArrayOps(Protocol):
     def unpack(self, flat: Buffer, outs: Sequence[Buffer]) -> None:
         """Copy a packed buffer back into ``outs``."""
 
+    def scratch(self, like: Buffer, numel: int) -> Buffer:
+        """A flat buffer of ``numel`` elements like ``like``: the reused fusion buffer's head."""
+
     def adopt(self, result: Buffer, like: Buffer) -> Buffer:
         """The backend's ``result`` as a buffer of this framework, like ``like``."""
 
@@ -138,15 +141,18 @@ class NumpyOps:
 
     def pack(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         """Copy ``xs`` into the reused fusion buffer of their dtype and return its used part."""
-        total = sum(int(x.size) for x in xs)
-        dtype = xs[0].dtype
-        buf = self._fusion.get(dtype.name)
-        if buf is None or buf.size < total:
-            buf = np.empty(total, dtype=dtype)
-            self._fusion[dtype.name] = buf
-        flat = buf[:total]
+        flat = self.scratch(xs[0], sum(int(x.size) for x in xs))
         self.pack_into(xs, flat)
         return flat
+
+    def scratch(self, like: np.ndarray, numel: int) -> np.ndarray:
+        """The first ``numel`` elements of the reused fusion buffer of ``like``'s dtype."""
+        dtype = like.dtype
+        buf = self._fusion.get(dtype.name)
+        if buf is None or buf.size < numel:
+            buf = np.empty(numel, dtype=dtype)
+            self._fusion[dtype.name] = buf
+        return buf[:numel]
 
     def pack_into(self, xs: Sequence[np.ndarray], flat: np.ndarray) -> None:
         """Copy ``xs`` one after the other into ``flat`` (their total size)."""
