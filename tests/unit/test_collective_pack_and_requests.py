@@ -3,9 +3,9 @@
 In one process: the torch and numpy :class:`ArrayOps` pack tensors of any shape into one flat
 buffer and split it back into each (also from a buffer longer than the tensors, and into a
 non-contiguous output); the views of a fusion buffer kept per output layout, and the bulk copy's
-fallback; the inline rows reduced into a given buffer give the bits of a new array;
-``static_key`` tells apart what the kept allreduce statics must tell
-apart; a request's lazy description and its given signature hash.
+fallback; the inline rows reduced (into a given buffer or a new array) give the bits they gave
+before; ``static_key`` tells apart what the kept allreduce statics must tell apart; a request's
+lazy description and its given signature hash.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from spark_estimators.collective.backends.base import ReduceOp
 from spark_estimators.collective.runtime.allreduce import _reduce_rows
-from spark_estimators.collective.runtime.arrays import NumpyOps
+from spark_estimators.collective.runtime.arrays import NumpyOps, scale_array
 from spark_estimators.collective.runtime.requests import Kind, Request, signature_hash
 
 torch = pytest.importorskip("torch")
@@ -105,6 +105,24 @@ def test_torch_scratch_is_the_fusion_buffer_and_numpy_shares_it():
     assert np.shares_memory(n.scratch(np.ones(3), 6), n.pack([np.ones(6)]))
 
 
+def _reduce_rows_before(payloads, dtype, numel, op, size, post):
+    """``_reduce_rows`` as it was before the fused round's work (the bits to keep)."""
+    rows = np.ascontiguousarray(payloads[:, : numel * np.dtype(dtype).itemsize]).view(dtype)
+    if op is ReduceOp.MIN:
+        out = rows.min(axis=0)
+    elif op is ReduceOp.MAX:
+        out = rows.max(axis=0)
+    elif op is ReduceOp.PRODUCT:
+        out = rows.prod(axis=0, dtype=rows.dtype)
+    else:
+        out = rows.sum(axis=0, dtype=rows.dtype)
+        if op is ReduceOp.AVERAGE:
+            out = (out / size).astype(rows.dtype)
+    if post != 1.0:
+        scale_array(out, post)
+    return out
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
                                 ReduceOp.PRODUCT])  # fmt: skip
@@ -125,7 +143,9 @@ def test_reduce_rows_into_a_given_buffer_gives_the_bits_of_a_new_array(size, op,
     for post in (1.0, 0.37):
         if dtype == "bool" and post != 1.0:
             continue
+        before = _reduce_rows_before(payloads, dtype, numel, op, size, post)
         new = _reduce_rows(payloads, dtype, numel, op, size, post)
+        assert new.tobytes() == before.tobytes(), (op, dtype, size, post)
         out = np.full(numel, 9, dtype=dtype)
         given = _reduce_rows(payloads, dtype, numel, op, size, post, out=out)
         assert np.shares_memory(given, out) and given.dtype == new.dtype

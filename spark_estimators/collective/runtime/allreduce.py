@@ -451,7 +451,10 @@ def _reduce_rows(
     elif op is ReduceOp.PRODUCT:
         out = rows.prod(axis=0, dtype=rows.dtype, out=out)
     else:
-        out = rows.sum(axis=0, dtype=rows.dtype, out=out)
+        if len(rows) == 2:  # the same bits as the sum along axis 0, without its reduce set-up
+            out = np.add(rows[0], rows[1], out=out)
+        else:
+            out = rows.sum(axis=0, dtype=rows.dtype, out=out)
         if op is ReduceOp.AVERAGE:
             out[...] = (out / size).astype(rows.dtype)
     if post != 1.0:
