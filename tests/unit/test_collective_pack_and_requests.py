@@ -60,7 +60,7 @@ def test_torch_pack_reuses_its_buffer_and_grows_it():
 
 
 @pytest.mark.parametrize("bulk", [True, False], ids=["foreach-copy", "copy-each"])
-def test_torch_unpack_from_the_fusion_buffer_keeps_views_per_layout(monkeypatch, bulk):
+def test_torch_unpack_from_a_reused_buffer_keeps_views_per_layout(monkeypatch, bulk):
     from spark_estimators.collective.torch import arrays
 
     if not bulk:  # a torch without torch._foreach_copy_: one copy_ per tensor, same results
@@ -74,35 +74,49 @@ def test_torch_unpack_from_the_fusion_buffer_keeps_views_per_layout(monkeypatch,
         outs = [torch.zeros(s) for s in SHAPES]
         ops.unpack(flat, outs)
         assert all(torch.equal(o, x * factor) for o, x in zip(outs, xs, strict=True))
-    (layouts,) = ops._views.values()
+    (layouts,) = ops._kept.values()
     assert list(layouts) == [tuple(torch.Size(s) for s in SHAPES)]
-    # Another layout over the same buffer, and a non-contiguous output among them.
-    base = torch.zeros(3, 2)
-    ops.scratch(xs[0], 5).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
-    other = torch.zeros(2)
-    ops.unpack(ops.scratch(xs[0], 5), [base[:, 1], other])
-    assert base.tolist() == [[0.0, 1.0], [0.0, 2.0], [0.0, 3.0]] and other.tolist() == [4.0, 5.0]
-    assert len(layouts) == 2
+    # The thread's scratch buffer: another layout, a non-contiguous output among them.
+    for factor in (1.0, 3.0):
+        ops.scratch(xs[0], 5).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]) * factor)
+        base, other = torch.zeros(3, 2), torch.zeros(2)
+        ops.unpack(ops.scratch(xs[0], 5), [base[:, 1], other])
+        assert base[:, 1].tolist() == [factor, 2 * factor, 3 * factor]
+        assert base[:, 0].tolist() == [0.0] * 3 and other.tolist() == [4 * factor, 5 * factor]
+    (scratch_layouts,) = ops._local.kept.values()
+    assert len(scratch_layouts) == 1
     # Too short a head of the buffer raises, as a split of it does.
     with pytest.raises(RuntimeError):
         ops.unpack(ops.scratch(xs[0], 4), [torch.zeros(3), torch.zeros(2)])
-    # Growing the buffer drops its views (they would read the old memory).
+    # Growing a buffer drops its views (they would read the old memory).
     grown = ops.pack([torch.full((100,), 7.0)] * 2)
-    assert ops._views == {}
+    assert [len(v) for v in ops._kept.values()] == [0]
     outs = [torch.zeros(100), torch.zeros(10, 10)]
     ops.unpack(grown, outs)
     assert all(bool((o == 7.0).all()) for o in outs)
+    # Not a reused buffer: nothing kept, the same copies.
+    outs = [torch.zeros(2), torch.zeros(1)]
+    ops.unpack(torch.tensor([1.0, 2.0, 3.0]), outs)
+    assert [o.tolist() for o in outs] == [[1.0, 2.0], [3.0]]
+    assert sum(len(v) for v in ops._kept.values()) == 1
 
 
-def test_torch_scratch_is_the_fusion_buffer_and_numpy_shares_it():
-    ops = _torch_ops()
-    flat = ops.scratch(torch.ones(3), 6)
-    view = np.asarray(flat)
-    view[:] = np.arange(6)
-    assert flat.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    assert ops.pack([torch.ones(6)]).data_ptr() == flat.data_ptr()
-    n = NumpyOps()
-    assert np.shares_memory(n.scratch(np.ones(3), 6), n.pack([np.ones(6)]))
+def test_scratch_is_the_threads_own_and_numpy_shares_it():
+    import threading
+
+    for ops, like in ((_torch_ops(), torch.ones(3)), (NumpyOps(), np.ones(3))):
+        flat = ops.scratch(like, 6)
+        view = np.asarray(flat)
+        view[:] = np.arange(6)
+        assert np.asarray(ops.scratch(like, 6)).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        theirs = []
+        thread = threading.Thread(target=lambda: theirs.append(np.asarray(ops.scratch(like, 6))))
+        thread.start()
+        thread.join()
+        # Another thread (another process set's engine) never writes this thread's buffer,
+        # nor does pack() (the engines' shared fusion buffer).
+        assert not np.shares_memory(theirs[0], view)
+        assert not np.shares_memory(np.asarray(ops.pack([like, like])), view)
 
 
 def _reduce_rows_before(payloads, dtype, numel, op, size, post):

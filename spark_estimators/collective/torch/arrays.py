@@ -126,15 +126,17 @@ def copy_all(outs: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None
 class TorchOps:
     """:class:`~spark_estimators.collective.runtime.arrays.ArrayOps` for torch tensors.
 
-    The fusion buffers are touched only by the engine thread. The views of a fusion buffer in
-    the shapes of a batch's outputs are kept per buffer and layout (a repeated batch unpacks
-    without splitting the buffer again; ``split`` and the per-view reshapes cost more than
-    the copies of 100 small tensors).
+    The fusion buffers of :meth:`pack` are touched only by engine threads; those of
+    :meth:`scratch` are the calling thread's own. The views of either buffer in the shapes of a
+    batch's outputs are kept per buffer and layout: a repeated batch unpacks without splitting
+    the buffer again (``split`` and the per-view reshapes cost more than the copies of 100
+    small tensors).
     """
 
     def __init__(self) -> None:
         self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._views: dict[tuple[torch.dtype, torch.device], dict[_Layout, list[torch.Tensor]]] = {}
+        self._kept: dict[tuple[int, torch.dtype], dict[_Layout, list[torch.Tensor]]] = {}
+        self._local = _Scratch()
 
     def dtype(self, x: torch.Tensor) -> str:
         """The dtype name without ``torch.`` (``"float32"``)."""
@@ -183,22 +185,18 @@ class TorchOps:
 
     def pack(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Copy ``xs`` into the reused fusion buffer of their dtype and device; return that part."""
-        flat = self.scratch(xs[0], sum(int(x.numel()) for x in xs))
+        flat = _head(self._fusion, self._kept, xs[0], sum(int(x.numel()) for x in xs))
         self.pack_into(xs, flat)
         return flat
 
     def scratch(self, like: torch.Tensor, numel: int) -> torch.Tensor:
-        """The first ``numel`` elements of the reused fusion buffer of ``like``'s dtype and device.
+        """The first ``numel`` elements of this thread's reused buffer like ``like``.
 
-        Grown when too small (its kept views are then dropped).
+        Of ``like``'s dtype and device; another thread (another process set's engine) never
+        shares it.
         """
-        key = (like.dtype, like.device)
-        buf = self._fusion.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=key[0], device=key[1])
-            self._fusion[key] = buf
-            self._views.pop(key, None)
-        return buf[:numel]
+        local = self._local
+        return _head(local.buffers, local.kept, like, numel)
 
     def pack_into(self, xs: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
         """Copy ``xs`` one after the other into the 1-D tensor ``flat`` (their total size)."""
@@ -215,19 +213,20 @@ class TorchOps:
         copy_all(outs, self._views_of(flat, outs))
 
     def _views_of(self, flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Views of ``flat`` in the shapes of ``outs``, kept when ``flat`` is a fusion buffer."""
-        key = (flat.dtype, flat.device)
-        buf = self._fusion.get(key)
-        if buf is None or flat.data_ptr() != buf.data_ptr():
-            return _views(flat, outs)
-        kept = self._views.setdefault(key, {})
+        """Views of ``flat`` in the shapes of ``outs``, kept when ``flat`` is a reused buffer."""
+        ptr = (flat.data_ptr(), flat.dtype)
+        kept = self._kept.get(ptr)
+        if kept is None:
+            kept = self._local.kept.get(ptr)
+            if kept is None:
+                return _views(flat, outs)
         layout = tuple([out.shape for out in outs])
         views = kept.get(layout)
         if views is None:
             if len(kept) >= _MOST_LAYOUTS:
                 kept.clear()
-            views = kept[layout] = _views(buf, outs)
-        if flat.numel() < views[-1].storage_offset() + views[-1].numel():
+            views = kept[layout] = _views(flat, outs)
+        elif flat.numel() < views[-1].storage_offset() - flat.storage_offset() + views[-1].numel():
             _views(flat, outs)  # raises as without the kept views (flat too short)
         return views
 
@@ -236,6 +235,35 @@ class TorchOps:
         if isinstance(result, torch.Tensor):
             return result
         return torch.from_numpy(np.ascontiguousarray(result)).to(like.device)
+
+
+class _Scratch(threading.local):
+    """A thread's reused buffers (:meth:`TorchOps.scratch`) and their kept views."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self.kept: dict[tuple[int, torch.dtype], dict[_Layout, list[torch.Tensor]]] = {}
+
+
+def _head(
+    buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor],
+    kept: dict[tuple[int, torch.dtype], dict[_Layout, list[torch.Tensor]]],
+    like: torch.Tensor,
+    numel: int,
+) -> torch.Tensor:
+    """The first ``numel`` elements of ``buffers``' buffer like ``like`` (grown when too small).
+
+    A new buffer gets an empty entry in ``kept`` (its views by layout); the old one's goes.
+    """
+    key = (like.dtype, like.device)
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < numel:
+        if buf is not None:
+            kept.pop((buf.data_ptr(), buf.dtype), None)
+        buf = buffers[key] = torch.empty(numel, dtype=key[0], device=key[1])
+        if numel > 0:
+            kept[buf.data_ptr(), buf.dtype] = {}
+    return buf[:numel]
 
 
 def _views(flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
