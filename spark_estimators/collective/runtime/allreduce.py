@@ -402,10 +402,11 @@ def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequen
 def _unpack_rows(
     payloads: np.ndarray, st: _Static, numel: int, like: Buffer, outputs: Sequence[Buffer]
 ) -> None:
-    """Reduce the inline ``payloads`` into the fusion buffer, then copy it into ``outputs``.
+    """Reduce the inline ``payloads`` into a reused buffer, then copy it into ``outputs``.
 
-    The reused buffer (rather than a new array per round) lets the ops keep its views in the
-    outputs' shapes: the unpack of a repeated batch is one bulk copy. CPU only.
+    The thread's reused buffer (:meth:`ArrayOps.scratch`, rather than a new array per round)
+    lets the ops keep its views in the outputs' shapes: the unpack of a repeated batch is one
+    bulk copy. CPU only.
     """
     ops = st.ops
     flat = ops.scratch(like, numel)
