@@ -10,8 +10,10 @@ batches deterministic: only ``synchronize`` ends the engine's wait.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import numpy as np
 import pytest
 
 from spark_estimators import envvars as ev
@@ -42,10 +44,15 @@ def _batches() -> dict[str, Any]:
     hvd.init()
     g = torch.Generator().manual_seed(10 + hvd.rank())
 
+    sent: list[bytes] = []  # each round's inputs, before they are reduced in place
+
     def data(dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         if dtype.is_floating_point:
-            return [torch.randn(s, generator=g).to(dtype) for s in shapes]
-        return [torch.randint(-1000, 1000, s, generator=g, dtype=dtype) for s in shapes]
+            ts = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+        else:
+            ts = [torch.randint(-1000, 1000, s, generator=g, dtype=dtype) for s in shapes]
+        sent.append(b"".join(t.numpy().tobytes() for t in ts))
+        return ts
 
     def each(dtype: torch.dtype, shapes: list[tuple[int, ...]], **kw: Any) -> Any:
         def step() -> list[torch.Tensor]:
@@ -74,6 +81,7 @@ def _batches() -> dict[str, Any]:
     for name, step in cases.items():
         before = _counters()
         out[name] = [b"".join(t.numpy().tobytes() for t in step()) for _ in range(ROUNDS)]
+        out[name + "_sent"], sent[:] = list(sent), []
         after = _counters()
         out[name + "_counts"] = None if after is None else [a - b for a, b in zip(after, before)]
     hvd.shutdown()
@@ -93,6 +101,17 @@ def test_cached_rounds_are_taken_and_equal_the_negotiated_path_bit_for_bit(ranks
             assert negotiated[rank][name + "_counts"] is None, (name, rank)
             assert cached[rank][name] == negotiated[rank][name], (name, rank)  # same bits
             assert cached[rank][name] == cached[0][name], (name, rank)  # on every rank
+    # And the bits themselves, where they are exact in any order: what every rank sent, reduced
+    # (a float sum of 2 ranks is; of 3, the tag round's ring may add in another order).
+    exact = [("sum_i32", np.int32, np.add), ("min_f32", np.float32, np.minimum)]
+    if ranks == 2:
+        exact.append(("sum_f32", np.float32, np.add))
+    for name, dtype, reduce in exact:
+        for round_ in range(ROUNDS):
+            sent = [np.frombuffer(cached[r][name + "_sent"][round_], dtype) for r in range(ranks)]
+            expected = functools.reduce(reduce, sent)
+            got = np.frombuffer(cached[0][name][round_], dtype)
+            assert got.tobytes() == expected.tobytes(), (name, round_)
 
 
 def _out_of_step() -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 In one process: the torch and numpy :class:`ArrayOps` pack tensors of any shape into one flat
 buffer and split it back into each (also from a buffer longer than the tensors, and into a
-non-contiguous output); ``static_key`` tells apart what the kept allreduce statics must tell
-apart; a request's lazy description and its given signature hash.
+non-contiguous output); the views of a fusion buffer kept per output layout, and the bulk copy's
+fallback; the inline rows reduced (into a given buffer or a new array) give the bits they gave
+before; ``static_key`` tells apart what the kept allreduce statics must tell apart; a request's
+lazy description and its given signature hash.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from spark_estimators.collective.runtime.arrays import NumpyOps
+from spark_estimators.collective.backends.base import ReduceOp
+from spark_estimators.collective.runtime.allreduce import _reduce_rows
+from spark_estimators.collective.runtime.arrays import NumpyOps, scale_array
 from spark_estimators.collective.runtime.requests import Kind, Request, signature_hash
 
 torch = pytest.importorskip("torch")
@@ -53,6 +57,113 @@ def test_torch_pack_reuses_its_buffer_and_grows_it():
     assert again.data_ptr() == first.data_ptr() and again.tolist() == [3.0, 3.0]
     grown = ops.pack([torch.ones(20)])
     assert grown.numel() == 20 and grown.tolist() == [1.0] * 20
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["foreach-copy", "copy-each"])
+def test_torch_unpack_from_a_reused_buffer_keeps_views_per_layout(monkeypatch, bulk):
+    from spark_estimators.collective.torch import arrays
+
+    if not bulk:  # a torch without torch._foreach_copy_: one copy_ per tensor, same results
+        monkeypatch.setattr(arrays, "_FOREACH_COPY", None)
+    ops = _torch_ops()
+    xs = [torch.arange(int(np.prod(s)), dtype=torch.float32).reshape(s) + 10 * i
+          for i, s in enumerate(SHAPES)]  # fmt: skip
+    for factor in (2.0, 5.0):  # the second round reads the kept views: the new data
+        flat = ops.pack(xs)
+        flat.mul_(factor)
+        outs = [torch.zeros(s) for s in SHAPES]
+        ops.unpack(flat, outs)
+        assert all(torch.equal(o, x * factor) for o, x in zip(outs, xs, strict=True))
+    (layouts,) = ops._kept.values()
+    assert list(layouts) == [tuple(torch.Size(s) for s in SHAPES)]
+    # The thread's scratch buffer: another layout, a non-contiguous output among them.
+    for factor in (1.0, 3.0):
+        ops.scratch(xs[0], 5).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]) * factor)
+        base, other = torch.zeros(3, 2), torch.zeros(2)
+        ops.unpack(ops.scratch(xs[0], 5), [base[:, 1], other])
+        assert base[:, 1].tolist() == [factor, 2 * factor, 3 * factor]
+        assert base[:, 0].tolist() == [0.0] * 3 and other.tolist() == [4 * factor, 5 * factor]
+    (scratch_layouts,) = ops._local.kept.values()
+    assert len(scratch_layouts) == 1
+    # Too short a head of the buffer raises, as a split of it does.
+    with pytest.raises(RuntimeError):
+        ops.unpack(ops.scratch(xs[0], 4), [torch.zeros(3), torch.zeros(2)])
+    # Growing a buffer drops its views (they would read the old memory).
+    grown = ops.pack([torch.full((100,), 7.0)] * 2)
+    assert [len(v) for v in ops._kept.values()] == [0]
+    outs = [torch.zeros(100), torch.zeros(10, 10)]
+    ops.unpack(grown, outs)
+    assert all(bool((o == 7.0).all()) for o in outs)
+    # Not a reused buffer: nothing kept, the same copies.
+    outs = [torch.zeros(2), torch.zeros(1)]
+    ops.unpack(torch.tensor([1.0, 2.0, 3.0]), outs)
+    assert [o.tolist() for o in outs] == [[1.0, 2.0], [3.0]]
+    assert sum(len(v) for v in ops._kept.values()) == 1
+
+
+def test_scratch_is_the_threads_own_and_numpy_shares_it():
+    import threading
+
+    for ops, like in ((_torch_ops(), torch.ones(3)), (NumpyOps(), np.ones(3))):
+        flat = ops.scratch(like, 6)
+        view = np.asarray(flat)
+        view[:] = np.arange(6)
+        assert np.asarray(ops.scratch(like, 6)).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+        theirs = []
+        thread = threading.Thread(target=lambda: theirs.append(np.asarray(ops.scratch(like, 6))))
+        thread.start()
+        thread.join()
+        # Another thread (another process set's engine) never writes this thread's buffer,
+        # nor does pack() (the engines' shared fusion buffer).
+        assert not np.shares_memory(theirs[0], view)
+        assert not np.shares_memory(np.asarray(ops.pack([like, like])), view)
+
+
+def _reduce_rows_before(payloads, dtype, numel, op, size, post):
+    """``_reduce_rows`` as it was before the fused round's work (the bits to keep)."""
+    rows = np.ascontiguousarray(payloads[:, : numel * np.dtype(dtype).itemsize]).view(dtype)
+    if op is ReduceOp.MIN:
+        out = rows.min(axis=0)
+    elif op is ReduceOp.MAX:
+        out = rows.max(axis=0)
+    elif op is ReduceOp.PRODUCT:
+        out = rows.prod(axis=0, dtype=rows.dtype)
+    else:
+        out = rows.sum(axis=0, dtype=rows.dtype)
+        if op is ReduceOp.AVERAGE:
+            out = (out / size).astype(rows.dtype)
+    if post != 1.0:
+        scale_array(out, post)
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX,
+                                ReduceOp.PRODUCT])  # fmt: skip
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int32", "bool"])
+def test_reduce_rows_into_a_given_buffer_gives_the_bits_of_a_new_array(size, op, dtype):
+    if dtype == "bool" and op is ReduceOp.AVERAGE:
+        pytest.skip("refused before anything is sent")
+    rng = np.random.default_rng(size)
+    numel, width = 1000, 1000 * np.dtype(dtype).itemsize + 24  # rows wider than the batch
+    if dtype == "bool":
+        data = rng.random((size, numel)) < 0.3
+    elif dtype.startswith("int"):
+        data = rng.integers(-1000, 1000, (size, numel))
+    else:
+        data = rng.standard_normal((size, numel)) * (1 if dtype == "float16" else 100)
+    payloads = np.zeros((size, width), np.uint8)
+    payloads[:, : numel * np.dtype(dtype).itemsize] = data.astype(dtype).view(np.uint8)
+    for post in (1.0, 0.37):
+        if dtype == "bool" and post != 1.0:
+            continue
+        before = _reduce_rows_before(payloads, dtype, numel, op, size, post)
+        new = _reduce_rows(payloads, dtype, numel, op, size, post)
+        assert new.tobytes() == before.tobytes(), (op, dtype, size, post)
+        out = np.full(numel, 9, dtype=dtype)
+        given = _reduce_rows(payloads, dtype, numel, op, size, post, out=out)
+        assert np.shares_memory(given, out) and given.dtype == new.dtype
+        assert out.tobytes() == new.tobytes(), (op, dtype, size, post)
 
 
 def test_numpy_pack_and_unpack_round_trip_every_shape():

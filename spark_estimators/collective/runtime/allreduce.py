@@ -351,6 +351,9 @@ def _execute(part: _FusedPart | AllreduceOp, agreement: Agreement) -> Sequence[B
     if st.numel == 0:
         return outputs
     if agreement.payloads is not None:
+        if len(outputs) > 1 and st.device == "cpu":
+            _unpack_rows(agreement.payloads, st, st.numel, inputs[0], outputs)
+            return outputs
         reduced = _reduce_rows(
             agreement.payloads, st.dtype, st.numel, st.wire_op, backend.size, st.post
         )
@@ -383,11 +386,8 @@ def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequen
     ops, backend = first.ops, first.backend
     outputs = [out for p in parts for out in p.outputs]
     if agreement.payloads is not None:
-        total = sum(p.static.numel for p in parts)
-        reduced = _reduce_rows(
-            agreement.payloads, first.dtype, total, first.wire_op, backend.size, first.post
-        )
-        ops.unpack(ops.adopt(reduced, parts[0].inputs[0]), outputs)
+        total = sum([p.static.numel for p in parts])
+        _unpack_rows(agreement.payloads, first, total, parts[0].inputs[0], outputs)
     else:
         flat = ops.pack([x for p in parts for x in p.inputs])
         if first.prescale != 1.0:
@@ -397,6 +397,22 @@ def _run_fused(requests: Sequence[Request], agreement: Agreement) -> list[Sequen
             ops.scale_(flat, first.post)
         ops.unpack(flat, outputs)
     return [p.outputs for p in parts]
+
+
+def _unpack_rows(
+    payloads: np.ndarray, st: _Static, numel: int, like: Buffer, outputs: Sequence[Buffer]
+) -> None:
+    """Reduce the inline ``payloads`` into a reused buffer, then copy it into ``outputs``.
+
+    The thread's reused buffer (:meth:`ArrayOps.scratch`, rather than a new array per round)
+    lets the ops keep its views in the outputs' shapes: the unpack of a repeated batch is one
+    bulk copy. CPU only.
+    """
+    ops = st.ops
+    flat = ops.scratch(like, numel)
+    _reduce_rows(payloads, st.dtype, numel, st.wire_op, st.backend.size, st.post,
+                 out=np.asarray(flat))  # fmt: skip
+    ops.unpack(flat, outputs)
 
 
 def _pack_fused(requests: Sequence[Request], out: np.ndarray) -> None:
@@ -415,21 +431,33 @@ _NUMPY_DTYPES = frozenset(d for d in DTYPES if d != "bfloat16")
 
 
 def _reduce_rows(
-    payloads: np.ndarray, dtype: str, numel: int, op: ReduceOp, size: int, post: float
+    payloads: np.ndarray,
+    dtype: str,
+    numel: int,
+    op: ReduceOp,
+    size: int,
+    post: float,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Reduce the inline payloads of every rank, in rank order (identical on every rank)."""
+    """Reduce the inline payloads of every rank, in rank order (identical on every rank).
+
+    Into ``out`` (``numel`` elements of ``dtype``, contiguous) when given, else a new array.
+    """
     nbytes = numel * itemsize(dtype)
     rows = np.ascontiguousarray(payloads[:, :nbytes]).view(np.dtype(dtype))
     if op is ReduceOp.MIN:
-        out = rows.min(axis=0)
+        out = rows.min(axis=0, out=out)
     elif op is ReduceOp.MAX:
-        out = rows.max(axis=0)
+        out = rows.max(axis=0, out=out)
     elif op is ReduceOp.PRODUCT:
-        out = rows.prod(axis=0, dtype=rows.dtype)
+        out = rows.prod(axis=0, dtype=rows.dtype, out=out)
     else:
-        out = rows.sum(axis=0, dtype=rows.dtype)
+        if len(rows) == 2:  # the same bits as the sum along axis 0, without its reduce set-up
+            out = np.add(rows[0], rows[1], out=out)
+        else:
+            out = rows.sum(axis=0, dtype=rows.dtype, out=out)
         if op is ReduceOp.AVERAGE:
-            out = (out / size).astype(rows.dtype)
+            out[...] = (out / size).astype(rows.dtype)
     if post != 1.0:
         scale_array(out, post)
     return np.ascontiguousarray(out)

@@ -8,6 +8,7 @@ against this protocol.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable, Sequence
 from typing import Protocol
 
@@ -56,6 +57,9 @@ class ArrayOps(Protocol):
     def unpack(self, flat: Buffer, outs: Sequence[Buffer]) -> None:
         """Copy a packed buffer back into ``outs``."""
 
+    def scratch(self, like: Buffer, numel: int) -> Buffer:
+        """A flat buffer of ``numel`` elements like ``like``, reused by the calling thread."""
+
     def adopt(self, result: Buffer, like: Buffer) -> Buffer:
         """The backend's ``result`` as a buffer of this framework, like ``like``."""
 
@@ -99,6 +103,7 @@ class NumpyOps:
 
     def __init__(self) -> None:
         self._fusion: dict[str, np.ndarray] = {}
+        self._local = threading.local()  # scratch(): each thread's own buffers
 
     def dtype(self, x: np.ndarray) -> str:
         """The dtype name (``"float32"``)."""
@@ -138,15 +143,16 @@ class NumpyOps:
 
     def pack(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         """Copy ``xs`` into the reused fusion buffer of their dtype and return its used part."""
-        total = sum(int(x.size) for x in xs)
-        dtype = xs[0].dtype
-        buf = self._fusion.get(dtype.name)
-        if buf is None or buf.size < total:
-            buf = np.empty(total, dtype=dtype)
-            self._fusion[dtype.name] = buf
-        flat = buf[:total]
+        flat = _head(self._fusion, xs[0].dtype, sum(int(x.size) for x in xs))
         self.pack_into(xs, flat)
         return flat
+
+    def scratch(self, like: np.ndarray, numel: int) -> np.ndarray:
+        """The first ``numel`` elements of this thread's reused buffer of ``like``'s dtype."""
+        local = self._local
+        if not hasattr(local, "buffers"):
+            local.buffers = {}
+        return _head(local.buffers, like.dtype, numel)
 
     def pack_into(self, xs: Sequence[np.ndarray], flat: np.ndarray) -> None:
         """Copy ``xs`` one after the other into ``flat`` (their total size)."""
@@ -165,6 +171,14 @@ class NumpyOps:
     def adopt(self, result: Buffer, like: np.ndarray) -> np.ndarray:
         """The backend's ``result`` as a numpy array."""
         return np.asarray(result)
+
+
+def _head(buffers: dict[str, np.ndarray], dtype: np.dtype, numel: int) -> np.ndarray:
+    """The first ``numel`` elements of ``buffers``' buffer of ``dtype`` (grown when too small)."""
+    buf = buffers.get(dtype.name)
+    if buf is None or buf.size < numel:
+        buf = buffers[dtype.name] = np.empty(numel, dtype=dtype)
+    return buf[:numel]
 
 
 def write_result(
