@@ -74,8 +74,9 @@ def test_torch_unpack_from_a_reused_buffer_keeps_views_per_layout(monkeypatch, b
         outs = [torch.zeros(s) for s in SHAPES]
         ops.unpack(flat, outs)
         assert all(torch.equal(o, x * factor) for o, x in zip(outs, xs, strict=True))
-    (layouts,) = ops._kept.values()
-    assert list(layouts) == [tuple(torch.Size(s) for s in SHAPES)]
+    kept = ops._local.kept  # the thread's views, by buffer
+    fused = (flat.data_ptr(), flat.dtype)
+    assert list(kept[fused]) == [tuple(torch.Size(s) for s in SHAPES)]
     # The thread's scratch buffer: another layout, a non-contiguous output among them.
     for factor in (1.0, 3.0):
         ops.scratch(xs[0], 5).copy_(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]) * factor)
@@ -83,14 +84,14 @@ def test_torch_unpack_from_a_reused_buffer_keeps_views_per_layout(monkeypatch, b
         ops.unpack(ops.scratch(xs[0], 5), [base[:, 1], other])
         assert base[:, 1].tolist() == [factor, 2 * factor, 3 * factor]
         assert base[:, 0].tolist() == [0.0] * 3 and other.tolist() == [4 * factor, 5 * factor]
-    (scratch_layouts,) = ops._local.kept.values()
-    assert len(scratch_layouts) == 1
+    scratch = ops.scratch(xs[0], 5)
+    assert len(kept[scratch.data_ptr(), scratch.dtype]) == 1
     # Too short a head of the buffer raises, as a split of it does.
     with pytest.raises(RuntimeError):
         ops.unpack(ops.scratch(xs[0], 4), [torch.zeros(3), torch.zeros(2)])
     # Growing a buffer drops its views (they would read the old memory).
     grown = ops.pack([torch.full((100,), 7.0)] * 2)
-    assert [len(v) for v in ops._kept.values()] == [0]
+    assert fused not in kept and kept[grown.data_ptr(), grown.dtype] == {}
     outs = [torch.zeros(100), torch.zeros(10, 10)]
     ops.unpack(grown, outs)
     assert all(bool((o == 7.0).all()) for o in outs)
@@ -98,7 +99,7 @@ def test_torch_unpack_from_a_reused_buffer_keeps_views_per_layout(monkeypatch, b
     outs = [torch.zeros(2), torch.zeros(1)]
     ops.unpack(torch.tensor([1.0, 2.0, 3.0]), outs)
     assert [o.tolist() for o in outs] == [[1.0, 2.0], [3.0]]
-    assert sum(len(v) for v in ops._kept.values()) == 1
+    assert len(kept[grown.data_ptr(), grown.dtype]) == 1
 
 
 def test_scratch_is_the_threads_own_and_numpy_shares_it():
@@ -114,9 +115,26 @@ def test_scratch_is_the_threads_own_and_numpy_shares_it():
         thread.start()
         thread.join()
         # Another thread (another process set's engine) never writes this thread's buffer,
-        # nor does pack() (the engines' shared fusion buffer).
+        # nor does pack().
         assert not np.shares_memory(theirs[0], view)
         assert not np.shares_memory(np.asarray(ops.pack([like, like])), view)
+
+
+def test_pack_is_the_threads_own_so_two_engines_never_mix_their_batches():
+    """Process sets' engines pack fused batches in their own threads at once: one shared fusion
+    buffer per dtype let one engine's batch overwrite another's before it was reduced."""
+    import threading
+
+    for ops, ones in ((_torch_ops(), torch.ones), (NumpyOps(), np.ones)):
+        mine = ops.pack([ones(4), 2 * ones(4)])
+        packed = np.asarray(mine).copy()
+        theirs = []
+        thread = threading.Thread(target=lambda: theirs.append(ops.pack([7 * ones(8)])))
+        thread.start()
+        thread.join()
+        assert not np.shares_memory(np.asarray(theirs[0]), np.asarray(mine))
+        assert np.asarray(mine).tolist() == packed.tolist() == [1.0] * 4 + [2.0] * 4
+        assert np.asarray(theirs[0]).tolist() == [7.0] * 8
 
 
 def _reduce_rows_before(payloads, dtype, numel, op, size, post):

@@ -102,8 +102,7 @@ class NumpyOps:
     """:class:`ArrayOps` for numpy arrays (used by the core API and the Keras adapter)."""
 
     def __init__(self) -> None:
-        self._fusion: dict[str, np.ndarray] = {}
-        self._local = threading.local()  # scratch(): each thread's own buffers
+        self._local = threading.local()  # pack(), scratch(): each thread's own (see TorchOps)
 
     def dtype(self, x: np.ndarray) -> str:
         """The dtype name (``"float32"``)."""
@@ -142,8 +141,11 @@ class NumpyOps:
         scale_array(x, factor)
 
     def pack(self, xs: Sequence[np.ndarray]) -> np.ndarray:
-        """Copy ``xs`` into the reused fusion buffer of their dtype and return its used part."""
-        flat = _head(self._fusion, xs[0].dtype, sum(int(x.size) for x in xs))
+        """Copy ``xs`` into this thread's fusion buffer of their dtype; return its used part."""
+        local = self._local
+        if not hasattr(local, "fusion"):
+            local.fusion = {}
+        flat = _head(local.fusion, xs[0].dtype, sum(int(x.size) for x in xs))
         self.pack_into(xs, flat)
         return flat
 

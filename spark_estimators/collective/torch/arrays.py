@@ -126,16 +126,15 @@ def copy_all(outs: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None
 class TorchOps:
     """:class:`~spark_estimators.collective.runtime.arrays.ArrayOps` for torch tensors.
 
-    The fusion buffers of :meth:`pack` are touched only by engine threads; those of
-    :meth:`scratch` are the calling thread's own. The views of either buffer in the shapes of a
-    batch's outputs are kept per buffer and layout: a repeated batch unpacks without splitting
-    the buffer again (``split`` and the per-view reshapes cost more than the copies of 100
+    The buffers of :meth:`pack` and of :meth:`scratch` are the calling thread's own: the engines
+    of several process sets run in their own threads at once, and one shared fusion buffer let
+    two fused batches of one dtype overwrite each other's data. The views of either buffer in the
+    shapes of a batch's outputs are kept per buffer and layout: a repeated batch unpacks without
+    splitting the buffer again (``split`` and the per-view reshapes cost more than the copies of 100
     small tensors).
     """
 
     def __init__(self) -> None:
-        self._fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        self._kept: dict[tuple[int, torch.dtype], dict[_Layout, list[torch.Tensor]]] = {}
         self._local = _Scratch()
 
     def dtype(self, x: torch.Tensor) -> str:
@@ -184,8 +183,9 @@ class TorchOps:
             x.copy_(x.to(torch.float64).mul_(factor))  # the cast back truncates toward zero
 
     def pack(self, xs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Copy ``xs`` into the reused fusion buffer of their dtype and device; return that part."""
-        flat = _head(self._fusion, self._kept, xs[0], sum(int(x.numel()) for x in xs))
+        """Copy ``xs`` into this thread's fusion buffer of their dtype and device (that part)."""
+        local = self._local
+        flat = _head(local.fusion, local.kept, xs[0], sum(int(x.numel()) for x in xs))
         self.pack_into(xs, flat)
         return flat
 
@@ -214,12 +214,9 @@ class TorchOps:
 
     def _views_of(self, flat: torch.Tensor, outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Views of ``flat`` in the shapes of ``outs``, kept when ``flat`` is a reused buffer."""
-        ptr = (flat.data_ptr(), flat.dtype)
-        kept = self._kept.get(ptr)
+        kept = self._local.kept.get((flat.data_ptr(), flat.dtype))
         if kept is None:
-            kept = self._local.kept.get(ptr)
-            if kept is None:
-                return _views(flat, outs)
+            return _views(flat, outs)
         layout = tuple([out.shape for out in outs])
         views = kept.get(layout)
         if views is None:
@@ -238,9 +235,10 @@ class TorchOps:
 
 
 class _Scratch(threading.local):
-    """A thread's reused buffers (:meth:`TorchOps.scratch`) and their kept views."""
+    """A thread's reused buffers (:meth:`TorchOps.pack`, :meth:`TorchOps.scratch`), their views."""
 
     def __init__(self) -> None:
+        self.fusion: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.kept: dict[tuple[int, torch.dtype], dict[_Layout, list[torch.Tensor]]] = {}
 
