@@ -310,7 +310,8 @@ def run_streaming_rank(
                 if copy is None or outcome.get("code") != 0:
                     break
                 if not exchanged:  # the rank is done: its peers may wait for the totals
-                    exchanged = _exchange_totals(ctx, writer)
+                    _exchange_totals(ctx, writer)
+                    exchanged = True
                 copy.write(batch)  # the rest of the partition, for the copy alone
                 continue
             writer.write(batch)
@@ -340,8 +341,7 @@ def run_streaming_rank(
     return ranks[0], report
 
 
-def _exchange_totals(ctx: BarrierTaskContext, writer: SpillWriter) -> bool:
+def _exchange_totals(ctx: BarrierTaskContext, writer: SpillWriter) -> None:
     """Every task's row counts, gathered from all tasks and told to this task's rank."""
     replies = ctx.allGather(json.dumps(writer.rows))
     writer.totals([json.loads(r) for r in replies])
-    return True

@@ -104,7 +104,6 @@ class LocalMesh:
         self._round = 0
         # raw tag -> (first mesh round it is tried again, its next back-off): see due()
         self._backoff: dict[int, tuple[int, int]] = {}
-        self._void_tags: set[int] = set()  # the other tags of the round in progress
 
     @classmethod
     def connect(
@@ -189,14 +188,17 @@ class LocalMesh:
         entry = self._backoff.get(tag)
         return entry is None or self._round >= entry[0]
 
-    def _settle(self, tag: int, void: bool) -> None:
-        """Update the back-off of the raw tags of the round just ended (see :meth:`due`)."""
+    def _settle(self, tag: int, void: bool, heads: dict[int, bytearray]) -> None:
+        """Update the back-off of the raw tags of the round just ended (see :meth:`due`).
+
+        ``heads``: every peer's header of the round (their tags).
+        """
         backoff = self._backoff
         if not void:
             if tag != NEGOTIATION:
                 backoff.pop(tag, None)
             return
-        tags, self._void_tags = self._void_tags | {tag}, set()
+        tags = {tag, *(_HEADER.unpack(head)[1] for head in heads.values())}
         tags.discard(NEGOTIATION)
         for raw in sorted(tags):
             _, wait = backoff.pop(raw, (0, BACKOFF))
@@ -246,7 +248,7 @@ class LocalMesh:
                     raise ConnectionError(f"rank {peer} closed its local mesh connection")
             pending = [p for p in pending if got[p] < ends[p] or sent[p] < expected]
             if not pending:
-                self._settle(tag, void)
+                self._settle(tag, void, heads)
                 return not void
             poll = select.poll()
             for peer in pending:
@@ -276,7 +278,6 @@ class LocalMesh:
         if nbytes > _MOST_BYTES:
             raise ConnectionError(f"rank {peer} announced {nbytes} bytes (local mesh out of step)")
         logger.debug("local mesh round %d void: rank %d sent tag %d", round_, peer, their_tag)
-        self._void_tags.add(their_tag)
         return memoryview(bytearray(nbytes)), -(_HEADER.size + nbytes)
 
     def close(self) -> None:

@@ -102,7 +102,7 @@ class NumpyOps:
     """:class:`ArrayOps` for numpy arrays (used by the core API and the Keras adapter)."""
 
     def __init__(self) -> None:
-        self._local = threading.local()  # pack(), scratch(): each thread's own (see TorchOps)
+        self._local = _ThreadBuffers()  # pack(), scratch(): each thread's own (see TorchOps)
 
     def dtype(self, x: np.ndarray) -> str:
         """The dtype name (``"float32"``)."""
@@ -142,19 +142,13 @@ class NumpyOps:
 
     def pack(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         """Copy ``xs`` into this thread's fusion buffer of their dtype; return its used part."""
-        local = self._local
-        if not hasattr(local, "fusion"):
-            local.fusion = {}
-        flat = _head(local.fusion, xs[0].dtype, sum(int(x.size) for x in xs))
+        flat = _head(self._local.fusion, xs[0].dtype, sum(int(x.size) for x in xs))
         self.pack_into(xs, flat)
         return flat
 
     def scratch(self, like: np.ndarray, numel: int) -> np.ndarray:
         """The first ``numel`` elements of this thread's reused buffer of ``like``'s dtype."""
-        local = self._local
-        if not hasattr(local, "buffers"):
-            local.buffers = {}
-        return _head(local.buffers, like.dtype, numel)
+        return _head(self._local.buffers, like.dtype, numel)
 
     def pack_into(self, xs: Sequence[np.ndarray], flat: np.ndarray) -> None:
         """Copy ``xs`` one after the other into ``flat`` (their total size)."""
@@ -173,6 +167,14 @@ class NumpyOps:
     def adopt(self, result: Buffer, like: np.ndarray) -> np.ndarray:
         """The backend's ``result`` as a numpy array."""
         return np.asarray(result)
+
+
+class _ThreadBuffers(threading.local):
+    """A thread's reused buffers: :meth:`NumpyOps.pack`'s and :meth:`NumpyOps.scratch`'s."""
+
+    def __init__(self) -> None:
+        self.fusion: dict[str, np.ndarray] = {}
+        self.buffers: dict[str, np.ndarray] = {}
 
 
 def _head(buffers: dict[str, np.ndarray], dtype: np.dtype, numel: int) -> np.ndarray:
