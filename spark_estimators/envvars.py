@@ -72,6 +72,10 @@ INLINE_LIMIT = PREFIX + "INLINE_LIMIT"
 #: "0" sends the negotiation rounds of same-host ranks through the backend, not Unix sockets
 #: (collective/backends/local_mesh.py).
 LOCAL_MESH = PREFIX + "LOCAL_MESH"
+#: Microseconds a rank waiting for a local mesh round polls its sockets without sleeping before
+#: it sleeps in poll() (collective/backends/local_mesh.py). Default: 300 when this host's ranks do
+#: not outnumber the cores this process may use, else 0; "0" always sleeps.
+MESH_SPIN_US = PREFIX + "MESH_SPIN_US"
 #: "0" keeps DistributedOptimizer's last bucket on the engine's negotiated path every step
 #: (collective/torch/steady.py) and turns off the engine's response cache (runtime/cache.py).
 STEADY_ALLREDUCE = PREFIX + "STEADY_ALLREDUCE"

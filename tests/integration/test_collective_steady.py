@@ -22,6 +22,7 @@ STEPS = 6
 CONFIGS: dict[str, dict[str, Any]] = {
     "average": {},
     "sum_two_buckets": {"op": "Sum", "fusion_threshold": 2048},
+    "passes_2": {"backward_passes_per_step": 2},  # backward adds twice into lent gradients
     "fp16_predivide_passes_2": {
         "compression": "fp16",
         "gradient_predivide_factor": 2.0,
@@ -80,21 +81,36 @@ def _train_configs() -> dict[str, Any]:
         opt = _optimizer(model, **kwargs)
         _steps(model, opt, STEPS, kwargs.get("backward_passes_per_step", 1))
         steady = opt._se_steady
+        opt.zero_grad()  # the default: the steady bucket's gradients become its wire's views
+        wire = steady._wire
+        lent = wire is not None and wire.holds_gradients()
+        zeroed = all(p.grad is not None and not p.grad.any() for p in steady.params)
+        opt.zero_grad(set_to_none=True)  # torch's behaviour when asked for
         out[name] = {
             "weights": [p.detach().flatten().tolist() for p in model.parameters()],
             "taken": steady.taken,
             "voided": steady.voided,
             "buckets": len(opt._se_buckets),
+            "lent": lent and zeroed,
+            "none_when_asked": all(p.grad is None for p in model.parameters()),
         }
     hvd.shutdown()
     return out
 
 
-def test_steady_state_is_taken_and_equals_the_engine_bit_for_bit() -> None:
-    steady = run_local(_train_configs, num_proc=2)
-    engine = run_local(_train_configs, num_proc=2, env={"SPARK_ESTIMATORS_STEADY_ALLREDUCE": "0"})
+@pytest.mark.parametrize("num_proc", [2, 3])
+def test_steady_state_is_taken_and_equals_the_engine_bit_for_bit(num_proc: int) -> None:
+    """Three ranks: sums in rank order that do not start with this rank's own gradients."""
+    steady = run_local(_train_configs, num_proc=num_proc)
+    engine = run_local(
+        _train_configs, num_proc=num_proc, env={"SPARK_ESTIMATORS_STEADY_ALLREDUCE": "0"}
+    )
     for name in CONFIGS:
-        for rank in range(2):
+        # gradients lent to backward where the wire carries their own bits (not with fp16)
+        assert [r[name]["lent"] for r in steady] == [name != "fp16_predivide_passes_2"] * num_proc
+        assert all(r[name]["none_when_asked"] for r in steady + engine), name
+        assert not any(r[name]["lent"] for r in engine), name
+        for rank in range(num_proc):
             assert steady[rank][name]["taken"] == STEPS - 1, name  # every step after the first
             assert steady[rank][name]["voided"] == 0, name
             assert engine[rank][name]["taken"] == 0, name

@@ -59,8 +59,38 @@ def _connect(rank: int, store: Any, size: int, timeout: float = 20.0) -> LocalMe
     return LocalMesh.connect(store, rank, size, timeout=timeout, start_timeout=20.0)
 
 
+@pytest.fixture(params=["spin", "sleep"])
+def waiting(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways of waiting for a round: polling without sleeping first, or sleeping at once."""
+    monkeypatch.setenv("SPARK_ESTIMATORS_MESH_SPIN_US", "300" if request.param == "spin" else "0")
+    return str(request.param)
+
+
+def test_spin_by_default_only_where_the_ranks_have_a_core_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SPARK_ESTIMATORS_MESH_SPIN_US", raising=False)
+    monkeypatch.setattr(local_mesh, "usable_cores", lambda: 2.0)
+    assert local_mesh.spin_seconds(2) == pytest.approx(local_mesh.SPIN_US * 1e-6)
+    assert local_mesh.spin_seconds(3) == 0.0  # a spinning rank would take a waited-for rank's core
+    monkeypatch.setattr(local_mesh, "usable_cores", lambda: 1.5)  # a cgroup quota of 1.5 CPUs
+    assert local_mesh.spin_seconds(2) == 0.0
+    monkeypatch.setenv("SPARK_ESTIMATORS_MESH_SPIN_US", "50")  # the user's choice wins
+    assert local_mesh.spin_seconds(8) == pytest.approx(50e-6)
+    monkeypatch.setenv("SPARK_ESTIMATORS_MESH_SPIN_US", "0")
+    assert local_mesh.spin_seconds(1) == 0.0
+    monkeypatch.setenv("SPARK_ESTIMATORS_MESH_SPIN_US", "fast")
+    with pytest.raises(Exception, match="SPARK_ESTIMATORS_MESH_SPIN_US"):
+        local_mesh.spin_seconds(2)
+
+
+def test_usable_cores_is_at_most_the_affinity() -> None:
+    cores = local_mesh.usable_cores()
+    assert 0 < cores <= len(os.sched_getaffinity(0))
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
-def test_allgather_returns_every_ranks_vector_in_rank_order(size: int) -> None:
+def test_allgather_returns_every_ranks_vector_in_rank_order(size: int, waiting: str) -> None:
     lengths = [5, 40_000, 3]  # 40k int64 = 320 KB: more than a socket buffer, sent in parts
 
     def body(rank: int, store: Any) -> list[np.ndarray]:
@@ -98,7 +128,7 @@ def test_rounds_of_different_lengths_raise_out_of_step() -> None:
     assert "rank 1 sent round 1 with 48 bytes" in messages[0]
 
 
-def test_a_silent_peer_times_out_naming_it() -> None:
+def test_a_silent_peer_times_out_naming_it(waiting: str) -> None:
     def body(rank: int, store: Any) -> str:
         mesh = _connect(rank, store, 2, timeout=0.5)
         assert mesh is not None
@@ -119,7 +149,7 @@ def test_a_silent_peer_times_out_naming_it() -> None:
     assert 0.4 <= waited < 5.0
 
 
-def test_a_dead_peer_fails_the_round_at_once() -> None:
+def test_a_dead_peer_fails_the_round_at_once(waiting: str) -> None:
     """A forked rank exits mid-job: the other rank's round fails now, not after the timeout."""
     import multiprocessing
 
@@ -263,7 +293,9 @@ def _message(payload: np.ndarray) -> memoryview:
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_exchange_delivers_every_ranks_bytes_between_negotiation_rounds(size: int) -> None:
+def test_exchange_delivers_every_ranks_bytes_between_negotiation_rounds(
+    size: int, waiting: str
+) -> None:
     """Raw rounds (the optimizer's steady state) and vector rounds share one numbering."""
 
     def body(rank: int, store: Any) -> tuple[list[bool], np.ndarray, np.ndarray]:

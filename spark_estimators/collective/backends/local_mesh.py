@@ -31,6 +31,15 @@ the mesh is then given up within the start timeout, ``init()`` still succeeds. E
 rank checks that the socket it reached belongs to its own user too. Set
 ``SPARK_ESTIMATORS_LOCAL_MESH=0`` to turn the mesh off. It needs Linux (abstract sockets).
 
+Waiting: a rank whose peers' messages have not all come polls its sockets without sleeping for
+up to :data:`SPIN_US` microseconds (:data:`~spark_estimators.envvars.MESH_SPIN_US`), then sleeps
+in ``poll()``. Ranks of a training step meet every step, the first to finish its backward pass
+waiting a fraction of a millisecond for the other; sleeping there cost ~0.1 ms a step on the
+2-core machine (the wake-up, and the caches a sleeping core loses), more than the spin's own CPU
+(bench/RESULTS.md, issue 45). It spins only when the host's ranks do not outnumber the cores this
+process may use (its CPU affinity and its cgroup's CPU quota), so a spinning rank never takes
+the core of a rank it waits for.
+
 A message is a 24-byte header (the round number, a tag and the payload's bytes), then the
 payload. Tag 0 marks the engine's negotiation vectors (:meth:`LocalMesh.allgather`); any other
 tag a round of raw data that skips the negotiation (:meth:`LocalMesh.exchange`, the
@@ -48,6 +57,7 @@ backend failure.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import select
 import socket
@@ -83,6 +93,28 @@ BACKOFF = 64
 MOST_BACKOFF = 4096
 # Most tags whose back-off a mesh keeps (the oldest is forgotten first, the same on every rank).
 _MOST_BACKED_OFF = 256
+#: Default microseconds of polling without sleeping before a rank sleeps in a round (see above).
+SPIN_US = 300
+
+
+def usable_cores() -> float:
+    """Cores this process may run on: its CPU affinity, capped by its cgroup's CPU quota."""
+    cores = float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:  # cgroup v2: "<quota> <period>" or "max ..."
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return cores
+    if quota != "max" and float(period) > 0:
+        cores = min(cores, float(quota) / float(period))
+    return cores
+
+
+def spin_seconds(ranks_here: int) -> float:
+    """How long a waiting rank polls without sleeping (see the module doc), in seconds."""
+    if os.environ.get(ev.MESH_SPIN_US, "").strip():
+        return max(0.0, ev.env_float(ev.MESH_SPIN_US, SPIN_US)) * 1e-6
+    return SPIN_US * 1e-6 if ranks_here <= usable_cores() else 0.0
 
 
 def enabled(rank_count: int, ranks_here: int) -> bool:
@@ -97,6 +129,7 @@ class LocalMesh:
 
     def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], timeout: float):
         self.rank, self.size, self.timeout = rank, size, timeout
+        self.spin = spin_seconds(size)  # every rank of the mesh is on this host
         self._peers = peers
         self._by_fd = {sock.fileno(): (peer, sock) for peer, sock in peers.items()}
         for sock in peers.values():
@@ -219,6 +252,7 @@ class LocalMesh:
         ends = dict.fromkeys(peers, expected)  # header + the peer's payload, once its header came
         bodies: dict[int, memoryview] = {}
         void = False
+        spin_until = 0.0
         for peer, sock in peers.items():  # most rounds fit the socket buffer: no poll
             sent[peer] = _send(sock, message, 0, peer)
         deadline = time.monotonic() + self.timeout
@@ -250,11 +284,20 @@ class LocalMesh:
             if not pending:
                 self._settle(tag, void, heads)
                 return not void
+            masks = [
+                (peers[peer].fileno(), (select.POLLIN if got[peer] < ends[peer] else 0)
+                 | (select.POLLOUT if sent[peer] < expected else 0))
+                for peer in pending
+            ]  # fmt: skip
+            if self.spin:  # try again at once, without sleeping, up to self.spin seconds
+                now = time.perf_counter()
+                spin_until = spin_until or now + self.spin
+                if now < spin_until:
+                    events = masks
+                    continue
             poll = select.poll()
-            for peer in pending:
-                mask = select.POLLIN if got[peer] < ends[peer] else 0
-                mask |= select.POLLOUT if sent[peer] < expected else 0
-                poll.register(peers[peer], mask)
+            for fd, mask in masks:
+                poll.register(fd, mask)
             left = deadline - time.monotonic()
             events = poll.poll(int(left * 1000) + 1) if left > 0 else []
             if not events and time.monotonic() >= deadline:

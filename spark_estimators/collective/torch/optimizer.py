@@ -312,13 +312,29 @@ class _DistributedOptimizer(_Wrapper):
         """Horovod's attribute: parameter -> the name its reduction carries."""
         return {p: self._se_names[id(p)] for p in _trainable(self.param_groups)}
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Torch's ``zero_grad``; by default the steady state's gradients are zeroed in place.
+
+        With ``set_to_none`` left out, once the last bucket is reduced in the steady state
+        (:mod:`.steady`), its parameters' gradients become views of the bucket's wire buffer,
+        zeroed here and filled in place by backward, so the next step sends them without a
+        copy. The other gradients are set to None, as torch does. Pass ``set_to_none=True``
+        (or ``False``) for torch's behaviour on every gradient.
+        """
         if self._se_inflight or self._se_sparse_inflight or any(self._se_ready):
             raise CollectiveError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(); gradient allreduces are in flight"
             )
-        super().zero_grad(set_to_none)
+        steady = self._se_steady
+        if set_to_none is None and steady is not None and steady.lend_gradients():
+            lent = steady.param_ids
+            for group in self.param_groups:  # torch's zero_grad(set_to_none=True) for the rest
+                for p in group["params"]:
+                    if p.grad is not None and id(p) not in lent:
+                        p.grad = None
+            return
+        super().zero_grad(True if set_to_none is None else set_to_none)
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (e.g. before discarding this optimizer)."""

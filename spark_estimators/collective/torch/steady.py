@@ -47,7 +47,7 @@ from spark_estimators.collective.backends.base import FLOATING_DTYPES, ReduceOp
 from spark_estimators.collective.backends.local_mesh import HEADER_BYTES
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import settings as _settings
-from spark_estimators.collective.runtime.allreduce import Reduction, _reduce_rows
+from spark_estimators.collective.runtime.allreduce import Reduction
 from spark_estimators.collective.runtime.arrays import scale_array
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.runtime.requests import signature_hash
@@ -75,6 +75,7 @@ class SteadyBucket:
         process_set: ProcessSet | None,
     ) -> None:
         self.params = list(params)
+        self.param_ids = frozenset(id(p) for p in self.params)
         self.name = name
         self._reduction = Reduction(op, pre, post)
         self._compression = compression
@@ -131,19 +132,21 @@ class SteadyBucket:
         if mesh is None or engine.tuner is not None:
             return False
         size = engine.backend.size
-        grads = []
-        for p in self.params:
-            if p.grad is None:  # not used this step here; other ranks may have a gradient
-                p.grad = torch.zeros_like(p)
-            if p.grad.is_sparse:
-                return False
-            grads.append(p.grad.detach())
         wire = self._wire
         if wire is None:
             wire = self._wire = Wire(self, engine.backend.rank, size)
-        torch._foreach_copy_(wire.views, grads)
-        if self._reduction.prescale != 1.0:
-            scale_array(wire.typed, self._reduction.prescale)
+        own = wire.holds_gradients()
+        grads: list[torch.Tensor] = []
+        if not own:  # gradients autograd allocated (the first step, or set to None since)
+            for p in self.params:
+                if p.grad is None:  # not used this step here; other ranks may have a gradient
+                    p.grad = torch.zeros_like(p)
+                if p.grad.is_sparse:
+                    return False
+                grads.append(p.grad.detach())
+            torch._foreach_copy_(wire.views, grads)
+            if self._reduction.prescale != 1.0:
+                scale_array(wire.typed, self._reduction.prescale)
         start = time.perf_counter_ns()
 
         # The mesh is the engine's: one round at a time, after the ops submitted before this one,
@@ -158,7 +161,6 @@ class SteadyBucket:
         if outcome != "taken":
             self.voided += outcome == "void"
             return False
-        wire.rows[wire.rank] = wire.payload
         native = (
             self._reduction.op is ReduceOp.AVERAGE
             and engine.backend.native_average
@@ -166,8 +168,9 @@ class SteadyBucket:
             and wire.dtype in FLOATING_DTYPES
         )
         wire_op, post = self._reduction.on_wire(size, native)
-        wire.typed[...] = _reduce_rows(wire.rows, wire.dtype, self.numel, wire_op, size, post)
-        torch._foreach_copy_(grads, wire.views)
+        reduce_rows_into(wire.typed, wire.peers, wire.rank, wire.scratch, wire_op, post)
+        if not own:
+            torch._foreach_copy_(grads, wire.views)
         self.taken += 1
         if engine.timeline is not None:
             info: dict[str, object] = {"dtype": wire.dtype, "steady": True}
@@ -175,11 +178,29 @@ class SteadyBucket:
                                    time.perf_counter_ns(), info)  # fmt: skip
         return True
 
+    def lend_gradients(self) -> bool:
+        """Make the wire's views the parameters' gradients, zeroed (``zero_grad()``'s default).
+
+        Backward then adds into them in place and the next round sends them as they are: no
+        copy into the wire and none back. Only where the wire carries the gradients' own bits
+        (no ``fp16``, no prescale) and after a steady round was taken with this wire. False
+        when it does not apply (the caller sets the gradients to None as torch does).
+        """
+        wire = self._wire
+        if wire is None or not wire.lendable or self._engine is None or not self.taken:
+            return False
+        wire.typed.fill(0)
+        for p, view in zip(self.params, wire.views):
+            if p.grad is not view:
+                p.grad = view
+        return True
+
 
 class Wire:
     """The buffers of a bucket's steady rounds.
 
-    What is sent (header room, then the payload) and the rows received, one per rank.
+    What is sent (header room, then the payload), the rows received, one per rank, and a
+    scratch row for sums that must start with another rank's row.
     """
 
     def __init__(self, bucket: SteadyBucket, rank: int, size: int) -> None:
@@ -196,8 +217,53 @@ class Wire:
             v.view(p.shape)
             for v, p in zip(flat.split([int(p.numel()) for p in bucket.params]), bucket.params)
         ]
+        self._params = bucket.params
         self.rows = np.zeros((size, bucket.nbytes), dtype=np.uint8)
         self.into = {r: memoryview(self.rows[r]) for r in range(size) if r != rank}
+        self.peers = {r: self.rows[r].view(self.dtype) for r in self.into}
+        self.scratch = np.empty_like(self.typed) if size > 2 and rank > 0 else None
+        # the views may be the gradients: the wire carries their own bits
+        self.lendable = (
+            bucket._wire_dtype == bucket.params[0].dtype  # noqa: SLF001
+            and bucket._reduction.prescale == 1.0  # noqa: SLF001
+            and bucket.params[0].device.type == "cpu"
+        )
+
+    def holds_gradients(self) -> bool:
+        """Whether every parameter's gradient is this wire's view (lent by ``zero_grad()``)."""
+        return self.lendable and all(p.grad is view for p, view in zip(self._params, self.views))
+
+
+def reduce_rows_into(
+    own: np.ndarray,
+    peers: dict[int, np.ndarray],
+    rank: int,
+    scratch: np.ndarray | None,
+    op: ReduceOp,
+    post: float,
+) -> None:
+    """``own`` (this rank's row) becomes the reduction of every rank's row, in place.
+
+    The bits of the engine's inline reduction
+    (:func:`~spark_estimators.collective.runtime.allreduce._reduce_rows`): the rows added in
+    rank order, one after the other (with two ranks, ``b + a`` is ``a + b`` bit for bit, so the
+    other row is added to this one), then the native average's division or the post factor.
+    ``op``: ``SUM`` or ``AVERAGE``; ``scratch``: a row of ``own``'s dtype, needed when there are
+    more than two ranks and this is not rank 0.
+    """
+    if len(peers) == 1 or rank == 0:
+        for r in sorted(peers):
+            np.add(own, peers[r], out=own)
+    else:
+        assert scratch is not None
+        np.add(peers[0], own if rank == 1 else peers[1], out=scratch)
+        for r in range(2, len(peers) + 1):
+            np.add(scratch, own if r == rank else peers[r], out=scratch)
+        own[...] = scratch
+    if op is ReduceOp.AVERAGE:
+        np.divide(own, own.dtype.type(len(peers) + 1), out=own)  # the bits of (own / size)
+    if post != 1.0:
+        scale_array(own, post)
 
 
 def _failed(name: str, engine: _engine.Engine, exc: BaseException) -> CollectiveError:
