@@ -18,7 +18,10 @@ reusing fit's times.
 stage reads the DataFrame itself, no Parquet copy), and prints stream / Parquet and
 stream / TorchDistributor; ``--cases`` picks the cases to run, ``--epochs`` and ``--rows``
 override the preset. Each of our fits also reports rank 0's peak RSS (``ru_maxrss`` at the end of
-the last epoch, the ``rss MB`` column) and the median time of its optimizer steps (``step ms``).
+the last epoch, the ``rss MB`` column), the median time of its optimizer steps (``step ms``; their
+mean in brackets, waits for data included) and
+when its last optimizer step ended (``last step``, seconds from the fit's start: the time after it
+is the fit's tail, results and model back to the driver).
 
 The physical floor (issue 45, bench/floor.py) runs as one more case each round: plain torch, one
 thread per process, one rank's share of the rows already in memory as tensors, the preset's MLP,
@@ -178,6 +181,11 @@ class PeakRss:
         logs["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         gaps = [b - a for a, b in zip(self.stamps[20:], self.stamps[21:], strict=False)]
         logs["step_ms"] = 1e3 * statistics.median(gaps) if gaps else float("nan")
+        # the mean step, waits for data and slow steps included
+        logs["mean_step_ms"] = 1e3 * statistics.fmean(gaps) if gaps else float("nan")
+        # the last step's wall-clock time (driver and ranks share this machine's clock)
+        if self.stamps:
+            logs["last_step_t"] = time.time() - (time.perf_counter() - self.stamps[-1])
 
 
 def fit_stream(vdf: Any, cfg: dict[str, Any]) -> dict[str, float]:
@@ -264,6 +272,8 @@ def fit_ours(
         "loss": last["loss"],
         "rss_mb": last["rss_mb"],
         "step_ms": last["step_ms"],
+        "last_step_s": last.get("last_step_t", float("nan")) - t0,
+        "mean_step_ms": last.get("mean_step_ms", float("nan")),
     }
 
 
@@ -460,6 +470,12 @@ def main() -> None:
                 f"{r.get('loss', float('nan')):15.4f}"
                 + (f" rss MB {r['rss_mb']:.0f}" if "rss_mb" in r else "")
                 + (f" step ms {r['step_ms']:.3f}" if "step_ms" in r else "")
+                + (f" (mean {r['mean_step_ms']:.3f})" if "mean_step_ms" in r else "")
+                + (
+                    f" last step {r['last_step_s']:.2f} s"
+                    if r.get("last_step_s", float("nan")) == r.get("last_step_s")
+                    else ""
+                )
             )
             if "write_end_s" in r:
                 started = "before" if r["first_batch_s"] < r["write_end_s"] else "after"

@@ -157,7 +157,7 @@ class _Epoch:
                     values.append(float(metric(out, losses.match_output(labels[index], out))))
             rows = float(inputs[0].shape[0])
             if on_cpu:  # nothing to wait for: one op a step instead of three (the same sum)
-                sums.add(float(loss), rows, values)
+                sums.add(float(loss.detach()), rows, values)
                 continue
             weighted = loss.detach().to(torch.float64) * rows
             loss_sum = weighted if loss_sum is None else loss_sum + weighted
