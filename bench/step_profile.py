@@ -14,7 +14,8 @@ interval between optimizer steps of rank 0 (steps 21.. of the epoch) and of the 
 ratio (target <= 1.3), and each side's training time. ``--breakdown`` trains ours through a
 ``train_minibatch_fn`` that does what the rank loop does with a clock between the parts
 (between steps: the reader's hand-off and the loop's own work; forward + loss; backward with the
-gradient hooks; the gradient allreduce; the optimizer) and prints rank 0's median of each, and
+gradient hooks; the gradient allreduce; the optimizer) and prints rank 0's median and mean of
+each (a mean well above its median: waits that come now and then, for data or for a peer), and
 the floor's of its parts (forward + loss, backward, optimizer). Each round also prints rank 0's
 CPU time per step by thread (from ``/proc``).
 """
@@ -172,8 +173,9 @@ class Breakdown:
         if hvd.rank() == 0:
             rows = self.timed.times[21:]
             medians = {p: 1e3 * statistics.median(r[i] for r in rows) for i, p in enumerate(PARTS)}
+            means = {p: 1e3 * statistics.fmean(r[i] for r in rows) for i, p in enumerate(PARTS)}
             with open(self.path, "w") as f:
-                json.dump(medians, f)
+                json.dump({"medians": medians, "means": means}, f)
 
 
 def ours(store: Any, work: str, rnd: int, breakdown: bool = False) -> dict[str, float]:
@@ -262,10 +264,11 @@ def main() -> None:
             )
         if "parts" in res.get("ours", {}):
             parts = res["ours"]["parts"]
-            print(
-                f"round {rnd}: ours' step parts (medians, ms): "
-                + ", ".join(f"{k} {v:.3f}" for k, v in parts.items())
-            )
+            for kind in ("medians", "means"):
+                print(
+                    f"round {rnd}: ours' step parts ({kind}, ms): "
+                    + ", ".join(f"{k} {v:.3f}" for k, v in parts[kind].items())
+                )
         if "floor" in res:
             f = res["floor"]
             print(

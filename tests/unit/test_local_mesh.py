@@ -84,6 +84,27 @@ def test_spin_by_default_only_where_the_ranks_have_a_core_each(
         local_mesh.spin_seconds(2)
 
 
+def test_a_spin_that_runs_out_makes_the_next_rounds_sleep_at_once() -> None:
+    mesh = LocalMesh(0, 2, {}, timeout=1.0)
+    mesh.spin = 300e-6
+
+    def pattern(rounds: int) -> list[bool]:
+        return [mesh._spinning() for _ in range(rounds)]
+
+    assert pattern(3) == [True] * 3  # spins that pay keep spinning
+    mesh._spun(missed=True)
+    assert pattern(3) == [False, False, True]
+    mesh._spun(missed=True)  # the second in a row: twice as many rounds asleep
+    assert pattern(5) == [False] * 4 + [True]
+    mesh._spun(missed=False)  # a spin that paid: spinning again every round
+    assert pattern(2) == [True, True]
+    for _ in range(10):  # runs out again and again: at most 64 rounds asleep
+        mesh._spun(missed=True)
+    assert pattern(65) == [False] * 64 + [True]
+    mesh.spin = 0.0
+    assert pattern(2) == [False, False]
+
+
 def test_usable_cores_is_at_most_the_affinity() -> None:
     cores = local_mesh.usable_cores()
     assert 0 < cores <= len(os.sched_getaffinity(0))

@@ -38,7 +38,8 @@ waiting a fraction of a millisecond for the other; sleeping there cost ~0.1 ms a
 2-core machine (the wake-up, and the caches a sleeping core loses), more than the spin's own CPU
 (bench/RESULTS.md, issue 45). It spins only when the host's ranks do not outnumber the cores this
 process may use (its CPU affinity and its cgroup's CPU quota), so a spinning rank never takes
-the core of a rank it waits for.
+the core of a rank it waits for. A spin that runs out (a peer took longer) makes the next rounds
+sleep at once, more of them for each such spin in a row, so ranks that wait long burn no core.
 
 A message is a 24-byte header (the round number, a tag and the payload's bytes), then the
 payload. Tag 0 marks the engine's negotiation vectors (:meth:`LocalMesh.allgather`); any other
@@ -95,6 +96,8 @@ MOST_BACKOFF = 4096
 _MOST_BACKED_OFF = 256
 #: Default microseconds of polling without sleeping before a rank sleeps in a round (see above).
 SPIN_US = 300
+# Most rounds that sleep at once after spins that ran out in a row (LocalMesh._spun).
+_MOST_NO_SPIN = 64
 
 
 def usable_cores() -> float:
@@ -130,6 +133,9 @@ class LocalMesh:
     def __init__(self, rank: int, size: int, peers: dict[int, socket.socket], timeout: float):
         self.rank, self.size, self.timeout = rank, size, timeout
         self.spin = spin_seconds(size)  # every rank of the mesh is on this host
+        # rounds left that sleep at once, and spins in a row that ran out: see _spun()
+        self._no_spin_rounds = 0
+        self._spin_misses = 0
         self._peers = peers
         self._by_fd = {sock.fileno(): (peer, sock) for peer, sock in peers.items()}
         for sock in peers.values():
@@ -253,6 +259,7 @@ class LocalMesh:
         bodies: dict[int, memoryview] = {}
         void = False
         spin_until = 0.0
+        spinning = self._spinning()
         for peer, sock in peers.items():  # most rounds fit the socket buffer: no poll
             sent[peer] = _send(sock, message, 0, peer)
         deadline = time.monotonic() + self.timeout
@@ -283,13 +290,15 @@ class LocalMesh:
             pending = [p for p in pending if got[p] < ends[p] or sent[p] < expected]
             if not pending:
                 self._settle(tag, void, heads)
+                if spin_until:
+                    self._spun(missed=time.perf_counter() >= spin_until)
                 return not void
             masks = [
                 (peers[peer].fileno(), (select.POLLIN if got[peer] < ends[peer] else 0)
                  | (select.POLLOUT if sent[peer] < expected else 0))
                 for peer in pending
             ]  # fmt: skip
-            if self.spin:  # try again at once, without sleeping, up to self.spin seconds
+            if spinning:  # try again at once, without sleeping, up to self.spin seconds
                 now = time.perf_counter()
                 spin_until = spin_until or now + self.spin
                 if now < spin_until:
@@ -305,6 +314,29 @@ class LocalMesh:
                     f"rank(s) {pending} did not exchange local mesh round {self._round} within "
                     f"the collective timeout ({self.timeout:g} s)"
                 )
+
+    def _spinning(self) -> bool:
+        """Whether this round may spin before it sleeps (see :meth:`_spun`)."""
+        if not self.spin:
+            return False
+        if self._no_spin_rounds:
+            self._no_spin_rounds -= 1
+            return False
+        return True
+
+    def _spun(self, missed: bool) -> None:
+        """After a round that spun: ``missed``, the peers took longer than the spin.
+
+        Spinning pays where the ranks meet within it (a training step's allreduce); where the
+        waits are longer (a rank loading data, another job on the host) it only burns a core.
+        So after a spin that ran out, the next rounds sleep at once: 2, 4, ... up to
+        :data:`_MOST_NO_SPIN` rounds for spins that run out in a row, none after one that did not.
+        """
+        if not missed:
+            self._spin_misses = 0
+            return
+        self._spin_misses += 1
+        self._no_spin_rounds = min(1 << self._spin_misses, _MOST_NO_SPIN)
 
     def _body(
         self, peer: int, head: bytearray, tag: int, payload_bytes: int, into: dict[int, memoryview]

@@ -313,13 +313,11 @@ class _DistributedOptimizer(_Wrapper):
         return {p: self._se_names[id(p)] for p in _trainable(self.param_groups)}
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """Torch's ``zero_grad``; by default the steady state's gradients are zeroed in place.
+        """Torch's ``zero_grad``; left out ``set_to_none`` zeroes the steady bucket in place.
 
-        With ``set_to_none`` left out, once the last bucket is reduced in the steady state
-        (:mod:`.steady`), its parameters' gradients become views of the bucket's wire buffer,
-        zeroed here and filled in place by backward, so the next step sends them without a
-        copy. The other gradients are set to None, as torch does. Pass ``set_to_none=True``
-        (or ``False``) for torch's behaviour on every gradient.
+        Then, once the last bucket took the steady state (:mod:`.steady`), its gradients are
+        views of its wire buffer, zeroed here and filled in place by backward (no copy at the
+        next round); the others are set to None. ``True``/``False``: torch's behaviour on all.
         """
         if self._se_inflight or self._se_sparse_inflight or any(self._se_ready):
             raise CollectiveError(
