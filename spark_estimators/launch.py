@@ -170,6 +170,9 @@ def _collect(
 def _worker_main(payload_path: str) -> None:
     import cloudpickle
 
+    from spark_estimators.task import lazy_dynamo
+
+    lazy_dynamo.install()  # as in task.child: eager training never pays for torch._dynamo
     start_lifeline()
     rank = int(os.environ.get(ev.SE_RANK, "0"))
     result_path = os.path.join(os.path.dirname(payload_path), f"result.{rank}.pkl")
