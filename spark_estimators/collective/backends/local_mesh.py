@@ -335,7 +335,7 @@ class LocalMesh:
         if not missed:
             self._spin_misses = 0
             return
-        self._spin_misses += 1
+        self._spin_misses = min(self._spin_misses + 1, _MOST_NO_SPIN.bit_length())
         self._no_spin_rounds = min(1 << self._spin_misses, _MOST_NO_SPIN)
 
     def _body(
