@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import subprocess
@@ -473,7 +474,7 @@ def main() -> None:
                 + (f" (mean {r['mean_step_ms']:.3f})" if "mean_step_ms" in r else "")
                 + (
                     f" last step {r['last_step_s']:.2f} s"
-                    if r.get("last_step_s", float("nan")) == r.get("last_step_s")
+                    if not math.isnan(r.get("last_step_s", math.nan))
                     else ""
                 )
             )

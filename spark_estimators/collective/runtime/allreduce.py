@@ -456,8 +456,22 @@ def _reduce_rows(
             out = np.add(rows[0], rows[1], out=out)
         else:
             out = rows.sum(axis=0, dtype=rows.dtype, out=out)
-        if op is ReduceOp.AVERAGE:
-            out[...] = (out / size).astype(rows.dtype)
+    finish_rows(out, op, size, post)
+    return np.ascontiguousarray(out)
+
+
+def finish_rows(out: np.ndarray, op: ReduceOp, size: int, post: float) -> None:
+    """The end of an inline reduction of ``size`` rows summed into ``out``, in place.
+
+    ``Average`` (the backend's native average) divides by ``size`` (a float array in its own
+    dtype, the bits of ``out / size``; other dtypes through ``out / size`` and a cast back), then
+    ``post`` scales (:func:`scale_array`). Shared by :func:`_reduce_rows` and the optimizer's
+    steady state, so both give the same bits.
+    """
+    if op is ReduceOp.AVERAGE:
+        if out.dtype.kind == "f":
+            np.divide(out, out.dtype.type(size), out=out)
+        else:
+            out[...] = (out / size).astype(out.dtype)
     if post != 1.0:
         scale_array(out, post)
-    return np.ascontiguousarray(out)

@@ -47,7 +47,7 @@ from spark_estimators.collective.backends.base import FLOATING_DTYPES, ReduceOp
 from spark_estimators.collective.backends.local_mesh import HEADER_BYTES
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import settings as _settings
-from spark_estimators.collective.runtime.allreduce import Reduction
+from spark_estimators.collective.runtime.allreduce import Reduction, finish_rows
 from spark_estimators.collective.runtime.arrays import scale_array
 from spark_estimators.collective.runtime.process_sets import ProcessSet
 from spark_estimators.collective.runtime.requests import signature_hash
@@ -183,11 +183,12 @@ class SteadyBucket:
 
         Backward then adds into them in place and the next round sends them as they are: no
         copy into the wire and none back. Only where the wire carries the gradients' own bits
-        (no ``fp16``, no prescale) and after a steady round was taken with this wire. False
-        when it does not apply (the caller sets the gradients to None as torch does).
+        (no ``fp16``, no prescale), once this optimizer has taken a steady round and has a wire
+        on the current engine. False when it does not apply (the caller sets the gradients to
+        None as torch does).
         """
         wire = self._wire
-        if wire is None or not wire.lendable or self._engine is None or not self.taken:
+        if wire is None or not wire.lendable or not self.taken:
             return False
         wire.typed.fill(0)
         for p, view in zip(self.params, wire.views):
@@ -222,11 +223,11 @@ class Wire:
         self.into = {r: memoryview(self.rows[r]) for r in range(size) if r != rank}
         self.peers = {r: self.rows[r].view(self.dtype) for r in self.into}
         self.scratch = np.empty_like(self.typed) if size > 2 and rank > 0 else None
-        # the views may be the gradients: the wire carries their own bits
+        # the views may be the gradients: the wire carries their own bits (on the CPU, as
+        # every bucket with a wire: SteadyBucket.eligible)
         self.lendable = (
             bucket._wire_dtype == bucket.params[0].dtype  # noqa: SLF001
             and bucket._reduction.prescale == 1.0  # noqa: SLF001
-            and bucket.params[0].device.type == "cpu"
         )
 
     def holds_gradients(self) -> bool:
@@ -260,10 +261,7 @@ def reduce_rows_into(
         for r in range(2, len(peers) + 1):
             np.add(scratch, own if r == rank else peers[r], out=scratch)
         own[...] = scratch
-    if op is ReduceOp.AVERAGE:
-        np.divide(own, own.dtype.type(len(peers) + 1), out=own)  # the bits of (own / size)
-    if post != 1.0:
-        scale_array(own, post)
+    finish_rows(own, op, len(peers) + 1, post)
 
 
 def _failed(name: str, engine: _engine.Engine, exc: BaseException) -> CollectiveError:
