@@ -85,7 +85,9 @@ def _train_configs() -> dict[str, Any]:
         wire = steady._wire
         lent = wire is not None and wire.holds_gradients()
         zeroed = all(p.grad is not None and not p.grad.any() for p in steady.params)
+        hooks_lent = len(opt._se_hooks)  # the lent bucket's parameters have none
         opt.zero_grad(set_to_none=True)  # torch's behaviour when asked for
+        hooks_back = len(opt._se_hooks)
         out[name] = {
             "weights": [p.detach().flatten().tolist() for p in model.parameters()],
             "taken": steady.taken,
@@ -93,9 +95,25 @@ def _train_configs() -> dict[str, Any]:
             "buckets": len(opt._se_buckets),
             "lent": lent and zeroed,
             "none_when_asked": all(p.grad is None for p in model.parameters()),
+            "hooks": (hooks_lent, hooks_back, len(list(model.parameters())), len(steady.params)),
+            "too_many_passes": _second_pass_error(model) if name == "average" else None,
         }
     hvd.shutdown()
     return out
+
+
+def _second_pass_error(model: Any) -> str | None:
+    """Two backward passes where the optimizer allows one: its hook's error (None: none)."""
+    import torch
+
+    from spark_estimators.errors import CollectiveError
+
+    model(torch.ones(4, 8)).sum().backward()
+    try:
+        model(torch.ones(4, 8)).sum().backward()
+    except CollectiveError as exc:
+        return str(exc)
+    return None
 
 
 @pytest.mark.parametrize("num_proc", [2, 3])
@@ -110,6 +128,15 @@ def test_steady_state_is_taken_and_equals_the_engine_bit_for_bit(num_proc: int) 
         assert [r[name]["lent"] for r in steady] == [name != "fp16_predivide_passes_2"] * num_proc
         assert all(r[name]["none_when_asked"] for r in steady + engine), name
         assert not any(r[name]["lent"] for r in engine), name
+        # no hook on the lent bucket's parameters (synchronize() launches it), all back after
+        # zero_grad(set_to_none=True)
+        for r in steady + engine:
+            lent_hooks, hooks_back, params, in_bucket = r[name]["hooks"]
+            lent = r in steady and name != "fp16_predivide_passes_2"
+            assert lent_hooks == (params - in_bucket if lent else params), (name, r[name]["hooks"])
+            assert hooks_back == params, name
+        if name == "average":  # the hooks that came back check the passes again
+            assert all("computed more than" in r[name]["too_many_passes"] for r in steady)
         for rank in range(num_proc):
             assert steady[rank][name]["taken"] == STEPS - 1, name  # every step after the first
             assert steady[rank][name]["voided"] == 0, name

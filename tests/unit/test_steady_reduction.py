@@ -15,9 +15,10 @@ pytest.importorskip("torch")
 
 from spark_estimators.collective.backends.base import ReduceOp  # noqa: E402
 from spark_estimators.collective.runtime.allreduce import _reduce_rows  # noqa: E402
-from spark_estimators.collective.torch.steady import reduce_rows_into  # noqa: E402
+from spark_estimators.collective.torch.steady import reduce_rows_into, row_reducer  # noqa: E402
 
 
+@pytest.mark.parametrize("planned", [False, True], ids=["reduce_rows_into", "row_reducer"])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize(
@@ -25,8 +26,9 @@ from spark_estimators.collective.torch.steady import reduce_rows_into  # noqa: E
                      (ReduceOp.AVERAGE, 1.0), (ReduceOp.AVERAGE, 0.7)],
 )  # fmt: skip
 def test_in_place_reduction_equals_the_engines_bit_for_bit(
-    dtype: str, size: int, op: ReduceOp, post: float
+    planned: bool, dtype: str, size: int, op: ReduceOp, post: float
 ) -> None:
+    """Both ways: the call, and the reduction planned once per wire (two ranks: two ufuncs)."""
     rng = np.random.default_rng(size)
     n = 1001
     # values whose sums round differently in another order (mixed magnitudes and signs)
@@ -36,7 +38,11 @@ def test_in_place_reduction_equals_the_engines_bit_for_bit(
         own = rows[rank].copy()
         peers = {r: rows[r] for r in range(size) if r != rank}
         scratch = np.empty_like(own) if size > 2 and rank > 0 else None
-        reduce_rows_into(own, peers, rank, scratch, op, post)
+        if planned:
+            reduce = row_reducer(own, peers, rank, scratch, op, post)
+            reduce()
+        else:
+            reduce_rows_into(own, peers, rank, scratch, op, post)
         assert own.tobytes() == want.tobytes(), (rank, dtype, size, op, post)
 
 

@@ -13,6 +13,10 @@ How it works (Horovod's design, with DDP-style static buckets):
   ``backward_passes_per_step``-th pass the parameter is ready. Buckets are launched as
   asynchronous fused allreduces *in bucket order* when all their parameters are ready, so every
   rank submits the same ops in the same order whatever order autograd runs hooks in.
+  While the last bucket's gradients are lent to the steady state (below, ``zero_grad()``), its
+  parameters have no hook: ``synchronize()`` launches that bucket anyway, and the calls from
+  autograd into Python cost ~5 us each a step. Then the check that a gradient was not computed
+  more than ``backward_passes_per_step`` times covers the other buckets (and the first steps).
 * The last bucket is the exception: its gradients are the last backward produces, so nothing is
   left to overlap it with. ``step()`` runs it in the caller's thread (when the earlier buckets
   are done), which saves the hand-off to the engine thread and back; with the default 128 MiB
@@ -55,51 +59,13 @@ from spark_estimators.collective.torch.arrays import (
 from spark_estimators.collective.torch.compression import Compression, Compressor
 from spark_estimators.collective.torch.grouped import sparse_allreduce_async
 from spark_estimators.collective.torch.ops import grouped_allreduce_async_
-from spark_estimators.collective.torch.optimizer_params import _parameter_names, _trainable
+from spark_estimators.collective.torch.optimizer_params import (
+    _parameter_names,
+    _trainable,
+    plan_buckets,
+)
 from spark_estimators.collective.torch.steady import SteadyBucket
 from spark_estimators.errors import CollectiveError, ConfigurationError
-
-
-def plan_buckets(
-    params: Sequence[torch.Tensor],
-    threshold: int,
-    groups: Sequence[Sequence[torch.Tensor]] | None = None,
-    bytes_per_element: dict[torch.dtype, int] | None = None,
-) -> list[list[torch.Tensor]]:
-    """Split ``params`` (already in launch order) into buckets.
-
-    Parameters
-    ----------
-    params
-        Trainable parameters, in the order their gradients are expected.
-    threshold
-        Most bytes per bucket; 0 puts every parameter in its own bucket. A parameter larger
-        than the threshold gets a bucket of its own.
-    groups
-        Explicit buckets; parameters in no group get one bucket each.
-    bytes_per_element
-        Element size on the wire per dtype (fp16 compression halves float32).
-    """
-    if groups is not None:
-        seen = {id(p) for g in groups for p in g}
-        wanted = {id(p) for p in params}
-        explicit = [[p for p in g if id(p) in wanted] for g in groups]
-        return [b for b in explicit if b] + [[p] for p in params if id(p) not in seen]
-    sizes = bytes_per_element or {}
-    buckets: list[list[torch.Tensor]] = []
-    current: list[torch.Tensor] = []
-    current_bytes = 0
-    for p in params:
-        nbytes = p.numel() * sizes.get(p.dtype, p.element_size())
-        same_kind = bool(current) and (current[0].dtype, current[0].device) == (p.dtype, p.device)
-        if current and (not same_kind or threshold == 0 or current_bytes + nbytes > threshold):
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.append(p)
-        current_bytes += nbytes
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 class _Wrapper(torch.optim.Optimizer):
@@ -176,11 +142,10 @@ class _DistributedOptimizer(_Wrapper):
                 gradient_predivide_factor if op is ReduceOp.AVERAGE else 1.0,
                 compression, process_set,
             )  # fmt: skip
-        self._se_hooks = (
-            []
-            if local_only
-            else [p.register_post_accumulate_grad_hook(self._se_hook) for p in params]
-        )
+        self._se_hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._se_hooked = not local_only  # until remove_hooks()
+        self._se_hookless = False  # the steady bucket's hooks are off (_se_lent)
+        self._se_hooks_on()
 
     # -- hooks and buckets -------------------------------------------------------------------
     def _se_hook(self, p: torch.Tensor) -> None:
@@ -256,9 +221,17 @@ class _DistributedOptimizer(_Wrapper):
             self._se_synchronized = True
             return
         last, steady = len(self._se_buckets) - 1, self._se_steady
+        tried = False
+        if steady is not None and self._se_next == last:
+            # the steady state's usual step: only the last bucket left, nothing in flight
+            tried = not (self._se_inflight or self._se_sparse_inflight)
+            if tried and steady.run():
+                self._se_reset()
+                self._se_synchronized = True
+                return
         with waited_ops():
             while self._se_next < len(self._se_buckets):
-                if self._se_next == last and steady is not None and steady.run():
+                if self._se_next == last and steady is not None and not tried and steady.run():
                     self._se_next, steady = last + 1, None  # reduced in place: nothing to wait
                     continue
                 self._se_launch(self._se_next)
@@ -279,11 +252,14 @@ class _DistributedOptimizer(_Wrapper):
             if steady is not None:  # the engine reduced the last bucket: the next step may not
                 steady.negotiated()
         finally:
-            for key in self._se_delay:
-                self._se_delay[key] = self._se_passes
-            self._se_ready = [0] * len(self._se_buckets)
-            self._se_next = 0
+            self._se_reset()
         self._se_synchronized = True
+
+    def _se_reset(self) -> None:
+        """A new step: every parameter's backward passes counted from 0, no bucket launched."""
+        self._se_delay = dict.fromkeys(self._se_delay, self._se_passes)
+        self._se_ready = [0] * len(self._se_buckets)
+        self._se_next = 0
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -327,18 +303,35 @@ class _DistributedOptimizer(_Wrapper):
         steady = self._se_steady
         if set_to_none is None and steady is not None and steady.lend_gradients():
             lent = steady.param_ids
+            if not self._se_hookless:  # synchronize() launches this bucket: no hook needed
+                self._se_hookless = True
+                for key in lent:
+                    hook = self._se_hooks.pop(key, None)
+                    if hook is not None:
+                        hook.remove()
             for group in self.param_groups:  # torch's zero_grad(set_to_none=True) for the rest
                 for p in group["params"]:
                     if p.grad is not None and id(p) not in lent:
                         p.grad = None
             return
+        if self._se_hookless:
+            self._se_hookless = False
+            self._se_hooks_on()
         super().zero_grad(True if set_to_none is None else set_to_none)
+
+    def _se_hooks_on(self) -> None:
+        """A gradient hook on every parameter that has none (unless ``remove_hooks()`` ran)."""
+        if self._se_hooked:
+            for p in self._se_params:
+                if id(p) not in self._se_hooks:
+                    self._se_hooks[id(p)] = p.register_post_accumulate_grad_hook(self._se_hook)
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (e.g. before discarding this optimizer)."""
-        for hook in self._se_hooks:
+        self._se_hooked = False
+        for hook in self._se_hooks.values():
             hook.remove()
-        self._se_hooks = []
+        self._se_hooks = {}
 
 
 class _AdasumOptimizer(_Wrapper):

@@ -1,4 +1,4 @@
-"""The parameters a ``DistributedOptimizer`` reduces, and the names its reductions carry."""
+"""The parameters a ``DistributedOptimizer`` reduces, their buckets, the names reductions carry."""
 
 from __future__ import annotations
 
@@ -41,3 +41,45 @@ def _parameter_names(
             "(pass model.named_parameters() of the model whose parameters the optimizer holds)"
         )
     return {id(p): by_id[id(p)] for p in params}
+
+
+def plan_buckets(
+    params: Sequence[torch.Tensor],
+    threshold: int,
+    groups: Sequence[Sequence[torch.Tensor]] | None = None,
+    bytes_per_element: dict[torch.dtype, int] | None = None,
+) -> list[list[torch.Tensor]]:
+    """Split ``params`` (already in launch order) into buckets.
+
+    Parameters
+    ----------
+    params
+        Trainable parameters, in the order their gradients are expected.
+    threshold
+        Most bytes per bucket; 0 puts every parameter in its own bucket. A parameter larger
+        than the threshold gets a bucket of its own.
+    groups
+        Explicit buckets; parameters in no group get one bucket each.
+    bytes_per_element
+        Element size on the wire per dtype (fp16 compression halves float32).
+    """
+    if groups is not None:
+        seen = {id(p) for g in groups for p in g}
+        wanted = {id(p) for p in params}
+        explicit = [[p for p in g if id(p) in wanted] for g in groups]
+        return [b for b in explicit if b] + [[p] for p in params if id(p) not in seen]
+    sizes = bytes_per_element or {}
+    buckets: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    current_bytes = 0
+    for p in params:
+        nbytes = p.numel() * sizes.get(p.dtype, p.element_size())
+        same_kind = bool(current) and (current[0].dtype, current[0].device) == (p.dtype, p.device)
+        if current and (not same_kind or threshold == 0 or current_bytes + nbytes > threshold):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(p)
+        current_bytes += nbytes
+    if current:
+        buckets.append(current)
+    return buckets

@@ -37,14 +37,15 @@ dies or stays silent fails the round as any collective op: the group is broken a
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from operator import attrgetter, is_
 
 import numpy as np
 import torch
 
 from spark_estimators import envvars as ev
 from spark_estimators.collective.backends.base import FLOATING_DTYPES, ReduceOp
-from spark_estimators.collective.backends.local_mesh import HEADER_BYTES
+from spark_estimators.collective.backends.local_mesh import HEADER_BYTES, LocalMesh
 from spark_estimators.collective.runtime import engine as _engine
 from spark_estimators.collective.runtime import settings as _settings
 from spark_estimators.collective.runtime.allreduce import Reduction, finish_rows
@@ -55,6 +56,7 @@ from spark_estimators.collective.torch.compression import Compression, Compresso
 from spark_estimators.errors import CollectiveError
 
 _NUMPY = {torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+_GRAD = attrgetter("grad")
 
 
 class SteadyBucket:
@@ -126,15 +128,14 @@ class SteadyBucket:
             fits = self.nbytes <= max(_settings.inline_limit(engine.backend.size), 512)
             self._usable = fits and self.eligible() and engine.backend.local_mesh() is not None
             return False
-        if not (self._armed and self._usable):
+        if not (self._armed and self._usable) or engine.tuner is not None:
             return False
-        mesh = engine.backend.local_mesh()
-        if mesh is None or engine.tuner is not None:
-            return False
-        size = engine.backend.size
         wire = self._wire
         if wire is None:
-            wire = self._wire = Wire(self, engine.backend.rank, size)
+            mesh = engine.backend.local_mesh()
+            if mesh is None:
+                return False
+            wire = self._wire = Wire(self, engine, mesh)
         own = wire.holds_gradients()
         grads: list[torch.Tensor] = []
         if not own:  # gradients autograd allocated (the first step, or set to None since)
@@ -147,35 +148,23 @@ class SteadyBucket:
             torch._foreach_copy_(wire.views, grads)
             if self._reduction.prescale != 1.0:
                 scale_array(wire.typed, self._reduction.prescale)
-        start = time.perf_counter_ns()
-
+        timeline = engine.timeline
+        start = time.perf_counter_ns() if timeline is not None else 0
         # The mesh is the engine's: one round at a time, after the ops submitted before this one,
         # where every rank has seen the same rounds (the back-off is decided there, alike on all).
-        def attempt() -> str:
-            if not mesh.due(wire.tag):
-                return "later"
-            return "taken" if mesh.exchange(wire.tag, wire.message, wire.into) else "void"
-
         # None: the group is broken (the engine's path raises its error).
-        outcome = engine.run_exclusive(attempt, lambda exc: _failed(self.name, engine, exc))
+        outcome = engine.run_exclusive(wire.attempt, wire.failed)
         if outcome != "taken":
             self.voided += outcome == "void"
             return False
-        native = (
-            self._reduction.op is ReduceOp.AVERAGE
-            and engine.backend.native_average
-            and self._reduction.prescale == self._reduction.postscale == 1.0
-            and wire.dtype in FLOATING_DTYPES
-        )
-        wire_op, post = self._reduction.on_wire(size, native)
-        reduce_rows_into(wire.typed, wire.peers, wire.rank, wire.scratch, wire_op, post)
+        wire.reduce()
         if not own:
             torch._foreach_copy_(grads, wire.views)
         self.taken += 1
-        if engine.timeline is not None:
+        if timeline is not None:
             info: dict[str, object] = {"dtype": wire.dtype, "steady": True}
-            engine.timeline.record(self.name, "ALLREDUCE", engine.set_id, start, start,
-                                   time.perf_counter_ns(), info)  # fmt: skip
+            timeline.record(self.name, "ALLREDUCE", engine.set_id, start, start,
+                            time.perf_counter_ns(), info)  # fmt: skip
         return True
 
     def lend_gradients(self) -> bool:
@@ -204,7 +193,8 @@ class Wire:
     scratch row for sums that must start with another rank's row.
     """
 
-    def __init__(self, bucket: SteadyBucket, rank: int, size: int) -> None:
+    def __init__(self, bucket: SteadyBucket, engine: _engine.Engine, mesh: LocalMesh) -> None:
+        rank, size = engine.backend.rank, engine.backend.size
         self.rank = rank
         self.dtype = _NUMPY[bucket._wire_dtype]  # noqa: SLF001
         tag = signature_hash(bucket._signature) & ((1 << 63) - 1)  # noqa: SLF001
@@ -229,10 +219,31 @@ class Wire:
             bucket._wire_dtype == bucket.params[0].dtype  # noqa: SLF001
             and bucket._reduction.prescale == 1.0  # noqa: SLF001
         )
+        reduction = bucket._reduction  # noqa: SLF001
+        native = (
+            reduction.op is ReduceOp.AVERAGE
+            and engine.backend.native_average
+            and reduction.prescale == reduction.postscale == 1.0
+            and self.dtype in FLOATING_DTYPES
+        )
+        wire_op, post = reduction.on_wire(size, native)
+        #: every rank's row reduced into this rank's (``typed``), in place, after a round
+        self.reduce = row_reducer(self.typed, self.peers, rank, self.scratch, wire_op, post)
+        self._mesh = mesh
+        name = bucket.name
+        self.failed: Callable[[BaseException], CollectiveError] = lambda exc: _failed(
+            name, engine, exc
+        )
+
+    def attempt(self) -> str:
+        """One steady round, under the engine's lock: ``taken``, ``void`` or ``later``."""
+        if not self._mesh.due(self.tag):
+            return "later"
+        return "taken" if self._mesh.exchange(self.tag, self.message, self.into) else "void"
 
     def holds_gradients(self) -> bool:
         """Whether every parameter's gradient is this wire's view (lent by ``zero_grad()``)."""
-        return self.lendable and all(p.grad is view for p, view in zip(self._params, self.views))
+        return self.lendable and all(map(is_, map(_GRAD, self._params), self.views))
 
 
 def reduce_rows_into(
@@ -262,6 +273,44 @@ def reduce_rows_into(
             np.add(scratch, own if r == rank else peers[r], out=scratch)
         own[...] = scratch
     finish_rows(own, op, len(peers) + 1, post)
+
+
+def row_reducer(
+    own: np.ndarray,
+    peers: dict[int, np.ndarray],
+    rank: int,
+    scratch: np.ndarray | None,
+    op: ReduceOp,
+    post: float,
+) -> Callable[[], None]:
+    """:func:`reduce_rows_into` of these buffers as one call, planned once for every round.
+
+    Two ranks in float32/float64 (most steady rounds) take two ufunc calls with the factor
+    ready; anything else calls :func:`reduce_rows_into`. The same bits either way.
+    """
+    general = (
+        len(peers) != 1
+        or own.dtype not in (np.float32, np.float64)
+        or op not in (ReduceOp.SUM, ReduceOp.AVERAGE)
+        or (op is ReduceOp.AVERAGE and post != 1.0)
+    )
+    if general:
+        return lambda: reduce_rows_into(own, peers, rank, scratch, op, post)
+    (peer,) = peers.values()
+    cast = own.dtype.type
+    ufunc: np.ufunc | None = None
+    factor = cast(1)
+    if op is ReduceOp.AVERAGE:  # the native average: a division by the rank count
+        ufunc, factor = np.divide, cast(2)
+    elif post != 1.0:
+        ufunc, factor = np.multiply, cast(post)
+
+    def reduce() -> None:
+        np.add(own, peer, out=own)
+        if ufunc is not None:
+            ufunc(own, factor, out=own)
+
+    return reduce
 
 
 def _failed(name: str, engine: _engine.Engine, exc: BaseException) -> CollectiveError:
