@@ -23,6 +23,12 @@ SAMPLE_ROWS = 32
 #: The boolean column that marks validation rows in the DataFrame handed to the writers/ranks.
 #: A name of ours: a DataFrame that has a column by this name is refused (:func:`check_args`).
 SPLIT_COL = "__spark_estimators_is_val__"
+#: The dtype a dense ML vector column is stored (and streamed) as: ``vector_to_array``'s
+#: float32. Every framework's converter feeds models float32 (:mod:`spark_estimators.core.tensors`)
+#: and rounds a double the same way, so the training data is the same bits as from float64, at
+#: half the bytes to write, read and decode (issue 45: the reader's CPU per step). Sparse vectors
+#: (``compress_sparse``) and ``VectorUDT`` columns of a user's Parquet stay float64.
+VECTOR_DTYPE = "float32"
 #: The error for a DataFrame without rows.
 EMPTY_MESSAGE = "the DataFrame is empty (0 rows); check the filters that produced it"
 
@@ -195,7 +201,7 @@ def columns_from_schema(
         size = attrs.get("num_attrs") if isinstance(attrs, dict) else None
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             return None
-        out.append(ColumnInfo(name, "vector", "float64", (size,), dt.simpleString()))
+        out.append(ColumnInfo(name, "vector", VECTOR_DTYPE, (size,), dt.simpleString()))
     return out
 
 
@@ -234,10 +240,10 @@ def infer_columns(
             assert isinstance(dt, ArrayType)
             dtype = SCALAR_DTYPES[dt.elementType.simpleString()]
         else:
-            dtype = "float64"
             sparse = sum(isinstance(v, SparseVector | OldSparseVector) for v in values)
             if compress_sparse and sparse * 2 > len(values):
                 kind = "sparse_vector"
+            dtype = "float64" if kind == "sparse_vector" else VECTOR_DTYPE
         out.append(ColumnInfo(name, kind, dtype, (sizes[0],), dt.simpleString()))
     return out
 
@@ -303,7 +309,7 @@ def training_frame(
     task sends the same rows to the same place) but not before a hash shuffle, which is just as
     deterministic. That sort was ~0.8 of 2.7 s of a 1M x 32 write here (bench/RESULTS.md, issue
     26). Shares then differ by about the square root of the rows; identical rows land together.
-    Vectors become ``array<double>`` after the shuffle. The flag is the validation column (> 0
+    Vectors become ``array<float>`` (:data:`VECTOR_DTYPE`) after the shuffle. The flag is the validation column (> 0
     or true; null is training) or ``rand(seed) < fraction``, so the Parquet path and
     ``data="stream"`` pick the same rows. Returns the frame and whether it has the flag.
     """
@@ -328,7 +334,7 @@ def training_frame(
     # A null vector stays null, for the writer (or the stream reader) to count and name:
     # vector_to_array itself fails the task on one, with an error that names no column.
     converted = [
-        F.when(F.col(c.name).isNotNull(), vector_to_array(F.col(c.name), "float64")).alias(c.name)
+        F.when(F.col(c.name).isNotNull(), vector_to_array(F.col(c.name), VECTOR_DTYPE)).alias(c.name)
         if c.kind == "vector"
         else F.col(c.name)
         for c in columns

@@ -50,7 +50,8 @@ class ColumnInfo:
     kind
         One of ``scalar``, ``array``, ``vector``, ``sparse_vector``, ``vector_udt``.
     dtype
-        numpy dtype name of the values the reader yields (``float64`` for ML vectors).
+        numpy dtype name of the values the reader yields (``float32`` for the dense ML vectors
+        ``prepare_data`` writes, ``float64`` for sparse and ``VectorUDT`` ones).
     shape
         Shape of one row: ``()`` for scalars, ``(n,)`` otherwise.
     spark_type

@@ -73,6 +73,7 @@ from spark_estimators.data._writer import INFO_SCHEMA, PartitionWriter
 from spark_estimators.data.cache_key import compute_cache_key
 from spark_estimators.data.columns import (
     SPLIT_COL,
+    VECTOR_DTYPE,
     check_args,
     describe_columns,
     kind_of,
@@ -259,6 +260,7 @@ def content_params(
         "seed": seed,
         "compress_sparse": False,
         "drop_invalid_rows": False,
+        "vector_dtype": VECTOR_DTYPE,  # datasets of float64 vectors (before) are other datasets
     }
 
 

@@ -2,7 +2,7 @@
 
 With ``data="stream"`` an estimator writes no Parquet copy. The barrier stage that runs the ranks
 maps over the user's DataFrame instead of a dummy one: :func:`prepare_stream` selects the used
-columns (ML vectors become ``array<double>`` in the JVM with ``vector_to_array``, as
+columns (ML vectors become ``array<float>`` in the JVM with ``vector_to_array``, as
 ``prepare_data`` does), adds the validation flag (a fraction splits with ``rand(seed)``, exactly as
 ``prepare_data``; a column marks rows that are true or > 0) and repartitions to ``num_proc`` (a
 round-robin shuffle: equal shares, one partition per rank), unless the DataFrame already has

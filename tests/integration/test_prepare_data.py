@@ -89,6 +89,9 @@ def test_every_column_kind_round_trips(spark, store, compress_sparse):
     assert meta.columns["sv"].kind == ("sparse_vector" if compress_sparse else "vector")
     assert meta.columns["dv"].kind == "vector" and meta.shapes["dv"] == (2,)
     assert meta.columns["arrf"].dtype == "float32" and meta.columns["n"].dtype == "int32"
+    # dense vectors are stored as float32; compressed sparse ones keep float64 values
+    assert meta.columns["dv"].dtype == "float32"
+    assert meta.columns["sv"].dtype == ("float64" if compress_sparse else "float32")
     assert (meta.train_rows, meta.val_rows, len(meta.train_files)) == (61, 0, 4)
     rows, steps = read_all(store, meta)
     assert steps == [8, 8] and sorted(rows) == list(range(61))
@@ -99,6 +102,34 @@ def test_every_column_kind_round_trips(spark, store, compress_sparse):
         np.testing.assert_array_equal(got["arrf"], arrf)
         np.testing.assert_array_equal(got["dv"], dv.toArray())
         np.testing.assert_array_equal(got["sv"], sv.toArray())
+
+
+def test_vectors_are_stored_as_float32_with_the_bits_the_model_gets_from_doubles(spark, store):
+    """float32 on disk, and each value is the float32 rounding of the double, as the converter
+    rounds doubles for every framework (core/tensors.py): the model sees the same bits."""
+    import pyarrow.parquet as pq
+    from pyspark.ml.linalg import Vectors
+
+    from spark_estimators.core.tensors import model_inputs
+
+    rng = np.random.default_rng(3)
+    doubles = rng.standard_normal((40, 5)) * 10.0 ** rng.integers(-30, 30, (40, 5))
+    df = spark.createDataFrame(
+        [(i, Vectors.dense(row.tolist()), 1.0 / 3) for i, row in enumerate(doubles)],
+        schema_of("id bigint, v vector, y double"),
+    )
+    meta = prepare_data(2, store, df, ["id", "v"], ["y"])
+    stored = pq.read_schema(meta.train_files[0].path).field("v").type
+    assert str(stored) == "list<element: float>", stored
+    rows, _ = read_all(store, meta)
+    assert sorted(rows) == list(range(40))
+    for i, row in enumerate(doubles):
+        got = rows[i]["v"]
+        assert got.dtype == np.float32
+        (want,) = model_inputs({"v": row[None, :]}, ["v"], None, False, ())
+        assert want.dtype == np.float32
+        assert got.tobytes() == want[0].tobytes(), i  # bit for bit
+        assert not np.array_equal(got.astype(np.float64), row)  # the doubles were rounded
 
 
 def test_float_validation_splits_every_row_once_with_a_seed(spark, store):
