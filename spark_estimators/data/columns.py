@@ -309,9 +309,9 @@ def training_frame(
     task sends the same rows to the same place) but not before a hash shuffle, which is just as
     deterministic. That sort was ~0.8 of 2.7 s of a 1M x 32 write here (bench/RESULTS.md, issue
     26). Shares then differ by about the square root of the rows; identical rows land together.
-    Vectors become ``array<float>`` (:data:`VECTOR_DTYPE`) after the shuffle. The flag is the validation column (> 0
-    or true; null is training) or ``rand(seed) < fraction``, so the Parquet path and
-    ``data="stream"`` pick the same rows. Returns the frame and whether it has the flag.
+    Vectors become ``array<float>`` (:data:`VECTOR_DTYPE`) after the shuffle. The flag is the
+    validation column (> 0 or true; null is training) or ``rand(seed) < fraction``, so the
+    Parquet path and ``data="stream"`` pick the same rows. Returns the frame and whether it has the flag.
     """
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
@@ -334,7 +334,9 @@ def training_frame(
     # A null vector stays null, for the writer (or the stream reader) to count and name:
     # vector_to_array itself fails the task on one, with an error that names no column.
     converted = [
-        F.when(F.col(c.name).isNotNull(), vector_to_array(F.col(c.name), VECTOR_DTYPE)).alias(c.name)
+        F.when(F.col(c.name).isNotNull(), vector_to_array(F.col(c.name), VECTOR_DTYPE)).alias(
+            c.name
+        )
         if c.kind == "vector"
         else F.col(c.name)
         for c in columns
