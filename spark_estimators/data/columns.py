@@ -311,7 +311,8 @@ def training_frame(
     26). Shares then differ by about the square root of the rows; identical rows land together.
     Vectors become ``array<float>`` (:data:`VECTOR_DTYPE`) after the shuffle. The flag is the
     validation column (> 0 or true; null is training) or ``rand(seed) < fraction``, so the
-    Parquet path and ``data="stream"`` pick the same rows. Returns the frame and whether it has the flag.
+    Parquet path and ``data="stream"`` pick the same rows. Returns the frame and whether it has
+    the flag.
     """
     from pyspark.ml.functions import vector_to_array
     from pyspark.sql import functions as F
