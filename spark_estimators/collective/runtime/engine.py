@@ -5,6 +5,12 @@ caller keeps computing, and running every op in submission order keeps the order
 identical on all ranks, which collectives need. A *blocking* op submitted while nothing is
 queued runs directly in the caller's thread (under the same execution lock), which saves two
 thread hand-offs; a thread that waits for a queued op (``synchronize``) runs the queue up to it.
+So that a burst of async ops which the caller then waits for never wakes the engine thread
+(that wake-up, once per burst, cost a 100 x 4 KiB burst ~0.2 ms on 2 busy cores: the thread
+took the GIL while the waiter exchanged the batch), a submission wakes a parked engine thread
+only when nothing was submitted in the last ``LINGER_S`` (20 ms) or the oldest queued op has
+waited a cycle time; otherwise the thread wakes every ``LINGER_S`` at most, and runs what nobody
+waited for: an async op nobody waits for starts within 20 ms plus a cycle.
 
 Negotiation (how mismatches become errors instead of hangs): before each op the ranks allgather
 a small int64 vector (:mod:`.negotiation`): op kind, a hash of the op's signature (name, dtype,
@@ -39,6 +45,7 @@ op with :class:`CollectiveError` and marks the group broken; later ops fail at o
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -50,11 +57,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp
+from spark_estimators.collective.backends.base import Backend
 from spark_estimators.collective.runtime import failures, settings
 from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime.cache import ResponseCache
 from spark_estimators.collective.runtime.futures import OpFuture
+from spark_estimators.collective.runtime.registry import current, install, lock, require
 from spark_estimators.collective.runtime.requests import (
     JOINABLE,
     Agreement,
@@ -66,8 +74,11 @@ from spark_estimators.collective.runtime.requests import (
 from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
+__all__ = ["Engine", "current", "install", "lock", "require"]
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+#: Seconds a parked engine thread sleeps at most while ops keep coming (see Engine._park).
+LINGER_S = 0.02
 
 
 class _Recoverable(SparkEstimatorsError):
@@ -102,14 +113,13 @@ class Engine:
         # Notified after every settled batch (see futures.OpFuture).
         self._done_cv = threading.Condition(threading.Lock())
         self._backlog: deque[Request] = deque()
-        # The engine thread sleeps on _cv until notified (under _cv); batches run so far.
-        self._idle = False
-        self._batches = 0
+        # Under _cv: the engine thread sleeps on _cv (_idle; _deep: with no timer, see _park),
+        # when an op was last queued, batches run so far and whether one runs now.
+        self._idle = self._deep = self._running = False
+        self._last_queued_ns = self._batches = 0
         # Threads blocked on a result, polls (flush() calls) so far and the last one the engine
         # saw (all under _cv), and the signal that ends the engine's cycle wait early.
-        self._waiters = 0
-        self._flushes = 0
-        self._flushes_seen = 0
+        self._waiters = self._flushes = self._flushes_seen = 0
         self._urgent = threading.Event()
         self._negotiation = neg.Negotiation(settings.inline_limit(backend.size))
         #: Seconds a fusable op may wait in the queue for more to fuse with (the cycle time).
@@ -171,15 +181,22 @@ class Engine:
                 if not self._backlog:  # only this lock's holder takes requests out
                     with self._cv:
                         claim_name(self._in_flight, request)
-                    self._run([request])  # never raises
-                    with self._cv:
-                        self._ran_batch()
+                        self._running = True
+                    try:
+                        self._run([request])  # never raises
+                    finally:
+                        with self._cv:
+                            self._ran_batch()
                     return request.future
-        request.queued_ns = time.perf_counter_ns()
+        request.queued_ns = now = time.perf_counter_ns()
         with self._queue_lock:
             claim_name(self._in_flight, request)
-            self._backlog.append(request)
-            if self._idle:  # else the engine thread looks at the queue when its wait ends
+            backlog = self._backlog
+            backlog.append(request)
+            self._last_queued_ns = now
+            # A parked engine thread is woken only when it has no timer or the oldest op has
+            # waited a cycle (see the module's doc); a busy one looks when its wait ends.
+            if self._idle and (self._deep or now - backlog[0].queued_ns >= self.cycle_time * 1e9):
                 self._idle = False
                 self._cv.notify()
         return request.future
@@ -278,9 +295,14 @@ class Engine:
                 self._exec_lock.release()
 
     def _park(self) -> None:
-        """Sleep until a submission or a batch that leaves ops queued wakes it (under _cv)."""
+        """Sleep until woken (under _cv), at most LINGER_S while ops keep coming (see submit).
+
+        A batch that leaves ops queued, a waiter, a poll and stop() wake it; a submission only
+        from a park with no timer, or once the oldest queued op has waited a cycle.
+        """
         self._idle = True
-        self._cv.wait()
+        self._deep = time.perf_counter_ns() - self._last_queued_ns > LINGER_S * 1e9
+        self._cv.wait(None if self._deep else LINGER_S)
         self._idle = False
 
     def _run_next(self) -> int:
@@ -289,6 +311,7 @@ class Engine:
             if not self._backlog:
                 return 0
             batch = neg.fusion_batch(self._backlog, self.fusion_threshold)
+            self._running = True
         done = 1
         try:
             done = self._run(batch)
@@ -302,6 +325,7 @@ class Engine:
     def _ran_batch(self) -> None:
         """Count a batch run under ``_exec_lock``; wake a parked engine thread if ops are left."""
         self._batches += 1
+        self._running = False
         self._wake()
 
     def _wake(self) -> None:
@@ -313,7 +337,8 @@ class Engine:
     def _cycle_wait(self) -> Request | None:
         """While the head's batch could still grow, wait until no op came for a cycle time.
 
-        Returns the head it waited for (None when it did not wait).
+        Returns the head it waited for (None when it did not wait). While a waiter runs a batch
+        it sleeps until that batch ends and leaves ops: a timer woke it mid-batch (GIL).
         """
         if self.cycle_time <= 0:
             return None
@@ -323,6 +348,8 @@ class Engine:
                 if not self._backlog or not neg.can_grow(self._backlog, self.fusion_threshold):
                     return waited_for
                 head, last = self._backlog[0], self._backlog[-1]
+                if waited_for is not None and head is not waited_for:
+                    return waited_for  # a waiter ran it meanwhile
                 # Clear first, then look: a waiter or poll arriving after the look sets it.
                 self._urgent.clear()
                 hurry = self._waiters > 0 or self._flushes != self._flushes_seen or self._closed
@@ -330,11 +357,12 @@ class Engine:
                 remaining = last.queued_ns / 1e9 + self.cycle_time - time.perf_counter()
                 if remaining <= 0 and not hurry and self.cache is not None:
                     remaining += self.cache.patience(self._backlog, self.cycle_time)
-            if waited_for is not None and head is not waited_for:
-                return waited_for  # a waiter ran it meanwhile
-            if hurry or remaining <= 0:
-                return waited_for
-            waited_for = head
+                if hurry or remaining <= 0:
+                    return waited_for
+                waited_for = head
+                if self._running:  # _ran_batch wakes it when the batch leaves ops
+                    self._park()
+                    continue
             self._urgent.wait(remaining)
 
     def _run(self, batch: list[Request]) -> int:
@@ -356,7 +384,9 @@ class Engine:
         try:
             if head.kind is Kind.JOIN:
                 timeline = None  # join() is not an op of the timeline
-                results = [self._join()]
+                mismatch = functools.partial(self._raise_mismatch, None)
+                results = [neg.join_rounds(round_, self._negotiation, self._negotiate, mismatch,
+                                           self.backend)]  # fmt: skip
             elif cache and (cached := cache.run(batch, round_)) is not None:
                 ran, results = batch, cached
             else:
@@ -431,69 +461,3 @@ class Engine:
         if request is None:  # a joined rank: nothing of its own failed
             return
         raise _Recoverable(neg.mismatch_error(request.name, views))
-
-    def _join(self) -> int:
-        joined_at = self._round
-        while True:
-            vector = self._negotiation.empty()
-            vector[neg.KIND] = int(Kind.JOIN)
-            vector[neg.JOINED] = joined_at
-            vectors = self._negotiate(vector)
-            active = neg.active_ranks(vectors)
-            if not active:
-                # The last to join has the highest join round (ties: the highest rank).
-                return max(range(vectors.shape[0]), key=lambda r: (vectors[r, neg.JOINED], r))
-            if not neg.agree(vectors, active):
-                self._raise_mismatch(None, vectors)
-                continue
-            row = vectors[active[0]]
-            plan = self._negotiation.plan(vectors, active)
-            # An inline batch came with the negotiation: nothing more to take part in.
-            if Kind(int(row[neg.KIND])) is Kind.ALLREDUCE and plan.numel > 0 and not plan.inline:
-                zeros = self.backend.zeros(
-                    plan.numel, DTYPES[int(row[neg.DTYPE])], neg.DEVICES[int(row[neg.DEVICE])]
-                )
-                self.backend.allreduce(zeros, ReduceOp(int(row[neg.WIRE_OP])))
-
-
-_engine: Engine | None = None
-_engine_lock = threading.RLock()
-
-
-def current() -> Engine | None:
-    """The running engine, or None before ``init()``."""
-    return _engine
-
-
-def require(op: str, process_set: object = None) -> Engine:
-    """The engine that runs ``op``: the global one, or ``process_set``'s.
-
-    Clear errors when ``init()`` has not been called, or this rank is not a member of
-    ``process_set`` (a :class:`~spark_estimators.collective.runtime.process_sets.ProcessSet`).
-    """
-    engine = _engine
-    if engine is None:
-        raise CollectiveError(
-            f"{op}() was called before init(): call spark_estimators.collective.init() "
-            "(hvd.init()) in every rank first"
-        )
-    if process_set is None:
-        return engine
-    resolve = getattr(process_set, "_require_engine", None)
-    if resolve is None:
-        raise ConfigurationError(
-            f"{op}(process_set={process_set!r}): process_set takes a ProcessSet "
-            "(hvd.global_process_set, or one from hvd.add_process_set / init(process_sets=...))"
-        )
-    return resolve(op)  # type: ignore[no-any-return]
-
-
-def install(engine: Engine | None) -> None:
-    """Set (or clear) the process-wide engine; used by ``init()`` / ``shutdown()``."""
-    global _engine
-    _engine = engine
-
-
-def lock() -> threading.RLock:
-    """The lock ``init()`` and ``shutdown()`` hold while they change the engine."""
-    return _engine_lock

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spark_estimators.collective.backends.base import dtype_code
+from spark_estimators.collective.backends.base import DTYPES, Backend, ReduceOp, dtype_code
+from spark_estimators.collective.runtime.requests import Kind
 from spark_estimators.errors import CollectiveError
 
 if TYPE_CHECKING:
@@ -235,3 +236,36 @@ def mismatch_error(name: str, views: Sequence[tuple[str, str] | None]) -> Collec
         + "\nEvery rank must call the same ops in the same order with the same names, dtypes "
         "and shapes (allgather/alltoall may differ in the first dimension)."
     )
+
+
+def join_rounds(
+    joined_at: int,
+    negotiation: Negotiation,
+    negotiate: Callable[[np.ndarray], np.ndarray],
+    mismatch: Callable[[np.ndarray], None],
+    backend: Backend,
+) -> int:
+    """The rounds of a rank that called ``join()``, until every rank has; the last to join.
+
+    Each round it negotiates a JOIN vector (``joined_at``: its round when it joined) and takes
+    part in what the active ranks agreed: zeros for an allreduce that does not travel inline,
+    the descriptions exchange of a mismatch (``mismatch``). The last to join has the highest
+    join round (ties: the highest rank).
+    """
+    while True:
+        vector = negotiation.empty()
+        vector[KIND] = int(Kind.JOIN)
+        vector[JOINED] = joined_at
+        vectors = negotiate(vector)
+        active = active_ranks(vectors)
+        if not active:
+            return max(range(vectors.shape[0]), key=lambda r: (vectors[r, JOINED], r))
+        if not agree(vectors, active):
+            mismatch(vectors)
+            continue
+        row = vectors[active[0]]
+        plan = negotiation.plan(vectors, active)
+        # An inline batch came with the negotiation: nothing more to take part in.
+        if Kind(int(row[KIND])) is Kind.ALLREDUCE and plan.numel > 0 and not plan.inline:
+            zeros = backend.zeros(plan.numel, DTYPES[int(row[DTYPE])], DEVICES[int(row[DEVICE])])
+            backend.allreduce(zeros, ReduceOp(int(row[WIRE_OP])))
