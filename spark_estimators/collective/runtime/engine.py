@@ -5,12 +5,9 @@ caller keeps computing, and running every op in submission order keeps the order
 identical on all ranks, which collectives need. A *blocking* op submitted while nothing is
 queued runs directly in the caller's thread (under the same execution lock), which saves two
 thread hand-offs; a thread that waits for a queued op (``synchronize``) runs the queue up to it.
-So that a burst of async ops which the caller then waits for never wakes the engine thread
-(that wake-up, once per burst, cost a 100 x 4 KiB burst ~0.2 ms on 2 busy cores: the thread
-took the GIL while the waiter exchanged the batch), a submission wakes a parked engine thread
-only when nothing was submitted in the last ``LINGER_S`` (20 ms) or the oldest queued op has
-waited a cycle time; otherwise the thread wakes every ``LINGER_S`` at most, and runs what nobody
-waited for: an async op nobody waits for starts within 20 ms plus a cycle.
+A submission wakes a parked engine thread only when it has no timer (nothing was submitted in
+the last ``LINGER_S``) or the oldest queued op has waited a cycle; else the thread looks every
+``LINGER_S``: a burst its caller waits for never wakes it (that cost ~0.2 ms a burst, GIL).
 
 Negotiation (how mismatches become errors instead of hangs): before each op the ranks allgather
 a small int64 vector (:mod:`.negotiation`): op kind, a hash of the op's signature (name, dtype,
@@ -62,7 +59,6 @@ from spark_estimators.collective.runtime import failures, settings
 from spark_estimators.collective.runtime import negotiation as neg
 from spark_estimators.collective.runtime.cache import ResponseCache
 from spark_estimators.collective.runtime.futures import OpFuture
-from spark_estimators.collective.runtime.registry import current, install, lock, require
 from spark_estimators.collective.runtime.requests import (
     JOINABLE,
     Agreement,
@@ -74,7 +70,6 @@ from spark_estimators.collective.runtime.requests import (
 from spark_estimators.collective.runtime.timeline import Timeline
 from spark_estimators.errors import CollectiveError, ConfigurationError, SparkEstimatorsError
 
-__all__ = ["Engine", "current", "install", "lock", "require"]
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 #: Seconds a parked engine thread sleeps at most while ops keep coming (see Engine._park).
@@ -295,10 +290,9 @@ class Engine:
                 self._exec_lock.release()
 
     def _park(self) -> None:
-        """Sleep until woken (under _cv), at most LINGER_S while ops keep coming (see submit).
+        """Sleep (under _cv) until woken, or for ``LINGER_S`` while ops keep coming.
 
-        A batch that leaves ops queued, a waiter, a poll and stop() wake it; a submission only
-        from a park with no timer, or once the oldest queued op has waited a cycle.
+        A batch that leaves ops, a waiter, a poll, stop() and a submission (module doc) wake it.
         """
         self._idle = True
         self._deep = time.perf_counter_ns() - self._last_queued_ns > LINGER_S * 1e9
@@ -461,3 +455,46 @@ class Engine:
         if request is None:  # a joined rank: nothing of its own failed
             return
         raise _Recoverable(neg.mismatch_error(request.name, views))
+
+
+_engine: Engine | None = None
+_engine_lock = threading.RLock()
+
+
+def current() -> Engine | None:
+    """The running engine, or None before ``init()``."""
+    return _engine
+
+
+def require(op: str, process_set: object = None) -> Engine:
+    """The engine that runs ``op``: the global one, or ``process_set``'s.
+
+    Clear errors when ``init()`` has not been called, or this rank is not a member of
+    ``process_set`` (a :class:`~spark_estimators.collective.runtime.process_sets.ProcessSet`).
+    """
+    engine = _engine
+    if engine is None:
+        raise CollectiveError(
+            f"{op}() was called before init(): call spark_estimators.collective.init() "
+            "(hvd.init()) in every rank first"
+        )
+    if process_set is None:
+        return engine
+    resolve = getattr(process_set, "_require_engine", None)
+    if resolve is None:
+        raise ConfigurationError(
+            f"{op}(process_set={process_set!r}): process_set takes a ProcessSet "
+            "(hvd.global_process_set, or one from hvd.add_process_set / init(process_sets=...))"
+        )
+    return resolve(op)  # type: ignore[no-any-return]
+
+
+def install(engine: Engine | None) -> None:
+    """Set (or clear) the process-wide engine; used by ``init()`` / ``shutdown()``."""
+    global _engine
+    _engine = engine
+
+
+def lock() -> threading.RLock:
+    """The lock ``init()`` and ``shutdown()`` hold while they change the engine."""
+    return _engine_lock
