@@ -9,7 +9,8 @@ them; 4 Parquet files written here with pyarrow) in a LocalStore; ours is
 ``TorchEstimator.fit_on_parquet`` with ``LocalBackend(num_proc=2)`` (2 rank processes, Gloo and
 the local mesh, the rank's reader, converter, DistributedOptimizer and loop as in any fit), the
 floor bench/floor.py's plain loop (1 thread, rows in memory, both ranks' worth in parallel).
-Both: MLP 32-128-64-1, Adam lr 1e-3, MSE, batch 256. Per round, alternating order: the median
+Both: MLP 32-128-64-1 (``--model horovod``: 10 features, MLP 10-64-64-1, the horovod
+preset's), Adam lr 1e-3, MSE, batch 256. Per round, alternating order: the median
 interval between optimizer steps of rank 0 (steps 21.. of the epoch) and of the floor, and the
 ratio (target <= 1.3), and each side's training time. ``--breakdown`` trains ours through a
 ``train_minibatch_fn`` that does what the rank loop does with a clock between the parts
@@ -40,6 +41,8 @@ if ROOT not in sys.path:
 from floor import Floor  # noqa: E402
 
 CFG = {"rows": 1_000_000, "features": 32, "hidden": [128, 64], "epochs": 1}
+#: ``--model``: the features and hidden layers of bench/fit.py's presets.
+MODELS = {"large": (32, [128, 64]), "horovod": (10, [64, 64])}
 
 
 def write_rows(path: str, rows: int, nf: int, files: int = 4) -> None:
@@ -225,12 +228,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", default="ours,floor")
     parser.add_argument(
+        "--model", choices=sorted(MODELS), default="large", help="bench/fit.py's preset's model"
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="time the parts of our step (a train_minibatch_fn that does what the loop does)",
     )
     args = parser.parse_args()
     CFG["rows"] = args.rows
+    CFG["features"], CFG["hidden"] = MODELS[args.model]
     cases = args.cases.split(",")
     work = tempfile.mkdtemp(prefix="bench-steps-")
     store = LocalStore(work)
