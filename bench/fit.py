@@ -222,8 +222,13 @@ def fit_copy(vdf: Any, cfg: dict[str, Any]) -> dict[str, float]:
 
 
 def fit_ours(
-    vdf: Any, cfg: dict[str, Any], data: str = "parquet", store_dir: str | None = None
+    vdf: Any,
+    cfg: dict[str, Any],
+    data: str = "parquet",
+    store_dir: str | None = None,
+    callbacks: tuple[Any, ...] = (),
 ) -> dict[str, float]:
+    """Our fit of ``cfg``'s preset; ``callbacks``: rank callbacks besides :class:`PeakRss`."""
     import torch
 
     from spark_estimators.core.backend import SparkBackend
@@ -258,7 +263,7 @@ def fit_ours(
         verbose=0,
         scale_lr=False,
         data=data,
-        callbacks=[PeakRss()],
+        callbacks=[PeakRss(), *callbacks],
     )
     t0 = time.time()
     fitted = est.fit(vdf)

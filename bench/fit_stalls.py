@@ -3,8 +3,9 @@
     .venv/bin/python bench/fit_stalls.py                 # runs itself under `perf sched record`
     .venv/bin/python bench/fit_stalls.py --rows 500000   # a smaller preset
 
-Three ``TorchEstimator.fit`` calls of the large preset (1M x 32 as an ML vector, MLP 32-128-64-1,
-Adam, batch 256, 1 epoch, ``local[2]``, 2 ranks); the third is measured. Each rank stamps the
+Three ``TorchEstimator.fit`` calls of the large preset, bench/fit.py's own (``fit_ours``: 1M x 32
+as an ML vector, MLP 32-128-64-1, Adam, batch 256, 1 epoch, ``local[2]``, 2 ranks); the third
+is measured. Each rank stamps the
 end of every optimizer step (``time.monotonic``, the clock ``perf`` is told to use). The whole
 run is recorded with ``perf sched record -k CLOCK_MONOTONIC`` (Linux ``perf`` with the sched
 tracepoints; root or ``perf_event_paranoid`` <= 1), then ``perf sched timehist`` gives every
@@ -61,13 +62,8 @@ class Stamps:
 
 def fits(rows: int, prefix: str) -> None:
     """The fits (run under perf): FITS fits, stamps of fit i in ``<prefix><i>.<rank>.json``."""
-    import torch
-    from fit import build_data, build_mlp
+    from fit import PRESETS, build_data, fit_ours
     from pyspark.sql import SparkSession
-
-    from spark_estimators.core.backend import SparkBackend
-    from spark_estimators.store import LocalStore
-    from spark_estimators.torch import TorchEstimator
 
     spark = (
         SparkSession.builder.master("local[2]")
@@ -75,29 +71,11 @@ def fits(rows: int, prefix: str) -> None:
         .config("spark.ui.showConsoleProgress", "false")
         .getOrCreate()
     )
-    _, vdf = build_data(spark, rows, 32)
-    for i in range(FITS):
-        torch.manual_seed(0)
-        model = build_mlp(32, [128, 64])
-        store = tempfile.mkdtemp(prefix="bench-stalls-")
-        est = TorchEstimator(
-            backend=SparkBackend(num_proc=2, verbose=0),
-            store=LocalStore(store),
-            model=model,
-            optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
-            loss=torch.nn.MSELoss(),
-            feature_cols=["features"],
-            label_cols=["y"],
-            batch_size=256,
-            epochs=1,
-            verbose=0,
-            scale_lr=False,
-            callbacks=[Stamps(f"{prefix}{i}")],
-        )
-        started = time.time()
-        est.fit(vdf)
-        print(f"fit {i + 1}: {time.time() - started:.2f} s", flush=True)
-        shutil.rmtree(store, ignore_errors=True)
+    cfg = {**PRESETS["large"], "rows": rows}
+    _, vdf = build_data(spark, rows, cfg["features"])
+    for i in range(FITS):  # bench/fit.py's fit of the preset, with the stamps
+        out = fit_ours(vdf, cfg, callbacks=(Stamps(f"{prefix}{i}"),))
+        print(f"fit {i + 1}: {out['total_s']:.2f} s", flush=True)
 
 
 def stretches(timehist: str) -> list[tuple[float, float, str]]:

@@ -38,11 +38,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from fit import PRESETS  # noqa: E402
 from floor import Floor  # noqa: E402
 
 CFG = {"rows": 1_000_000, "features": 32, "hidden": [128, 64], "epochs": 1}
-#: ``--model``: the features and hidden layers of bench/fit.py's presets.
-MODELS = {"large": (32, [128, 64]), "horovod": (10, [64, 64])}
 
 
 def write_rows(path: str, rows: int, nf: int, files: int = 4) -> None:
@@ -228,7 +227,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", default="ours,floor")
     parser.add_argument(
-        "--model", choices=sorted(MODELS), default="large", help="bench/fit.py's preset's model"
+        "--model", choices=sorted(PRESETS), default="large", help="bench/fit.py's preset's model"
     )
     parser.add_argument(
         "--breakdown",
@@ -237,7 +236,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     CFG["rows"] = args.rows
-    CFG["features"], CFG["hidden"] = MODELS[args.model]
+    CFG["features"], CFG["hidden"] = PRESETS[args.model]["features"], PRESETS[args.model]["hidden"]
     cases = args.cases.split(",")
     work = tempfile.mkdtemp(prefix="bench-steps-")
     store = LocalStore(work)
